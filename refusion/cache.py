@@ -1,0 +1,223 @@
+"""A preallocated KV cache with the named operations that plan-and-infill decoding needs.
+
+Each batch row is an independent sequence in *physical* (generation) order: entry j of
+row b is the j-th token fed to that row, whatever its position id. Keys are stored
+after RoPE, so an entry computed in one row (an infill row, say) can be copied into
+another row and stay valid: that copy is ReFusion's KV reuse (SPEC §3 step 4).
+
+Rows may hold different lengths. Entries at or beyond a row's length are garbage and
+are never attended to: the model masks them out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .config import ModelConfig
+from .errors import ContextLengthError
+
+
+class KVCache:
+    """Per layer `k`, `v`: (B, H_kv, capacity, D); per row: `lengths[b]` valid entries,
+    with the `tokens` and `positions` (B, capacity) they were computed from."""
+
+    def __init__(
+        self,
+        k: list[torch.Tensor],
+        v: list[torch.Tensor],
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        lengths: Sequence[int],
+    ) -> None:
+        self.k, self.v = k, v
+        self.tokens, self.positions = tokens, positions  # (B, capacity) int64 each
+        self.lengths = [int(n) for n in lengths]
+
+    # ------------------------------------------------------------------ creation
+    @classmethod
+    def allocate(
+        cls,
+        config: ModelConfig,
+        batch_size: int,
+        capacity: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> "KVCache":
+        """An empty cache of `batch_size` rows, each able to hold `capacity` entries."""
+        shape = (batch_size, config.num_key_value_heads, capacity, config.head_dim)
+        layers = range(config.num_hidden_layers)
+        return cls(
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in layers],
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in layers],
+            torch.zeros(batch_size, capacity, dtype=torch.long, device=device),
+            torch.zeros(batch_size, capacity, dtype=torch.long, device=device),
+            [0] * batch_size,
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def capacity(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    def used(self) -> int:
+        """The longest row: entries beyond it are never read."""
+        return max(self.lengths, default=0)
+
+    # ------------------------------------------------------------------ append (forward pass)
+    def check_room(self, n_new: int) -> None:
+        """Raise before any compute if `n_new` more entries would overflow a row."""
+        need = self.used() + n_new
+        if need > self.capacity:
+            raise ContextLengthError(
+                f"the KV cache holds {self.capacity} entries per row; this step needs {need}. "
+                "Shorten the prompt or gen_length, or allocate a larger cache."
+            )
+
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, slots: "WriteSlots") -> tuple[torch.Tensor, torch.Tensor]:
+        """Store one layer's new keys/values (B, H_kv, T, D) at each row's end; return the
+        readable prefix (B, H_kv, used + T, D) of keys and values for attention."""
+        k, v = self.k[layer], self.v[layer]
+        if slots.uniform_start is not None:
+            s = slots.uniform_start
+            k[:, :, s : s + k_new.shape[2]] = k_new
+            v[:, :, s : s + v_new.shape[2]] = v_new
+        else:
+            k[slots.rows, :, slots.cols] = k_new.transpose(1, 2)  # (B, T, H_kv, D)
+            v[slots.rows, :, slots.cols] = v_new.transpose(1, 2)
+        return k[:, :, : slots.end], v[:, :, : slots.end]
+
+    def begin_write(self, tokens: torch.Tensor, positions: torch.Tensor) -> "WriteSlots":
+        """Record the tokens/positions of a forward pass and say where each row writes."""
+        B, T = tokens.shape
+        if B != self.batch_size:
+            raise ValueError(f"cache has {self.batch_size} rows, input has {B}")
+        self.check_room(T)
+        slots = WriteSlots(self.lengths, T, self.device)
+        if slots.uniform_start is not None:
+            s = slots.uniform_start
+            self.tokens[:, s : s + T] = tokens
+            self.positions[:, s : s + T] = positions
+        else:
+            self.tokens[slots.rows, slots.cols] = tokens
+            self.positions[slots.rows, slots.cols] = positions
+        return slots
+
+    def advance(self, n_new: int | Sequence[int]) -> None:
+        """Make the entries just written valid (all of them, or the first n_new[b] per row)."""
+        if isinstance(n_new, int):
+            n_new = [n_new] * self.batch_size
+        self.lengths = [n + int(d) for n, d in zip(self.lengths, n_new)]
+
+    # ------------------------------------------------------------------ named operations
+    def truncate(self, lengths: Sequence[int]) -> None:
+        """Roll rows back to the given lengths (discarding e.g. a plan step's MASK entries)."""
+        lengths = [int(n) for n in lengths]
+        if len(lengths) != self.batch_size:
+            raise ValueError(f"expected {self.batch_size} lengths, got {len(lengths)}")
+        for old, new in zip(self.lengths, lengths):
+            if not 0 <= new <= old:
+                raise ValueError(f"truncate can only shorten a row: {old} -> {new}")
+        self.lengths = lengths
+
+    def select(self, rows: Sequence[int] | torch.Tensor, capacity: int | None = None) -> "KVCache":
+        """A new cache made of the given rows (repeats allowed: that is a fork), copying only
+        the used region. `capacity` defaults to this cache's."""
+        idx = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        cap = capacity if capacity is not None else self.capacity
+        lengths = [self.lengths[int(r)] for r in idx.tolist()]
+        used = max(lengths, default=0)
+        if used > cap:
+            raise ContextLengthError(f"rows of length {used} do not fit a cache of capacity {cap}")
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            out = t.new_zeros((len(lengths),) + t.shape[1:2] + (cap,) + t.shape[3:])
+            out[:, :, :used] = t.index_select(0, idx)[:, :, :used]
+            return out
+
+        tokens = self.tokens.new_zeros(len(lengths), cap)
+        positions = self.positions.new_zeros(len(lengths), cap)
+        tokens[:, :used] = self.tokens.index_select(0, idx)[:, :used]
+        positions[:, :used] = self.positions.index_select(0, idx)[:, :used]
+        return KVCache([take(k) for k in self.k], [take(v) for v in self.v], tokens, positions, lengths)
+
+    def fork(self, repeats: Sequence[int], capacity: int | None = None) -> "KVCache":
+        """Row b repeated repeats[b] times, in order (one copy of the committed cache per slot)."""
+        rows = [b for b, r in enumerate(repeats) for _ in range(int(r))]
+        return self.select(rows, capacity)
+
+    def append_from(
+        self,
+        src: "KVCache",
+        src_rows: Sequence[int],
+        src_starts: Sequence[int],
+        counts: Sequence[int],
+        dst_rows: Sequence[int],
+    ) -> None:
+        """Append src[src_rows[i], src_starts[i] : src_starts[i] + counts[i]] to the end of
+        row dst_rows[i], for each i in order (several segments may go to one row)."""
+        lengths = list(self.lengths)
+        d_rows, d_cols, s_rows, s_cols = [], [], [], []
+        for sr, ss, n, dr in zip(src_rows, src_starts, counts, dst_rows):
+            if ss + n > src.lengths[sr]:
+                raise ValueError(f"source row {sr} holds {src.lengths[sr]} entries, asked for {ss}..{ss + n}")
+            d_rows += [dr] * n
+            d_cols += range(lengths[dr], lengths[dr] + n)
+            s_rows += [sr] * n
+            s_cols += range(ss, ss + n)
+            lengths[dr] += n
+        if max(lengths, default=0) > self.capacity:
+            raise ContextLengthError(
+                f"appending would make a row {max(lengths)} entries long; capacity is {self.capacity}"
+            )
+        if not d_rows:
+            return
+        dev = self.device
+        dr_t, dc_t = torch.tensor(d_rows, device=dev), torch.tensor(d_cols, device=dev)
+        sr_t, sc_t = torch.tensor(s_rows, device=dev), torch.tensor(s_cols, device=dev)
+        for layer in range(len(self.k)):
+            self.k[layer][dr_t, :, dc_t] = src.k[layer][sr_t, :, sc_t]
+            self.v[layer][dr_t, :, dc_t] = src.v[layer][sr_t, :, sc_t]
+        self.tokens[dr_t, dc_t] = src.tokens[sr_t, sc_t]
+        self.positions[dr_t, dc_t] = src.positions[sr_t, sc_t]
+        self.lengths = lengths
+
+    def row_entries(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, positions) of a row's valid entries, in physical order."""
+        n = self.lengths[row]
+        return self.tokens[row, :n], self.positions[row, :n]
+
+
+class WriteSlots:
+    """Where each row of a forward pass writes: physical columns start[b] .. start[b]+T-1.
+
+    Computed once per forward and shared by every layer. The common case (all rows at
+    the same length) takes plain slices; ragged rows take one advanced-index write.
+    """
+
+    def __init__(self, starts: Sequence[int], T: int, device: torch.device) -> None:
+        self.starts = list(starts)
+        self.T = T
+        self.end = max(self.starts, default=0) + T
+        first = self.starts[0] if self.starts else 0
+        self.uniform_start = first if all(s == first for s in self.starts) else None
+        start_t = torch.tensor(self.starts, device=device, dtype=torch.long)  # (B,)
+        offs = torch.arange(T, device=device)
+        self.cols = start_t[:, None] + offs[None, :]  # (B, T)
+        self.rows = torch.arange(len(self.starts), device=device)[:, None].expand(-1, T)  # (B, T)
+
+    def attention_mask(self) -> torch.Tensor | None:
+        """(B, 1, T, end) bool: query i of row b sees physical j <= start[b] + i.
+        None when the plain full view is already right (one new token, equal lengths)."""
+        if self.uniform_start is not None and self.T == 1:
+            return None
+        j = torch.arange(self.end, device=self.cols.device)
+        return (j[None, None, :] <= self.cols[:, :, None])[:, None]  # (B, 1, T, end)

@@ -1,0 +1,60 @@
+"""`refusion <verb>`: a thin dispatch table over the library.
+
+Each verb lives in `refusion/commands/<verb>.py` with `add_arguments(parser)` and
+`run(args) -> int`; modules are imported only when their verb runs, so `refusion info`
+does not pay for the server's imports. Library errors (`ReFusionError`) become one line
+on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import ReFusionError
+
+VERBS = {
+    "info": "print a checkpoint's architecture, size, vocabulary, context and MASK id",
+    "convert": "make an AR checkpoint ReFusion-ready (add <|mask|>)",
+    "generate": "generate text from prompts (refusion, ar or mdm decoding)",
+    "chat": "interactive chat that streams",
+    "train": "train with the ReFusion objective (or plain AR)",
+    "eval": "evaluate on a benchmark",
+    "bench": "benchmarks: decode, speed, and the paper's table on the bundled suite",
+    "serve": "OpenAI-compatible HTTP server",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="refusion", description="ReFusion: parallel autoregressive slot decoding.")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    for verb, help_text in VERBS.items():
+        p = sub.add_parser(verb, help=help_text, description=help_text)
+        p.set_defaults(_module=f"refusion.commands.{verb}")
+        _command(verb).add_arguments(p)
+    return parser
+
+
+def _command(verb: str):
+    return importlib.import_module(f"refusion.commands.{verb}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "verb", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(_command(args.verb).run(args) or 0)
+    except ReFusionError as e:
+        print(f"refusion {args.verb}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"refusion {args.verb}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""Typed exceptions: the library raises these, the CLI turns them into one line and exit code 2."""
+
+
+class ReFusionError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class CheckpointError(ReFusionError):
+    """A model file or directory is missing, corrupt or inconsistent."""
+
+
+class UnsupportedArchitectureError(CheckpointError):
+    """The checkpoint's architecture is not one we implement."""
+
+
+class ConfigError(ReFusionError, ValueError):
+    """A configuration value is out of range or inconsistent."""
+
+
+class ContextLengthError(ConfigError):
+    """A request needs more positions than the model or the cache allows."""
+
+
+class MissingMaskTokenError(ConfigError):
+    """A diffusion method was asked of a model that has no MASK token."""

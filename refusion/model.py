@@ -1,0 +1,212 @@
+"""The Llama / Qwen2 / Qwen3 decoder family, with explicit position ids and our own KV cache.
+
+`model(tokens, positions)` -> logits. Attention is causal in the *physical* order of
+what is fed (cached entries first, then the new tokens); RoPE uses the explicit
+position ids. That is all ReFusion needs: out-of-order slots are the normal case.
+
+Parameter names equal Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...),
+so checkpoints load and save without renaming.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .cache import KVCache, WriteSlots
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # in float32 and cast back before the weight, as the reference implementation does
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,), with linear or Llama-3 scaling applied."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = config.rope_scaling
+    if sc is None:
+        return inv
+    factor = float(sc["factor"])
+    if sc["rope_type"] == "linear":
+        return inv / factor
+    # llama3: long wavelengths divided by factor, short kept, smooth ramp in between
+    low, high = float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+    old_ctx = float(sc["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    low_wl, high_wl = old_ctx / low, old_ctx / high
+    scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= high_wl) & (wavelen <= low_wl)
+    return torch.where(is_mid, mid, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        h, qkv_bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, T, hidden)
+        cos: torch.Tensor,  # (B, 1, T, head_dim)
+        sin: torch.Tensor,
+        cache: KVCache | None,
+        slots: WriteSlots | None,
+        mask: torch.Tensor | None,  # (B, 1, T, S) bool, or None
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.write(self.layer, k, v, slots)  # (B, H_kv, S, D)
+        gqa = self.n_kv != self.n_heads
+        if mask is None and cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, cache, slots, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """Embeddings, blocks and the final norm: Hugging Face's `model.*` submodule."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """A causal LM whose forward takes explicit position ids and an optional `KVCache`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.gradient_checkpointing = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (B, 1, T, head_dim) for explicit position ids (B, T), computed in float32."""
+        freqs = positions[..., None].float() * self.inv_freq.float()  # (B, T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def hidden(
+        self,
+        tokens: torch.Tensor,  # (B, T) int64
+        positions: torch.Tensor,  # (B, T) int64
+        cache: KVCache | None = None,
+        n_new: int | list[int] | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states (B, T, hidden). With a cache, the new entries are written at
+        each row's end and the row grows by n_new[b] (default: all T; pass fewer when a
+        row's input is right-padded)."""
+        if tokens.shape != positions.shape:
+            raise ValueError(f"tokens {tuple(tokens.shape)} and positions {tuple(positions.shape)} differ in shape")
+        x = self.model.embed_tokens(tokens)
+        cos, sin = self.rope(positions, x.dtype)
+        slots = mask = None
+        if cache is not None:
+            slots = cache.begin_write(tokens, positions)
+            mask = slots.attention_mask()
+        for block in self.model.layers:
+            if self.gradient_checkpointing and self.training and cache is None:
+                x = checkpoint(block, x, cos, sin, None, None, None, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, cache, slots, mask)
+        if cache is not None:
+            cache.advance(tokens.shape[1] if n_new is None else n_new)
+        return self.model.norm(x)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None = None,
+        n_new: int | list[int] | None = None,
+    ) -> torch.Tensor:
+        """Logits (B, T, vocab). See `hidden` for the cache contract."""
+        return self.lm_head(self.hidden(tokens, positions, cache, n_new))
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        """An empty cache for this model's shapes, dtype and device."""
+        return KVCache.allocate(self.config, batch_size, capacity, self.dtype, self.device)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
