@@ -1,13 +1,28 @@
-"""`refusion bench`: not implemented yet."""
+"""`refusion bench <what>`: dispatch to `refusion/bench/<what>.py`."""
+
+from __future__ import annotations
 
 import argparse
+import importlib
 
-from ..errors import ReFusionError
+BENCHES = {
+    "decode": "AR vs ReFusion vs MDM on the same prompts, with a batch-size sweep",
+    "speed": "forward-pass cost against the machine's floor; our AR against transformers",
+    "train": "training tokens/s: ReFusion objective vs plain next-token training",
+    "suite": "the paper's Table 1 and Figure 1 on the bundled synthetic suite",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    sub = parser.add_subparsers(dest="bench", metavar="WHAT", required=True)
+    for name, help_text in BENCHES.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        try:
+            importlib.import_module(f"refusion.bench.{name}").add_arguments(p)
+        except ModuleNotFoundError as e:
+            if e.name != f"refusion.bench.{name}":
+                raise
 
 
 def run(args: argparse.Namespace) -> int:
-    raise ReFusionError("'refusion bench' is not implemented yet")
+    return importlib.import_module(f"refusion.bench.{args.bench}").run(args)
