@@ -1,0 +1,197 @@
+"""Decoding: `generate(model, tokenizer, prompts, cfg)` for ReFusion and its baselines.
+
+Everything that decodes (CLI, evaluator, server, benchmarks) comes through `generate`,
+which validates the request before any compute, batches prompts under a memory budget,
+and hands each batch to one method: `refusion` (plan-and-infill, SPEC §3), `ar` or `mdm`
+(SPEC §4).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, ContextLengthError, MissingMaskTokenError
+from ..model import Transformer
+from .ar import decode_ar
+from .config import METHODS, PRESETS, DecodeConfig
+from .engine import DecodeStats, Forward, GenerationOutput, Progress, TraceEvent
+from .mdm import decode_mdm
+from .refusion import ReFusionDecoder
+from .sampling import Sampler
+
+__all__ = [
+    "DecodeConfig", "DecodeStats", "GenerationOutput", "TraceEvent", "METHODS", "PRESETS",
+    "generate", "stream", "encode_prompts", "resolve_ids", "TextDeltas",
+]
+
+Prompt = str | Sequence[int]
+
+
+def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt], chat: bool = True) -> list[list[int]]:
+    """Token ids per prompt: text goes through the chat template (if the tokenizer has
+    one and chat=True); a list of ids is taken as it is."""
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise ConfigError("text prompts need a tokenizer; pass token ids to decode without one")
+            if chat and getattr(tokenizer, "chat_template", None):
+                p = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+                out.append(list(tokenizer(p, add_special_tokens=False)["input_ids"]))
+            else:
+                out.append(list(tokenizer(p)["input_ids"]))
+        else:
+            out.append([int(t) for t in p])
+    return out
+
+
+def resolve_ids(model: Transformer, tokenizer: Any, cfg: DecodeConfig) -> tuple[set[int], int | None]:
+    """(EOS ids, MASK id): the config's overrides first, then the tokenizer and model config."""
+    if cfg.eos_id is not None:
+        eos = {cfg.eos_id} if isinstance(cfg.eos_id, int) else set(cfg.eos_id)
+    else:
+        eos = set(model.config.eos_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(int(tokenizer.eos_token_id))
+    mask = cfg.mask_id if cfg.mask_id is not None else model.config.mask_token_id
+    if mask is None and tokenizer is not None:
+        tid = tokenizer.convert_tokens_to_ids("<|mask|>")
+        mask = tid if isinstance(tid, int) and tid != tokenizer.unk_token_id else None
+    return eos, mask
+
+
+def _check_request(model: Transformer, cfg: DecodeConfig, ids: list[list[int]], mask_id: int | None) -> None:
+    if not ids:
+        raise ConfigError("no prompts given")
+    if any(len(p) == 0 for p in ids):
+        raise ConfigError("a prompt is empty: give at least one token")
+    if cfg.method in ("refusion", "mdm") and mask_id is None:
+        raise MissingMaskTokenError(
+            f"method {cfg.method!r} needs a MASK token and this model has none: "
+            "run `refusion convert BASE OUT` (then train), pass mask_id, or use method='ar'"
+        )
+    if mask_id is not None and not 0 <= mask_id < model.config.vocab_size:
+        raise ConfigError(f"mask_id {mask_id} is outside the vocabulary (size {model.config.vocab_size})")
+    gen = {"refusion": cfg.padded_length, "ar": cfg.gen_length, "mdm": -(-cfg.gen_length // cfg.mdm_block_length) * cfg.mdm_block_length}[cfg.method]
+    limit = model.config.max_position_embeddings
+    longest = max(len(p) for p in ids)
+    if longest + gen > limit:
+        raise ContextLengthError(
+            f"prompt ({longest} tokens) + generation ({gen}) exceeds the model's context of {limit} positions; "
+            "shorten the prompt or lower gen_length"
+        )
+
+
+def batch_size_for(model: Transformer, cfg: DecodeConfig, longest: int) -> int:
+    """How many prompts fit the KV-cache memory budget (ReFusion also forks one cache row
+    per selected slot during infilling, so it reserves a row per slot of a block)."""
+    c = model.config
+    per_entry = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * model.dtype.itemsize
+    rows_per_prompt = 1 + (cfg.padded_length // cfg.slot_size // cfg.serial_blocks if cfg.method == "refusion" else 0)
+    per_prompt = per_entry * (longest + 2 * cfg.padded_length) * rows_per_prompt
+    fits = int(cfg.memory_budget_gb * 2**30 // max(per_prompt, 1))
+    return max(1, min(cfg.max_batch_size, fits))
+
+
+@torch.inference_mode()
+def generate(
+    model: Transformer,
+    tokenizer: Any,
+    prompts: Prompt | Sequence[Prompt],
+    cfg: DecodeConfig | None = None,
+    *,
+    chat: bool = True,
+    trace: bool = False,
+    on_prefix: Callable[[int, list[int], bool], None] | None = None,
+    is_cancelled: Callable[[int], bool] | None = None,
+) -> list[GenerationOutput]:
+    """Decode every prompt; outputs come back in the order given.
+
+    `on_prefix(i, ids, done)` streams prompt i's final left-to-right prefix as it grows;
+    `is_cancelled(i)` stops prompt i early (finish_reason "cancelled")."""
+    cfg = (cfg or DecodeConfig()).validate()
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    ids = encode_prompts(tokenizer, prompts, chat)
+    eos_ids, mask_id = resolve_ids(model, tokenizer, cfg)
+    _check_request(model, cfg, ids, mask_id)
+    progress = Progress(len(ids), eos_ids, on_prefix, is_cancelled, trace)
+    sampler = Sampler(cfg, len(ids), model.device)
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths batch together
+    bs = batch_size_for(model, cfg, max(len(p) for p in ids))
+    pad_id = mask_id if mask_id is not None else next(iter(eos_ids), 0)
+    for start in range(0, len(order), bs):
+        rids = order[start : start + bs]
+        fwd = Forward(model, progress, pad_id)
+        batch = [ids[i] for i in rids]
+        if cfg.method == "refusion":
+            ReFusionDecoder(fwd, progress, sampler, cfg, mask_id, eos_ids).decode(batch, rids)
+        elif cfg.method == "ar":
+            decode_ar(fwd, progress, sampler, cfg, batch, rids, eos_ids)
+        else:
+            decode_mdm(fwd, progress, sampler, cfg, batch, rids, mask_id, eos_ids)
+    return [_output(i, ids[i], progress, tokenizer, eos_ids) for i in range(len(ids))]
+
+
+def _output(i: int, prompt: list[int], progress: Progress, tokenizer: Any, eos_ids: set[int]) -> GenerationOutput:
+    toks = progress.output_ids(i)
+    stats = progress.stats[i]
+    stats.tokens = len(toks)
+    if progress.on_prefix is not None:
+        progress.on_prefix(i, toks, True)
+    reason = "cancelled" if progress.cancelled[i] else "stop" if toks and toks[-1] in eos_ids else "length"
+    text = tokenizer.decode(toks, skip_special_tokens=True) if tokenizer is not None else ""
+    return GenerationOutput(text, toks, stats, len(prompt), reason, progress.traces[i] if progress.traces else None)
+
+
+class TextDeltas:
+    """Turns growing token prefixes into text deltas; holds back an incomplete UTF-8
+    character (decoded as U+FFFD) until the next token completes it."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.sent = ""
+
+    def update(self, ids: list[int], final: bool = False) -> str:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if not final and text.endswith("\ufffd"):
+            return ""
+        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
+        self.sent = text if text.startswith(self.sent) else self.sent
+        return delta
+
+
+def stream(model: Transformer, tokenizer: Any, prompt: Prompt, cfg: DecodeConfig | None = None, *, chat: bool = True) -> Iterator[str]:
+    """Yield text as soon as a left-to-right prefix of the generation is final. Slots
+    decoded further right show up once the gap before them is filled."""
+    q: queue.Queue = queue.Queue()
+    deltas = TextDeltas(tokenizer)
+    stop = threading.Event()
+
+    def on_prefix(_i: int, ids: list[int], done: bool) -> None:
+        d = deltas.update(ids, final=done)
+        if d:
+            q.put(d)
+
+    def work() -> None:
+        try:
+            generate(model, tokenizer, [prompt], cfg, chat=chat, on_prefix=on_prefix, is_cancelled=lambda _i: stop.is_set())
+            q.put(None)
+        except BaseException as e:  # re-raised in the consumer's thread
+            q.put(e)
+
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    try:
+        while (item := q.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        t.join()

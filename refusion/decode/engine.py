@@ -1,0 +1,172 @@
+"""What every decoding method shares: the counted forward pass over ragged rows, stats,
+per-row progress (for streaming and traces) and the output record.
+
+Metrics are kept out of the algorithms (DESIGN §8): a method calls `Forward.run`, which
+counts NFE for the batch and for each row that took part, and reports commits to a
+`Progress`, which turns them into final left-to-right prefixes for streaming.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache import KVCache
+from ..model import Transformer
+
+
+@dataclass
+class DecodeStats:
+    """Counts for one prompt (or a whole batch). SPEC §3: NFE = forward passes (a batched
+    forward counts once), TPF = tokens / NFE over the whole generation, TPS = tokens / s."""
+
+    tokens: int = 0
+    nfe: int = 0
+    wall_time: float = 0.0
+
+    @property
+    def tpf(self) -> float:
+        return self.tokens / self.nfe if self.nfe else 0.0
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.wall_time if self.wall_time > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"tokens": self.tokens, "nfe": self.nfe, "tpf": self.tpf, "wall_time": self.wall_time, "tps": self.tps}
+
+
+@dataclass
+class TraceEvent:
+    """One commit: which slots (start position, length) entered the cache, by which path."""
+
+    step: int  # 0-based index of the commit within this prompt's generation
+    nfe: int  # this prompt's forward count when the commit happened
+    path: str  # "fast" (global verification), "infill" (parallel AR infilling), "ar", "mdm"
+    spans: list[tuple[int, int]]  # (first position relative to the generation start, length)
+    tokens: list[list[int]]  # the committed tokens of each span
+
+
+@dataclass
+class GenerationOutput:
+    text: str
+    token_ids: list[int]  # generated tokens in position order, cut after the first EOS
+    stats: DecodeStats
+    prompt_tokens: int
+    finish_reason: str  # "stop" (EOS), "length", or "cancelled"
+    trace: list[TraceEvent] | None = None
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Progress:
+    """Per prompt: which generated positions are filled, and callbacks for streaming.
+
+    `on_prefix(prompt_index, ids, done)` receives the final left-to-right prefix (cut after
+    EOS) each time it grows, and once more with done=True. `is_cancelled(prompt_index)`
+    lets a caller (a server whose client left) stop a row; it is polled once per step.
+    """
+
+    def __init__(
+        self,
+        n_prompts: int,
+        eos_ids: set[int],
+        on_prefix: Callable[[int, list[int], bool], None] | None = None,
+        is_cancelled: Callable[[int], bool] | None = None,
+        trace: bool = False,
+    ) -> None:
+        self.eos_ids = eos_ids
+        self.filled: list[list[int | None]] = [[] for _ in range(n_prompts)]
+        self.prefix_len = [0] * n_prompts
+        self.on_prefix, self.is_cancelled = on_prefix, is_cancelled
+        self.traces: list[list[TraceEvent]] | None = [[] for _ in range(n_prompts)] if trace else None
+        self.stats = [DecodeStats() for _ in range(n_prompts)]
+        self.cancelled = [False] * n_prompts
+
+    def start(self, rid: int, gen_length: int) -> None:
+        self.filled[rid] = [None] * gen_length
+
+    def commit(self, rid: int, path: str, spans: Sequence[tuple[int, list[int]]]) -> None:
+        """Tokens enter the committed sequence at generation offsets (start, tokens)."""
+        row = self.filled[rid]
+        for start, toks in spans:
+            row[start : start + len(toks)] = toks
+        if self.traces is not None:
+            ev = TraceEvent(len(self.traces[rid]), self.stats[rid].nfe, path, [(s, len(t)) for s, t in spans], [list(t) for _, t in spans])
+            self.traces[rid].append(ev)
+        self._advance_prefix(rid)
+
+    def _advance_prefix(self, rid: int) -> None:
+        row, n = self.filled[rid], self.prefix_len[rid]
+        start = n
+        while n < len(row) and row[n] is not None and (n == 0 or row[n - 1] not in self.eos_ids):
+            n += 1
+        self.prefix_len[rid] = n
+        if n > start and self.on_prefix is not None:
+            self.on_prefix(rid, row[:n], False)
+
+    def output_ids(self, rid: int) -> list[int]:
+        """Generated tokens in position order, cut after the first EOS (and at the first hole)."""
+        out = []
+        for t in self.filled[rid]:
+            if t is None:
+                break
+            out.append(t)
+            if t in self.eos_ids:
+                break
+        return out
+
+    def check_cancelled(self, rid: int) -> bool:
+        if not self.cancelled[rid] and self.is_cancelled is not None and self.is_cancelled(rid):
+            self.cancelled[rid] = True
+        return self.cancelled[rid]
+
+
+@dataclass
+class Forward:
+    """The counted forward pass. Each row feeds its own token list (ragged: padded on the
+    right and written with n_new=0, so the caller decides afterwards how many entries
+    each row keeps with `cache.advance`). Returns logits only at the requested entries,
+    so the vocabulary projection is not paid for prompt tokens."""
+
+    model: Transformer
+    progress: Progress
+    pad_id: int
+    nfe: int = 0
+    t0: float = field(default_factory=time.perf_counter)
+
+    def run(
+        self,
+        row_ids: Sequence[int],  # prompt index of each cache row
+        tokens: Sequence[Sequence[int]],
+        positions: Sequence[Sequence[int]],
+        cache: KVCache | None,
+        want: Sequence[tuple[int, int]],  # per row: logits for entries [a, b)
+    ) -> list[torch.Tensor]:
+        device = self.model.device
+        T = max(len(t) for t in tokens)
+        tok = torch.full((len(tokens), T), self.pad_id, dtype=torch.long)
+        pos = torch.zeros((len(tokens), T), dtype=torch.long)
+        for b, (t, p) in enumerate(zip(tokens, positions)):
+            tok[b, : len(t)] = torch.as_tensor(t, dtype=torch.long)
+            pos[b, : len(p)] = torch.as_tensor(p, dtype=torch.long)
+        hidden = self.model.hidden(tok.to(device), pos.to(device), cache, n_new=0 if cache is not None else None)
+        self.nfe += 1
+        for rid in set(row_ids):
+            self.progress.stats[rid].nfe += 1
+        rows = [b for b, (a, e) in enumerate(want) for _ in range(e - a)]
+        cols = [i for a, e in want for i in range(a, e)]
+        picked = hidden[torch.tensor(rows, device=device), torch.tensor(cols, device=device)]  # (N, hidden)
+        logits = self.model.lm_head(picked).float()  # (N, V)
+        return list(logits.split([e - a for a, e in want]))
+
+    def finish(self, rid: int) -> None:
+        """Stamp a prompt's wall time (from the first forward of its batch)."""
+        sync(self.model.device)
+        self.progress.stats[rid].wall_time = time.perf_counter() - self.t0
