@@ -162,7 +162,8 @@ class Forward:
             self.progress.stats[rid].nfe += 1
         rows = [b for b, (a, e) in enumerate(want) for _ in range(e - a)]
         cols = [i for a, e in want for i in range(a, e)]
-        picked = hidden[torch.tensor(rows, device=device), torch.tensor(cols, device=device)]  # (N, hidden)
+        idx = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+        picked = hidden[idx(rows), idx(cols)]  # (N, hidden)
         logits = self.model.lm_head(picked).float()  # (N, V)
         return list(logits.split([e - a for a, e in want]))
 

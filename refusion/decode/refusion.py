@@ -207,8 +207,9 @@ class ReFusionDecoder:
     def _infill_draft(self, forks: list[Fork], fcache: KVCache) -> None:
         tokens, positions, want = [], [], []
         for f in forks:
+            # a complete fork, or one whose slot passed whole in step 3, has nothing to draft
             n_masks = 0 if f.complete else self.s - f.accepted
-            toks, pos = self._feed(f, [self.mask_id] * n_masks) if not f.complete else ([self.mask_id], [0])
+            toks, pos = self._feed(f, [self.mask_id] * n_masks) if n_masks else ([self.mask_id], [0])
             tokens.append(toks)
             positions.append(pos)
             want.append((len(toks) - n_masks, len(toks)))
@@ -233,7 +234,7 @@ class ReFusionDecoder:
                 continue
             # entry i scores slot token kept+i+1; the first not-yet-accepted token always passes
             scores = token_probs(lg, torch.tensor(toks[1:], device=lg.device)).tolist()
-            n = f.accepted + 1
+            n = min(f.accepted + 1, s)
             while n < s and scores[n - f.kept - 1] > tau:
                 n += 1
             f.accepted = n

@@ -1,0 +1,196 @@
+"""Properties of all three decoding methods over many random configurations and prompts."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+
+from refusion.config import ModelConfig
+from refusion.decode import DecodeConfig, generate
+from refusion.errors import ConfigError, ContextLengthError, MissingMaskTokenError
+from refusion.model import Transformer
+
+GOLDEN = Path(__file__).parent / "golden"
+MASK = 299
+# tokens the sharpened tiny model emits often: as EOS they make early stops frequent
+EOS_CHOICES = [298, 165, 250, 93]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = Transformer(ModelConfig.from_json(GOLDEN / "tiny-qwen3" / "config.json"))
+    model.load_state_dict(load_file(GOLDEN / "tiny-qwen3" / "model.safetensors"), strict=False)
+    return model.eval()
+
+
+class CountingModel:
+    """Counts forward passes by wrapping `hidden` (every decoder forward goes through it)."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, 0
+        self._orig = model.hidden
+
+    def __enter__(self):
+        def counted(*a, **k):
+            self.calls += 1
+            return self._orig(*a, **k)
+
+        self.model.hidden = counted
+        return self
+
+    def __exit__(self, *exc):
+        del self.model.hidden
+
+
+@st.composite
+def decode_configs(draw):
+    method = draw(st.sampled_from(["refusion", "ar", "mdm"]))
+    s = draw(st.sampled_from([1, 2, 4, 8]))
+    n_slots = draw(st.integers(1, 8))
+    blocks = draw(st.sampled_from([b for b in (1, 2, 4) if n_slots % b == 0]))
+    return DecodeConfig(
+        method=method,
+        gen_length=n_slots * s - draw(st.integers(0, s - 1)),  # not always a multiple of s
+        slot_size=s,
+        serial_blocks=blocks,
+        slot_threshold=draw(st.floats(0, 1)),
+        token_threshold=draw(st.floats(0, 1)),
+        mdm_block_length=draw(st.sampled_from([4, 8])),
+        mdm_steps=draw(st.sampled_from([None, 4, 16])),
+        eos_id=draw(st.sampled_from(EOS_CHOICES)),
+        mask_id=MASK,
+    )
+
+
+prompts_st = st.lists(st.lists(st.integers(0, 297), min_size=1, max_size=24), min_size=1, max_size=4)
+
+
+def region_length(cfg: DecodeConfig) -> int:
+    if cfg.method == "refusion":
+        return cfg.padded_length
+    if cfg.method == "mdm":
+        return -(-cfg.gen_length // cfg.mdm_block_length) * cfg.mdm_block_length
+    return cfg.gen_length
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cfg=decode_configs(), prompts=prompts_st)
+def test_every_position_filled_once_up_to_eos(tiny, cfg, prompts):
+    with CountingModel(tiny) as counter:
+        outs = generate(tiny, None, prompts, cfg, trace=True)
+    eos = cfg.eos_id
+    for out in outs:
+        ids = out.token_ids
+        assert eos not in ids[:-1], "nothing may follow the first EOS"
+        if ids and ids[-1] == eos:
+            assert out.finish_reason == "stop"
+        else:
+            assert len(ids) == region_length(cfg) and out.finish_reason == "length"
+        # committed spans never overlap, and cover the output contiguously from its start
+        filled = [0] * region_length(cfg)
+        for ev in out.trace:
+            for start, n in ev.spans:
+                for i in range(start, start + n):
+                    filled[i] += 1
+        assert all(f == 1 for f in filled[: len(ids)])
+        assert max(filled, default=0) <= 1
+        # the trace replays the output
+        replay = [None] * region_length(cfg)
+        for ev in out.trace:
+            for (start, _), toks in zip(ev.spans, ev.tokens):
+                replay[start : start + len(toks)] = toks
+        assert replay[: len(ids)] == ids
+        # stats add up
+        assert out.stats.tokens == len(ids)
+        assert out.stats.tpf == pytest.approx(len(ids) / out.stats.nfe)
+        assert 1 <= out.stats.nfe <= counter.calls
+    if len(prompts) == 1:
+        assert outs[0].stats.nfe == counter.calls
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cfg=decode_configs(), prompts=prompts_st)
+def test_batched_equals_one_at_a_time(tiny, cfg, prompts):
+    batched = generate(tiny, None, prompts, cfg)
+    alone = [generate(tiny, None, [p], cfg)[0] for p in prompts]
+    assert [o.token_ids for o in batched] == [o.token_ids for o in alone]
+
+
+def test_refusion_plans_and_infills_in_parallel(tiny):
+    """On the sharpened tiny model ReFusion commits several tokens per forward for some configs."""
+    cfg = DecodeConfig(gen_length=48, slot_size=8, slot_threshold=0.5, token_threshold=0.2, eos_id=298, mask_id=MASK)
+    out = generate(tiny, None, [[5, 6, 7, 8, 9]], cfg)[0]
+    assert out.stats.tpf > 1
+
+
+def test_finished_rows_stop_costing_compute(tiny):
+    """A prompt that stops early takes part in fewer forwards than one that runs long."""
+    cfg = DecodeConfig(method="ar", gen_length=40, eos_id=191, mask_id=MASK)  # the 1st prompt emits 191 third
+    outs = generate(tiny, None, [[99, 276, 183], [1, 2, 3, 4]], cfg)
+    short, long_ = sorted(outs, key=lambda o: len(o.token_ids))
+    assert short.finish_reason == "stop" and long_.stats.nfe > short.stats.nfe
+    assert short.stats.nfe == len(short.token_ids)
+
+
+def test_sampling_is_seeded_and_batch_invariant(tiny):
+    cfg = DecodeConfig(gen_length=32, slot_size=4, temperature=1.0, top_k=20, top_p=0.9, seed=7, eos_id=298, mask_id=MASK)
+    a = generate(tiny, None, [[3, 4, 5], [9, 9]], cfg)
+    b = generate(tiny, None, [[9, 9]], cfg)
+    assert a[1].token_ids == b[0].token_ids
+    hot = cfg.replace(temperature=3.0, top_k=0, top_p=1.0)  # the sharpened model needs heat to vary
+    runs = {tuple(generate(tiny, None, [[9, 9]], hot.replace(seed=seed))[0].token_ids) for seed in (1, 2, 3)}
+    assert len(runs) > 1
+    again = [generate(tiny, None, [[9, 9]], hot.replace(seed=1))[0].token_ids for _ in range(2)]
+    assert again[0] == again[1]
+
+
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        (dict(slot_size=3, gen_length=9, serial_blocks=2), ConfigError),  # 3 slots do not split into 2 blocks
+        (dict(slot_threshold=1.5), ConfigError),
+        (dict(token_threshold=-0.1), ConfigError),
+        (dict(method="beam"), ConfigError),
+        (dict(gen_length=0), ConfigError),
+        (dict(temperature=-1.0), ConfigError),
+    ],
+)
+def test_bad_configs_fail_before_compute(bad, error):
+    with pytest.raises(error):
+        DecodeConfig(**bad)
+
+
+def test_bad_requests_fail_before_compute(tiny):
+    with CountingModel(tiny) as counter:
+        with pytest.raises(ContextLengthError, match="context"):
+            generate(tiny, None, [[1] * 500], DecodeConfig(gen_length=64, mask_id=MASK))
+        with pytest.raises(ConfigError, match="no prompts"):
+            generate(tiny, None, [], DecodeConfig(mask_id=MASK))
+        tiny.config.mask_token_id, saved = None, tiny.config.mask_token_id
+        try:
+            for method in ("refusion", "mdm"):
+                with pytest.raises(MissingMaskTokenError, match="refusion convert"):
+                    generate(tiny, None, [[1, 2]], DecodeConfig(method=method))
+        finally:
+            tiny.config.mask_token_id = saved
+    assert counter.calls == 0
+
+
+def test_streaming_prefixes_grow_to_the_output(tiny):
+    seen = []
+    cfg = DecodeConfig(gen_length=32, slot_size=4, slot_threshold=0.5, token_threshold=0.2, eos_id=298, mask_id=MASK)
+    out = generate(tiny, None, [[7, 8, 9]], cfg, on_prefix=lambda i, ids, done: seen.append((list(ids), done)))[0]
+    assert seen[-1] == (out.token_ids, True)
+    for (a, _), (b, _) in zip(seen, seen[1:]):
+        assert b[: len(a)] == a  # a final prefix never changes
+
+
+def test_cancelled_row_stops(tiny):
+    cfg = DecodeConfig(method="ar", gen_length=40, eos_id=-1, mask_id=MASK)
+    outs = generate(tiny, None, [[1, 2], [3, 4]], cfg, is_cancelled=lambda i: i == 0)
+    assert outs[0].finish_reason == "cancelled" and len(outs[0].token_ids) < 40
+    assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 40
+
