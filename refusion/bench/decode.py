@@ -1,0 +1,93 @@
+"""`refusion bench decode [MODEL]`: AR vs ReFusion vs MDM on the same prompts, in one run.
+
+Methods are interleaved round by round (this machine is shared and noisy) and each
+figure is the median over rounds. Then a batch-size sweep: the same prompts decoded in
+batches of 1, 4, 16, as tokens/s of the whole set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+from ..commands._common import add_decode_arguments, add_model_arguments, decode_config_from_args, load_from_args
+from ..decode import DecodeConfig, generate
+from ..decode.engine import sync
+
+DEFAULT_PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "List five fruits and say what colour each one is.",
+    "Explain in three sentences why the sky is blue.",
+    "Write a Python function that returns the sum of a list of numbers.",
+    "Give me three tips for learning a new language.",
+    "What is 12 plus 30? Show your working.",
+    "Describe a sunrise over the sea.",
+    "Sort these words alphabetically: pear, apple, fig, banana.",
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_pos", nargs="?", metavar="MODEL")
+    add_model_arguments(parser)
+    add_decode_arguments(parser)
+    parser.add_argument("--prompts", type=int, default=8, help="how many prompts (from the bundled suite if present)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved repeats; the median is reported")
+    parser.add_argument("--methods", default="ar,refusion,mdm")
+    parser.add_argument("--batch-sizes", default="1,4,16")
+    parser.add_argument("--json", dest="json_out", default=None, help="also write the figures to this JSON file")
+
+
+def bench_prompts(n: int) -> list[str]:
+    """Held-out prompts of the bundled synthetic suite when it is installed, else generic ones."""
+    try:
+        from ..tasks import load_test_items
+
+        return [it.prompt for it in load_test_items()[:n]]
+    except ImportError:
+        return (DEFAULT_PROMPTS * (n // len(DEFAULT_PROMPTS) + 1))[:n]
+
+
+def timed(model, tokenizer, prompts, cfg: DecodeConfig) -> dict[str, Any]:
+    """Decode prompts with batch size cfg.max_batch_size; figures for the whole set."""
+    sync(model.device)
+    t0 = time.perf_counter()
+    outs = generate(model, tokenizer, prompts, cfg)
+    sync(model.device)
+    wall = time.perf_counter() - t0
+    tokens = sum(o.stats.tokens for o in outs)
+    nfe = sum(o.stats.nfe for o in outs)
+    return {"tokens": tokens, "nfe": nfe, "tpf": tokens / max(nfe, 1), "wall": wall, "tps": tokens / wall}
+
+
+def run(args: argparse.Namespace) -> int:
+    args.model = args.model or args.model_pos
+    model, tokenizer = load_from_args(args)
+    base = decode_config_from_args(args)
+    prompts = bench_prompts(args.prompts)
+    methods = args.methods.split(",")
+    rows: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+    for _ in range(args.rounds):
+        for m in methods:
+            rows[m].append(timed(model, tokenizer, prompts, base.replace(method=m, max_batch_size=1)))
+    table = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in rows.items()}
+    ar_tps = table.get("ar", {}).get("tps")
+    print(f"{len(prompts)} prompts, batch size 1, gen_length {base.gen_length}, median of {args.rounds} interleaved rounds")
+    print(f"{'method':10} {'tokens':>7} {'NFE':>6} {'TPF':>6} {'tok/s':>8} {'vs AR':>6}")
+    for m, r in table.items():
+        ratio = f"{r['tps'] / ar_tps:.2f}x" if ar_tps else "-"
+        print(f"{m:10} {r['tokens']:7.0f} {r['nfe']:6.0f} {r['tpf']:6.2f} {r['tps']:8.1f} {ratio:>6}")
+    sweep = {}
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    sweep_prompts = (prompts * (max(sizes) // len(prompts) + 1))[: max(max(sizes), len(prompts))]
+    print(f"\nbatch-size sweep ({len(sweep_prompts)} prompts, tokens/s of the whole set)")
+    print(f"{'method':10} " + " ".join(f"{'b=' + str(b):>9}" for b in sizes) + f" {'max/b1':>7}")
+    for m in methods:
+        sweep[m] = {b: timed(model, tokenizer, sweep_prompts, base.replace(method=m, max_batch_size=b))["tps"] for b in sizes}
+        print(f"{m:10} " + " ".join(f"{sweep[m][b]:9.1f}" for b in sizes) + f" {max(sweep[m].values()) / sweep[m][sizes[0]]:6.2f}x")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"config": base.__dict__, "prompts": len(prompts), "table": table, "sweep": sweep}, f, indent=2)
+    return 0

@@ -1,0 +1,105 @@
+"""From a model's answer to a program the sandbox can run (HumanEval, MBPP).
+
+A chat model answers with prose around a fenced code block, sometimes with a truncated
+block (generation ran out of length), sometimes with bare code, sometimes with only the
+function body (HumanEval completion style). `extract_code` finds the code; `sanitize`
+keeps the definitions and imports and drops top-level statements (example calls, prints,
+the model's own asserts) that would run, and could fail, before the benchmark's tests.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+
+_FENCE = re.compile(r"```[ \t]*([\w+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+_CODE_START = re.compile(r"^(?:def |async def |class |import |from \S+ import |@)", re.MULTILINE)
+
+
+def extract_code(text: str, entry_point: str | None = None) -> str:
+    """The code in a response: the fenced block that defines entry_point (else the first
+    python block, else the first block); without fences, the text from the first line that
+    starts code. MBPP's '[BEGIN]' / '[DONE]' markers are removed."""
+    text = text.replace("[BEGIN]", "").split("[DONE]")[0]
+    blocks = [(lang.lower(), body) for lang, body in _FENCE.findall(text)]
+    if blocks:
+        if entry_point:
+            for _, body in blocks:
+                if re.search(rf"def\s+{re.escape(entry_point)}\s*\(", body):
+                    return body
+        for lang, body in blocks:
+            if lang in ("python", "py", "python3"):
+                return body
+        return blocks[0][1]
+    if text[:1] in (" ", "\t"):  # a bare function body, to follow the prompt
+        return text
+    m = _CODE_START.search(text)
+    return text[m.start() :] if m else text
+
+
+_KEEP = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign)
+
+
+def sanitize(code: str) -> str:
+    """Keep top-level imports, definitions and assignments; drop other statements. Code
+    that does not parse is trimmed from the end (prose after the code) until it does; if
+    nothing parses it is returned unchanged (it will fail its tests and say why)."""
+    lines = code.splitlines()
+    for end in range(len(lines), 0, -1):
+        try:
+            tree = ast.parse("\n".join(lines[:end]))
+            break
+        except SyntaxError:
+            continue
+    else:
+        return code
+    kept: list[str] = []
+    for node in tree.body:
+        if isinstance(node, _KEEP):
+            first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+            kept.extend(lines[first - 1 : node.end_lineno])
+    return "\n".join(kept) + "\n"
+
+
+def defines(code: str, name: str) -> bool:
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return False
+    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name for n in tree.body)
+
+
+def _compiles(source: str) -> bool:
+    try:
+        compile(source, "<program>", "exec")
+        return True
+    except (SyntaxError, ValueError):
+        return False
+
+
+def humaneval_program(problem: dict, completion: str) -> str:
+    """prompt + completion + the benchmark's tests + check(entry_point).
+
+    A completion that defines the entry point itself is sanitised and placed after the
+    prompt (the prompt keeps its imports and helpers; the new definition wins). A bare
+    body continues the prompt's open function.
+    """
+    entry = problem["entry_point"]
+    code = extract_code(completion, entry)
+    solution = sanitize(code)
+    if defines(solution, entry):
+        body = problem["prompt"] + "\n" + solution
+    else:
+        body = problem["prompt"] + code
+        if not _compiles(body):
+            body = problem["prompt"] + "\n" + solution
+    return f"{body}\n\n{problem['test']}\n\ncheck({entry})\n"
+
+
+def mbpp_program(record: dict, completion: str) -> str:
+    """The model's code (sanitised), then MBPP's setup code, imports and test asserts."""
+    code = sanitize(extract_code(completion))
+    setup = record.get("test_setup_code") or ""
+    imports = "\n".join(record.get("test_imports") or [])
+    tests = "\n".join(record["test_list"])
+    return f"{imports}\n{code}\n{setup}\n\n{tests}\n"

@@ -1,0 +1,81 @@
+"""The summary of a run: accuracy with a Wilson 95% interval, speed, latency percentiles."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+Z95 = 1.959963984540054  # two-sided 95% normal quantile
+
+
+def wilson_interval(correct: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval for a binomial proportion; (0, 1) when n is 0."""
+    if n == 0:
+        return 0.0, 1.0
+    p = correct / n
+    denom = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolation percentile (numpy's default), q in [0, 100]."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _sum(records: Iterable[dict], key: str) -> float | None:
+    values = [r["stats"][key] for r in records if r.get("stats") and r["stats"].get(key) is not None]
+    return sum(values) if values else None
+
+
+def summarize(records: Sequence[dict]) -> dict:
+    """Accuracy and speed over per-sample records (as written to samples.jsonl).
+
+    tps is single-stream speed, tokens / seconds each sequence took (the paper's figure
+    at batch size 1); throughput is tokens / generation seconds of the run (batching helps).
+    """
+    n = len(records)
+    correct = sum(bool(r["correct"]) for r in records)
+    lo, hi = wilson_interval(correct, n)
+    summary: dict = {
+        "n": n,
+        "correct": correct,
+        "accuracy": correct / n if n else None,
+        "ci95": [lo, hi],
+        "no_answer": sum(r.get("extracted") is None for r in records),
+    }
+    tokens, nfe, wall = _sum(records, "tokens"), _sum(records, "nfe"), _sum(records, "wall_time")
+    gen_seconds = sum(r.get("gen_seconds") or 0.0 for r in records)
+    latencies = [r["stats"]["wall_time"] for r in records if r.get("stats") and r["stats"].get("wall_time") is not None]
+    summary.update(
+        tokens=tokens,
+        tokens_mean=tokens / n if tokens is not None and n else None,
+        nfe_mean=nfe / n if nfe is not None and n else None,
+        tpf=tokens / nfe if tokens is not None and nfe else None,
+        tps=tokens / wall if tokens is not None and wall else None,
+        throughput=tokens / gen_seconds if tokens is not None and gen_seconds else None,
+        latency_s={
+            "mean": sum(latencies) / len(latencies) if latencies else None,
+            "p50": percentile(latencies, 50),
+            "p90": percentile(latencies, 90),
+            "p99": percentile(latencies, 99),
+            "max": max(latencies) if latencies else None,
+        },
+    )
+    return summary
+
+
+def one_line(task: str, summary: dict) -> str:
+    if not summary["n"]:
+        return f"{task}: no samples"
+    lo, hi = summary["ci95"]
+    line = f"{task}: accuracy {100 * summary['accuracy']:.2f}% ({summary['correct']}/{summary['n']}, 95% CI {100 * lo:.1f}-{100 * hi:.1f})"
+    if summary.get("tps") is not None:
+        line += f", {summary['tps']:.1f} tok/s, TPF {summary['tpf']:.2f}, NFE {summary['nfe_mean']:.1f}"
+    return line

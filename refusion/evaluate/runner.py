@@ -1,0 +1,268 @@
+"""Run a benchmark end to end: prompts -> completions -> scores -> results on disk.
+
+Completions come from an injectable `generate_fn(prompts) -> outputs` (each output has
+`.text` and optionally `.stats`; `refusion.generate` with a bound model in real runs, a
+fake in tests) or from a predictions file made elsewhere. Results go to OUT/:
+
+- samples.jsonl  one line per sample as soon as it is scored (prompt, output, extracted,
+                 gold, correct, stats); a rerun with the same settings skips these;
+- summary.json   accuracy with its Wilson 95% interval, speed, latency, the settings;
+- run.json       the settings, checked on resume so runs are never mixed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from ..errors import ContextLengthError
+from .benchmarks import Benchmark, CodeBenchmark, Sample, Scored, get_benchmark
+from .errors import PredictionsError, ResumeMismatchError
+from .report import one_line, summarize
+from .sandbox import Limits, isolation
+
+GenerateFn = Callable[[list[str]], Sequence[Any]]
+STAT_FIELDS = ("nfe", "tpf", "tokens", "wall_time", "tps")
+
+
+@dataclasses.dataclass
+class Completion:
+    text: str
+    stats: dict | None = None
+    error: str | None = None  # why there is no output (the sample counts as wrong)
+
+
+def _as_completion(output: Any) -> Completion:
+    if isinstance(output, str):
+        return Completion(output)
+    stats = getattr(output, "stats", None)
+    if stats is not None and not isinstance(stats, dict):
+        stats = {k: getattr(stats, k, None) for k in STAT_FIELDS}
+    return Completion(output.text, stats)
+
+
+# ------------------------------------------------------------------------ predictions
+_ID_KEYS = ("task_id", "id", "sample_id", "question_id")
+_INDEX_KEYS = ("index", "idx", "doc_id")
+_TEXT_KEYS = ("completion", "output", "text", "response", "prediction", "resps")
+
+
+def read_predictions(path: str | os.PathLike) -> tuple[dict[str, str], dict[int, str]]:
+    """Completions by sample id and by dataset index from a JSONL file."""
+    p = Path(path)
+    if not p.is_file():
+        raise PredictionsError(f"predictions file not found: {p}")
+    by_id: dict[str, str] = {}
+    by_index: dict[int, str] = {}
+    with open(p, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                text = next(row[k] for k in _TEXT_KEYS if k in row)
+            except (json.JSONDecodeError, StopIteration, TypeError) as e:
+                raise PredictionsError(
+                    f"{p}:{n}: expected a JSON object with a completion ({', '.join(_TEXT_KEYS)}) ({e})"
+                ) from None
+            while isinstance(text, list):  # lm-eval's "resps": [["..."]]
+                text = text[0] if text else ""
+            key = next((k for k in _ID_KEYS if k in row), None)
+            if key is not None:
+                by_id[str(row[key])] = str(text)
+            else:
+                index = next((row[k] for k in _INDEX_KEYS if k in row), None)
+                if index is None:
+                    raise PredictionsError(f"{p}:{n}: no sample id ({', '.join(_ID_KEYS)}) or index ({', '.join(_INDEX_KEYS)})")
+                by_index[int(index)] = str(text)
+    return by_id, by_index
+
+
+# -------------------------------------------------------------------------- results
+class ResultsDir:
+    """OUT/samples.jsonl (append-only, resumable), OUT/summary.json, OUT/run.json."""
+
+    def __init__(self, path: str | os.PathLike, settings: dict, overwrite: bool = False) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.samples = self.path / "samples.jsonl"
+        self.summary = self.path / "summary.json"
+        run = self.path / "run.json"
+        if overwrite:
+            for f in (self.samples, self.summary, run):
+                f.unlink(missing_ok=True)
+        if run.exists() and self.samples.exists():
+            before = json.loads(run.read_text())
+            keys = ("task", "model", "config", "data", "predictions")
+            if any(before.get(k) != settings.get(k) for k in keys):
+                changed = [k for k in keys if before.get(k) != settings.get(k)]
+                raise ResumeMismatchError(
+                    f"{self.path} holds a run with other settings ({', '.join(changed)} differ); "
+                    "pass --overwrite or another --out"
+                )
+        run.write_text(json.dumps(settings, indent=2, default=str) + "\n")
+
+    def done(self) -> dict[str, dict]:
+        """Records already written, by id. A line cut short by an interrupt is dropped."""
+        if not self.samples.exists():
+            return {}
+        raw = self.samples.read_bytes()
+        if raw and not raw.endswith(b"\n"):  # interrupted mid-line: cut back to the last whole line
+            raw = raw[: raw.rfind(b"\n") + 1]
+            self.samples.write_bytes(raw)
+        records = {}
+        for line in raw.decode("utf-8").splitlines():
+            try:
+                record = json.loads(line)
+                records[str(record["id"])] = record
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+        return records
+
+    def append(self, records: Sequence[dict]) -> None:
+        with open(self.samples, "a", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def write_summary(self, summary: dict) -> None:
+        tmp = self.summary.with_suffix(".tmp")
+        tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        tmp.replace(self.summary)
+
+
+# --------------------------------------------------------------------------- the run
+def evaluate(
+    task: str | Benchmark,
+    generate_fn: GenerateFn | None = None,
+    *,
+    predictions: str | os.PathLike | None = None,
+    data: str | None = None,
+    limit: int | None = None,
+    batch_size: int = 1,
+    out_dir: str | os.PathLike | None = None,
+    config: Any = None,
+    model: str | None = None,
+    limits: Limits | None = None,
+    workers: int | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    samples: Sequence[Sample] | None = None,
+) -> dict:
+    """Evaluate `generate_fn` (or a predictions file) on a benchmark; returns the summary.
+
+    `config` (a DecodeConfig or dict) and `model` are recorded, and a resumed run must
+    match them. `samples` overrides loading (tests, custom subsets).
+    """
+    bench = get_benchmark(task) if isinstance(task, str) else task
+    if (generate_fn is None) == (predictions is None):
+        raise ValueError("pass exactly one of generate_fn and predictions")
+    if samples is None:
+        samples = bench.load(data, limit)
+    samples = _unique_ids(samples)
+    missing = 0
+    if predictions is not None:
+        samples, complete, missing = _from_predictions(samples, predictions)
+    else:
+        complete = _from_generate(generate_fn)
+    config_dict = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
+    settings = {"task": bench.name, "model": model, "config": config_dict, "data": data or "default",
+                "predictions": str(predictions) if predictions else None, "limit": limit}
+    results = ResultsDir(out_dir or Path("runs") / "eval" / bench.name, settings, overwrite)
+    done = results.done()
+    wanted = {s.id for s in samples}
+    records = [done[s.id] for s in samples if s.id in done]
+    pending = [s for s in samples if s.id not in done]
+    chunk = max(1, batch_size) if predictions is None else 64  # predictions: batch the sandbox
+    started = time.perf_counter()
+    with _progress(len(samples), len(records), bench.name, progress) as bar:
+        for i in range(0, len(pending), chunk):
+            batch = pending[i : i + chunk]
+            t0 = time.perf_counter()
+            completions = complete(batch)
+            gen_seconds = (time.perf_counter() - t0) if predictions is None else None
+            scored = bench.score(batch, [c.text for c in completions], limits=limits, workers=workers)
+            share = None if gen_seconds is None else gen_seconds / len(batch)
+            new = [_record(s, c, sc, share) for s, c, sc in zip(batch, completions, scored)]
+            results.append(new)
+            records.extend(new)
+            bar.update(len(batch))
+            bar.set_postfix(acc=f"{sum(r['correct'] for r in records) / len(records):.3f}")
+    summary = {"task": bench.name, "model": model, **summarize(records), "config": config_dict,
+               "data": settings["data"], "predictions": settings["predictions"], "limit": limit,
+               "resumed": len(wanted & done.keys()), "missing_predictions": missing,
+               "errors": sum(1 for r in records if (r.get("detail") or {}).get("error")),
+               "elapsed_s": time.perf_counter() - started,
+               "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+               "files": {"samples": str(results.samples), "summary": str(results.summary)}}
+    if isinstance(bench, CodeBenchmark):
+        summary["sandbox"] = isolation().describe()
+    results.write_summary(summary)
+    summary["line"] = one_line(bench.name, summary)
+    return summary
+
+
+def _unique_ids(samples: Sequence[Sample]) -> list[Sample]:
+    seen: set[str] = set()
+    out = []
+    for s in samples:
+        if s.id in seen:
+            s = dataclasses.replace(s, id=f"{s.id}#{s.index}")
+        seen.add(s.id)
+        out.append(s)
+    return out
+
+
+def _from_generate(generate_fn: GenerateFn) -> Callable[[list[Sample]], list[Completion]]:
+    """A prompt too long for the model is recorded as an error (and a wrong answer), as
+    harnesses do, instead of ending the run; the rest of its batch is retried alone."""
+
+    def complete(batch: list[Sample]) -> list[Completion]:
+        try:
+            outputs = list(generate_fn([s.prompt for s in batch]))
+        except ContextLengthError as e:
+            if len(batch) == 1:
+                return [Completion("", error=str(e))]
+            return [c for s in batch for c in complete([s])]
+        if len(outputs) != len(batch):
+            raise ValueError(f"generate_fn returned {len(outputs)} outputs for {len(batch)} prompts")
+        return [_as_completion(o) for o in outputs]
+
+    return complete
+
+
+def _from_predictions(samples, path):
+    by_id, by_index = read_predictions(path)
+    text = {s.id: by_id.get(s.id, by_index.get(s.index)) for s in samples}
+    kept = [s for s in samples if text[s.id] is not None]
+    if not kept:
+        raise PredictionsError(f"{path}: no prediction matches a sample of this task (by id or index)")
+    return kept, (lambda batch: [Completion(text[s.id]) for s in batch]), len(samples) - len(kept)
+
+
+def _record(sample: Sample, completion: Completion, scored: Scored, gen_seconds: float | None) -> dict:
+    return {
+        "id": sample.id,
+        "index": sample.index,
+        "prompt": sample.prompt,
+        "output": completion.text,
+        "extracted": scored.extracted,
+        "gold": sample.gold,
+        "correct": bool(scored.correct),
+        "stats": completion.stats,
+        "gen_seconds": gen_seconds,
+        "detail": {**scored.detail, "error": completion.error} if completion.error else (scored.detail or None),
+    }
+
+
+def _progress(total: int, initial: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit="sample", disable=not enabled, dynamic_ncols=True)

@@ -1,0 +1,163 @@
+"""The lm-evaluation-harness plugin (skipped when lm-eval is not installed)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("lm_eval")
+
+import refusion
+from refusion import ModelConfig, Transformer
+from refusion.evaluate.lm_eval_plugin import ReFusionLM
+
+
+@pytest.fixture
+def lm_parts(tiny_tokenizer):
+    config = ModelConfig(model_type="qwen3", vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=True,
+                         max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = Transformer(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model.eval(), tiny_tokenizer
+
+
+def request(*args):
+    return SimpleNamespace(args=args)
+
+
+def direct_loglikelihood(model, tok, context: str, continuation: str) -> tuple[float, bool]:
+    """One sequence, one forward, no batching or padding."""
+    torch.set_grad_enabled(False)
+    whole = tok.encode(context + continuation, add_special_tokens=False)
+    n_ctx = len(tok.encode(context, add_special_tokens=False))
+    tokens = torch.tensor([whole[:-1]])
+    logprobs = F.log_softmax(model(tokens, torch.arange(tokens.shape[1])[None]), dim=-1)[0]
+    target = torch.tensor(whole[n_ctx:])
+    lp = logprobs[n_ctx - 1 :]
+    return float(lp.gather(-1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all())
+
+
+def test_registered_under_the_name_refusion():
+    from lm_eval.api.registry import get_model
+
+    assert get_model("refusion") is ReFusionLM
+
+
+def test_loglikelihood_batched_equals_one_sequence_at_a_time(lm_parts):
+    model, tok = lm_parts
+    pairs = [("The cat sat on the", " mat"), ("Two plus three is", " five; five plus five is ten."),
+             ("Hello", " world!"), ("A slot is a run of tokens decoded", " together")]
+    lm = ReFusionLM(model=model, tokenizer=tok, batch_size=3)
+    got = lm.loglikelihood([request(c, x) for c, x in pairs])
+    for (context, continuation), (ll, greedy) in zip(pairs, got):
+        want_ll, want_greedy = direct_loglikelihood(model, tok, context, continuation)
+        assert ll == pytest.approx(want_ll, abs=1e-4) and greedy == want_greedy
+        assert ll < 0
+
+
+def test_loglikelihood_is_greedy_only_for_the_argmax_continuation(lm_parts):
+    model, tok = lm_parts
+    ids = tok.encode("Hello there", add_special_tokens=False)
+    context = list(ids)
+    with torch.no_grad():
+        for _ in range(3):
+            logits = model(torch.tensor([ids]), torch.arange(len(ids))[None])
+            ids.append(int(logits[0, -1].argmax()))
+    greedy = ids[len(context) :]
+    other = greedy[:2] + [(greedy[2] + 1) % len(tok)]
+    lm = ReFusionLM(model=model, tokenizer=tok, batch_size=2)
+    (ll_greedy, is_greedy), (ll_other, is_other) = lm._score([(context, greedy), (context, other)], True)
+    assert is_greedy and not is_other and ll_greedy > ll_other
+
+
+def test_rolling_loglikelihood_windows(lm_parts):
+    model, tok = lm_parts
+    text = "Two plus three is five; five plus five is ten. The cat sat on the mat."
+    full = ReFusionLM(model=model, tokenizer=tok).loglikelihood_rolling([request(text)])[0]
+    (one,) = ReFusionLM(model=model, tokenizer=tok).loglikelihood([request("", text)])
+    assert full == pytest.approx(one[0], abs=1e-4)
+    windowed = ReFusionLM(model=model, tokenizer=tok, max_length=8).loglikelihood_rolling([request(text)])[0]
+    assert windowed < 0 and windowed != pytest.approx(full, abs=1e-3)  # less context, other value
+
+
+def test_generate_until_maps_gen_kwargs_and_cuts_at_stops(lm_parts, monkeypatch):
+    from refusion.decode.config import DecodeConfig
+
+    monkeypatch.setattr(refusion, "DecodeConfig", DecodeConfig, raising=False)
+    model, tok = lm_parts
+    calls = []
+
+    def fake_generate(model_, tokenizer, prompts, cfg, chat=True):
+        calls.append((list(prompts), cfg, chat))
+        return [SimpleNamespace(text=f"answer to {p}\nQ: more") for p in prompts]
+
+    lm = ReFusionLM(model=model, tokenizer=tok, preset="gsm8k", batch_size=2, generate_fn=fake_generate)
+    kwargs_a = {"until": ["Q:"], "max_gen_toks": 64, "do_sample": False}
+    kwargs_b = {"until": "more", "temperature": 0.5}
+    out = lm.generate_until([request("p1", kwargs_a), request("p2", kwargs_b), request("p3", kwargs_a)])
+    assert out == ["answer to p1\n", "answer to p2\nQ: ", "answer to p3\n"]
+    by_prompt = {tuple(p): (cfg, chat) for p, cfg, chat in calls}
+    cfg_a, chat = by_prompt[("p1", "p3")]
+    assert not chat  # lm-eval formats (and chat-templates) the context itself
+    # max_gen_toks 64 rounds up to whole slots in the preset's 4 blocks of 32-token slots
+    assert (cfg_a.gen_length, cfg_a.temperature, cfg_a.slot_size, cfg_a.serial_blocks) == (128, 0.0, 32, 4)
+    assert by_prompt[("p2",)][0].temperature == 0.5 and by_prompt[("p2",)][0].gen_length == 512
+
+
+def test_generate_until_caps_outputs_at_max_gen_toks(lm_parts, monkeypatch):
+    from refusion.decode.config import DecodeConfig
+
+    monkeypatch.setattr(refusion, "DecodeConfig", DecodeConfig, raising=False)
+    model, tok = lm_parts
+    ids = tok.encode("The cat sat on the mat and looked at the dog.", add_special_tokens=False)
+
+    def fake_generate(model_, tokenizer, prompts, cfg, chat=True):
+        return [SimpleNamespace(text=tok.decode(ids), token_ids=ids) for _ in prompts]
+
+    lm = ReFusionLM(model=model, tokenizer=tok, generate_fn=fake_generate)
+    (out,) = lm.generate_until([request("p", {"until": [], "max_gen_toks": 3})])
+    assert out == tok.decode(ids[:3])
+
+
+def test_lm_eval_runs_a_tiny_local_task(lm_parts, tmp_path, monkeypatch):
+    """lm-eval's own evaluator drives the plugin: a multiple-choice task (loglikelihood)
+    and a generation task (generate_until) from local JSONL files."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from refusion.decode.config import DecodeConfig
+
+    monkeypatch.setattr(refusion, "DecodeConfig", DecodeConfig, raising=False)
+    model, tok = lm_parts
+    docs = [{"question": f"What is {i} plus {i}?", "choices": [str(2 * i), str(2 * i + 1)], "label": 0,
+             "answer": str(2 * i)} for i in range(1, 5)]
+    data = tmp_path / "tiny.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+    (tmp_path / "tiny_mc.yaml").write_text(
+        "task: tiny_mc\n" + common + "output_type: multiple_choice\ndoc_to_text: \"{{question}}\"\n"
+        "doc_to_choice: \"{{choices}}\"\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n"
+    )
+    (tmp_path / "tiny_gen.yaml").write_text(
+        "task: tiny_gen\n" + common + "output_type: generate_until\ndoc_to_text: \"{{question}}\"\n"
+        "doc_to_target: answer\ngeneration_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 16\n"
+        "metric_list:\n  - metric: exact_match\n"
+    )
+
+    def oracle(model_, tokenizer, prompts, cfg, chat=True):  # answers every question right
+        return [SimpleNamespace(text=str(2 * int(p.split("What is ")[1].split(" ")[0])) + "\nand more") for p in prompts]
+
+    lm = ReFusionLM(model=model, tokenizer=tok, batch_size=4, generate_fn=oracle)
+    results = lm_eval.simple_evaluate(model=lm, tasks=["tiny_mc", "tiny_gen"],
+                                      task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
+                                      bootstrap_iters=0, log_samples=False)
+    assert results["results"]["tiny_gen"]["exact_match,none"] == 1.0
+    assert 0.0 <= results["results"]["tiny_mc"]["acc,none"] <= 1.0
