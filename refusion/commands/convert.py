@@ -1,13 +1,23 @@
-"""`refusion convert`: not implemented yet."""
+"""`refusion convert BASE OUT`: make an AR checkpoint ReFusion-ready by adding `<|mask|>`."""
+
+from __future__ import annotations
 
 import argparse
 
-from ..errors import ReFusionError
+from ..checkpoint import DTYPES, convert
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    parser.add_argument("base", help="the AR model: directory, hub id or .gguf file")
+    parser.add_argument("out", help="directory to write the ReFusion checkpoint to")
+    parser.add_argument("--force", action="store_true", help="replace OUT if it exists and is not empty")
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", *DTYPES], help="dtype to save in (default: the base model's)"
+    )
+    parser.add_argument("--device", default="cpu", help="device to load the model on (default: cpu)")
 
 
 def run(args: argparse.Namespace) -> int:
-    raise ReFusionError("'refusion convert' is not implemented yet")
+    mask_id = convert(args.base, args.out, device=args.device, dtype=args.dtype, overwrite=args.force)
+    print(f"wrote {args.out} (MASK token <|mask|> = id {mask_id})")
+    return 0

@@ -1,13 +1,44 @@
-"""`refusion info`: not implemented yet."""
+"""`refusion info [MODEL]`: what a checkpoint is, read from its config and tokenizer alone."""
+
+from __future__ import annotations
 
 import argparse
+import json
+from typing import Any
 
-from ..errors import ReFusionError
+from ..checkpoint import describe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    parser.add_argument(
+        "model", nargs="?", default=None, help="model directory, hub id or .gguf file (default: the bundled model)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the facts as one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
-    raise ReFusionError("'refusion info' is not implemented yet")
+    info = describe(args.model)
+    print(json.dumps(info, indent=2) if args.json else format_info(info))
+    return 0
+
+
+def format_info(info: dict[str, Any]) -> str:
+    """Aligned `label  value` lines for a person to read."""
+    mask = info["mask_token_id"]
+    tokenizer = "no tokenizer" if info["tokenizer_size"] is None else f"tokenizer: {info['tokenizer_size']}"
+    rows = [
+        ("model", info["path"]),
+        ("architecture", f"{info['architecture']} ({info['model_type']})"),
+        ("parameters", f"{info['parameters']:,}"),
+        ("vocab size", f"{info['vocab_size']} ({tokenizer})"),
+        ("context length", info["context_length"]),
+        ("MASK id", "none (run `refusion convert`)" if mask is None else mask),
+        ("dtype", info["dtype"] or "unspecified"),
+        ("layers", info["num_hidden_layers"]),
+        ("hidden size", info["hidden_size"]),
+        ("heads", f"{info['num_attention_heads']} query, {info['num_key_value_heads']} key/value"),
+        ("head dim", info["head_dim"]),
+        ("tied embeddings", "yes" if info["tie_word_embeddings"] else "no"),
+    ]
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)

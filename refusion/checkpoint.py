@@ -1,0 +1,503 @@
+"""Checkpoints in Hugging Face format, both ways: load, save, and add the MASK token.
+
+`load` accepts a local model directory, a hub id, a `.gguf` file or nothing (the model
+bundled with the package) and returns our `Transformer` plus the tokenizer. Weights are
+read with `safetensors` straight into the model, after every name and shape has been
+checked against the config from the file headers alone, so a bad checkpoint fails with
+the name of the first bad tensor before any weight is read. `save_pretrained` writes a
+directory that `transformers.AutoModelForCausalLM` loads too (SPEC §1), atomically.
+
+`transformers` is imported inside the functions that need it (tokenizers, GGUF), so that
+`import refusion` stays cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .config import ModelConfig
+from .errors import CheckpointError, ConfigError
+from .model import Transformer, rope_inv_freq
+
+BUNDLED_DIR = Path(__file__).parent / "bundled" / "refusion-tiny"
+MASK_TOKEN = "<|mask|>"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+_HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
+# tensors some checkpoints carry that the model recomputes
+_IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+
+PathLike = str | os.PathLike
+
+
+# ---------------------------------------------------------------------------- load
+def load(
+    path: PathLike | None = None,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+) -> tuple[Transformer, Any]:
+    """Load a model and its tokenizer.
+
+    path: a local Hugging Face model directory (config.json + model.safetensors, or
+    shards with model.safetensors.index.json), a hub id (downloaded with
+    huggingface_hub), a `.gguf` file (de-quantised by transformers), or None for the
+    model bundled with the package. dtype: None or "auto" = the config's torch_dtype if
+    the device can run it, else float32; or "float32" / "bfloat16" / "float16" / a torch
+    dtype. The tokenizer is None when the directory has no tokenizer files.
+    `model.config.mask_token_id` is the config's, else the tokenizer's `<|mask|>` id.
+    """
+    dev = _check_device(device)
+    wanted = parse_dtype(dtype, dev)  # a bad dtype fails before any file is read
+    source = _resolve(path)
+    if source.suffix == ".gguf":
+        return _load_gguf(source, dev, wanted)
+    config, tokenizer = _read_metadata(source)
+    model = _empty_model(config)
+    headers = _read_headers(_weight_files(source))
+    _check_tensors(model, headers, where=str(source))
+    state = _read_tensors(headers, set(_expected_shapes(model)), dev, wanted or _config_dtype(config, dev))
+    return _fill(model, state, dev), tokenizer
+
+
+def load_metadata(path: PathLike | None = None) -> tuple[ModelConfig, Any]:
+    """The config (with the MASK id resolved) and tokenizer of a checkpoint, without
+    reading its weights. Same `path` forms as `load`."""
+    source = _resolve(path)
+    if source.suffix != ".gguf":
+        return _read_metadata(source)
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
+    except (OSError, ValueError, KeyError, ImportError) as e:
+        raise CheckpointError(f"cannot read the GGUF file {source}: {e}") from None
+    config = ModelConfig.from_hf_dict(_plain_hf_dict(hf_config))
+    tokenizer = _gguf_tokenizer(source)
+    _resolve_mask_id(config, tokenizer)
+    return config, tokenizer
+
+
+def describe(path: PathLike | None = None) -> dict[str, Any]:
+    """What `refusion info` reports. Reads no weights: the parameter count comes from
+    the shapes the config implies (a model built on the meta device)."""
+    config, tokenizer = load_metadata(path)
+    return {
+        "path": str(BUNDLED_DIR if path is None else path),
+        "architecture": config.to_hf_dict()["architectures"][0],
+        "model_type": config.model_type,
+        "parameters": _empty_model(config).num_parameters(),
+        "vocab_size": config.vocab_size,
+        "tokenizer_size": None if tokenizer is None else len(tokenizer),
+        "context_length": config.max_position_embeddings,
+        "mask_token_id": config.mask_token_id,
+        "dtype": config.torch_dtype,
+        "num_hidden_layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "tie_word_embeddings": config.tie_word_embeddings,
+    }
+
+
+def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype | None:
+    """A supported torch dtype that runs on `device`, or None for "use the config's"."""
+    if dtype is None or dtype == "auto":
+        return None
+    choices = f"choose one of auto, {', '.join(DTYPES)}"
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype {dtype!r}; {choices}")
+        dtype = DTYPES[dtype]
+    if dtype not in DTYPES.values():
+        raise ConfigError(f"dtype {dtype} is not supported; {choices}")
+    if not _device_runs(device, dtype):
+        raise ConfigError(f"device {device} cannot run {dtype}; pass dtype='float32'")
+    return dtype
+
+
+def _config_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
+    """The dtype the checkpoint was stored in, or float32 where the device cannot run it."""
+    stored = DTYPES.get(str(config.torch_dtype).removeprefix("torch."), torch.float32)
+    return stored if _device_runs(device, stored) else torch.float32
+
+
+def _device_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a small matmul in `dtype` works on `device` (the model's core operation)."""
+    try:
+        x = torch.ones(2, 2, dtype=dtype, device=device)
+        (x @ x).sum().item()
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
+def _check_device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+        torch.empty(1, device=dev)
+    except (RuntimeError, AssertionError) as e:  # torch asserts when built without CUDA
+        raise ConfigError(f"device {str(device)!r} is not available: {e}") from None
+    return dev
+
+
+# ---------------------------------------------------------------------------- where the files are
+def _resolve(path: PathLike | None) -> Path:
+    """A local directory or .gguf file for any accepted `path` form."""
+    if path is None:
+        if not (BUNDLED_DIR / "config.json").is_file():
+            raise CheckpointError(
+                f"the bundled model is missing from this installation ({BUNDLED_DIR}); "
+                "pass a model directory, a .gguf file or a hub id instead"
+            )
+        return BUNDLED_DIR
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local
+    if local.is_file():
+        if local.suffix == ".gguf":
+            return local
+        raise CheckpointError(
+            f"{local} is a file; expected a model directory (config.json + *.safetensors) or a .gguf file"
+        )
+    if isinstance(path, str) and _HUB_ID.fullmatch(path) and not path.startswith("."):
+        return _download(path)
+    raise CheckpointError(f"no model directory or file at {local}")
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS))
+    except (OSError, ValueError) as e:  # offline, not found, gated, invalid id
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{repo_id!r} is not a local directory, and fetching it from the Hugging Face hub failed "
+            f"({reason}). To load offline, pass the path of a local model directory "
+            "(config.json + *.safetensors) or of a .gguf file."
+        ) from None
+
+
+def _read_metadata(directory: Path) -> tuple[ModelConfig, Any]:
+    config = ModelConfig.from_json(directory / "config.json")
+    tokenizer = _load_tokenizer(directory)
+    _resolve_mask_id(config, tokenizer)
+    return config, tokenizer
+
+
+def _load_tokenizer(directory: Path) -> Any:
+    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"cannot load the tokenizer in {directory}: {e}") from None
+
+
+def _resolve_mask_id(config: ModelConfig, tokenizer: Any) -> None:
+    """config.mask_token_id := the config's, else the tokenizer's `<|mask|>`, else None."""
+    if config.mask_token_id is None and tokenizer is not None:
+        config.mask_token_id = tokenizer_mask_id(tokenizer)
+    mask = config.mask_token_id
+    if mask is not None and not 0 <= mask < config.vocab_size:
+        raise CheckpointError(f"mask_token_id={mask} is outside the vocabulary (vocab_size={config.vocab_size})")
+
+
+def tokenizer_mask_id(tokenizer: Any) -> int | None:
+    """The id of `<|mask|>` in the tokenizer's vocabulary (added tokens included), or None."""
+    return tokenizer.get_vocab().get(MASK_TOKEN)
+
+
+# ---------------------------------------------------------------------------- weights
+def _empty_model(config: ModelConfig) -> Transformer:
+    """The model's structure without storage: its state dict gives the expected shapes."""
+    with torch.device("meta"):
+        return Transformer(config)
+
+
+def _expected_shapes(model: Transformer) -> dict[str, torch.Size]:
+    """Every tensor the checkpoint must hold; a tied lm_head is not stored on its own."""
+    shapes = {name: t.shape for name, t in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        del shapes["lm_head.weight"]
+    return shapes
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted({directory / name for name in json.loads(index.read_text())["weight_map"].values()})
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index ({type(e).__name__}: {e})") from None
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{index} names the shard {f.name}, which is missing")
+        return files
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return [single]
+    hint = " (PyTorch .bin weights are not supported; save them as safetensors)" if any(directory.glob("*.bin")) else ""
+    raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {directory}{hint}")
+
+
+def _read_headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """name -> (file, shape) for every tensor, from the safetensors headers only."""
+    headers: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for f in files:
+        try:
+            with safe_open(f, framework="pt") as st:
+                for name in st.keys():
+                    headers[name] = (f, tuple(st.get_slice(name).get_shape()))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from None
+    return headers
+
+
+def _check_tensors(model: Transformer, found: dict[str, tuple[Any, tuple[int, ...]]], where: str) -> None:
+    """Every expected tensor present with the expected shape, and nothing unexplained."""
+    expected = _expected_shapes(model)
+    for name, shape in expected.items():
+        if name not in found:
+            raise CheckpointError(f"tensor {name} is missing from {where}")
+        if found[name][1] != tuple(shape):
+            raise CheckpointError(
+                f"tensor {name} in {where} has shape {list(found[name][1])}, but the config implies {list(shape)}"
+            )
+    allowed = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    for name in found:
+        if name not in expected and name not in allowed and not name.endswith(_IGNORED_TENSOR_SUFFIXES):
+            raise CheckpointError(f"unexpected tensor {name} in {where}: the config does not describe it")
+
+
+def _read_tensors(
+    headers: dict[str, tuple[Path, tuple[int, ...]]],
+    names: set[str],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """The named tensors, cast and moved one at a time (peak memory: one extra tensor)."""
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted({f for f, _ in headers.values()}):
+        try:
+            with safe_open(f, framework="pt") as st:
+                for name in st.keys():
+                    if name in names:
+                        state[name] = st.get_tensor(name).to(device=device, dtype=dtype)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read the tensors of {f}: {e}") from None
+    return state
+
+
+def _fill(model: Transformer, state: dict[str, torch.Tensor], device: torch.device) -> Transformer:
+    """Give the meta-device model the loaded tensors (no copy), re-tie, rebuild RoPE."""
+    tied = model.config.tie_word_embeddings
+    if tied:
+        state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
+    model.load_state_dict(state, strict=True, assign=True)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(model.config).to(device)
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------- GGUF
+def _load_gguf(file: Path, device: torch.device, wanted: torch.dtype | None) -> tuple[Transformer, Any]:
+    """De-quantise with transformers, then move its weights into our model."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name)
+    except ImportError as e:
+        raise CheckpointError(f"reading GGUF needs the gguf package (pip install 'refusion[gguf]'): {e}") from None
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise CheckpointError(f"cannot import the GGUF file {file}: {e}") from None
+    config = ModelConfig.from_hf_dict(_plain_hf_dict(hf_model.config))
+    tokenizer = _gguf_tokenizer(file)
+    _resolve_mask_id(config, tokenizer)
+    model = _empty_model(config)
+    hf_state = hf_model.state_dict()
+    _check_tensors(model, {k: (None, tuple(v.shape)) for k, v in hf_state.items()}, where=str(file))
+    dtype = wanted or _config_dtype(config, device)
+    state = {k: hf_state[k].to(device=device, dtype=dtype) for k in _expected_shapes(model)}
+    return _fill(model, state, device), tokenizer
+
+
+def _gguf_tokenizer(file: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"cannot read the tokenizer of the GGUF file {file}: {e}") from None
+
+
+def _plain_hf_dict(hf_config: Any) -> dict[str, Any]:
+    """The config as a plain checkpoint would have it: without the GGUF quantisation
+    record (which would make transformers treat our saved copy as quantised) or
+    transformers' private keys."""
+    d = hf_config.to_dict()
+    return {k: v for k, v in d.items() if k != "quantization_config" and not k.startswith("_")}
+
+
+# ---------------------------------------------------------------------------- save
+def save_pretrained(model: Transformer, tokenizer: Any, out_dir: PathLike, overwrite: bool = False) -> Path:
+    """Write config.json, model.safetensors and the tokenizer files (if any) to out_dir.
+
+    Written into a temporary directory next to out_dir, then renamed into place, so a
+    failure never leaves a half-written checkpoint. A non-empty out_dir is replaced only
+    with overwrite=True. The result loads in `transformers.AutoModelForCausalLM` too.
+    """
+    out = Path(out_dir)
+    check_output_dir(out, overwrite)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    except OSError as e:
+        raise CheckpointError(f"cannot write {out}: {e}") from None
+    try:
+        _write_checkpoint(model, tokenizer, staging)
+        _move_into_place(staging, out)
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"cannot write {out}: {e}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def check_output_dir(out: Path, overwrite: bool) -> None:
+    """Refuse to replace anything but an empty directory unless told to."""
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise CheckpointError(f"{out} exists and is not empty; refusing to overwrite it (use --force / overwrite=True)")
+
+
+def _write_checkpoint(model: Transformer, tokenizer: Any, directory: Path) -> None:
+    config = model.config.to_hf_dict()
+    config["torch_dtype"] = str(model.dtype).removeprefix("torch.")  # what the weights are, as saved
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _write_weights(model, directory / "model.safetensors")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+
+
+def _write_weights(model: Transformer, file: Path) -> None:
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:  # one tensor on disk, as transformers writes it
+        del state["lm_head.weight"]
+    save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, file, metadata={"format": "pt"})
+
+
+def _move_into_place(staging: Path, out: Path) -> None:
+    """Rename staging to out; an existing out is moved aside first and restored on failure."""
+    if not out.exists():
+        staging.rename(out)
+        return
+    graveyard = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    old = graveyard / out.name
+    out.rename(old)
+    try:
+        staging.rename(out)
+    except OSError:
+        old.rename(out)
+        raise
+    finally:
+        shutil.rmtree(graveyard, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- MASK token
+def add_mask_token(model: Transformer, tokenizer: Any) -> int:
+    """Make the model ReFusion-ready: ensure a `<|mask|>` token and return its id.
+
+    Adds `<|mask|>` to the tokenizer as an additional special token, and gives the
+    model a row for it in the embedding and the output layer, initialised to the mean
+    of the rows before it (SPEC §1; the tokens' rows, not the padding rows some vocabularies
+    carry). The matrices grow only when the id is past the last row; tied embeddings
+    stay tied. Idempotent: a model whose config or tokenizer already has the token is
+    left as it is. With tokenizer=None the new id is the next row.
+    """
+    config = model.config
+    if config.mask_token_id is not None:
+        return config.mask_token_id
+    mask_id = None if tokenizer is None else tokenizer_mask_id(tokenizer)
+    is_new = mask_id is None
+    if is_new:
+        mask_id = config.vocab_size if tokenizer is None else _add_to_tokenizer(tokenizer)
+    if is_new or mask_id >= config.vocab_size:
+        _init_rows(model, mask_id)
+    config.mask_token_id = mask_id
+    return mask_id
+
+
+def _add_to_tokenizer(tokenizer: Any) -> int:
+    # The positional False keeps the tokenizer's other additional special tokens (the
+    # argument is replace_additional_special_tokens in transformers 4, _extra_ in 5).
+    tokenizer.add_special_tokens({"additional_special_tokens": [MASK_TOKEN]}, False)
+    return tokenizer_mask_id(tokenizer)
+
+
+def _init_rows(model: Transformer, mask_id: int) -> None:
+    """Rows first..mask_id of the embedding and output matrices := the mean of rows
+    [0, first), growing the matrices if mask_id is past the end."""
+    first = min(mask_id, model.config.vocab_size)
+    if mask_id >= model.config.vocab_size:
+        _grow_vocab(model, mask_id + 1)
+    matrices = [model.model.embed_tokens.weight]
+    if not model.config.tie_word_embeddings:
+        matrices.append(model.lm_head.weight)
+    with torch.no_grad():
+        for w in matrices:  # (V, hidden)
+            w[first : mask_id + 1] = w[:first].float().mean(0).to(w.dtype)
+
+
+def _grow_vocab(model: Transformer, n_rows: int) -> None:
+    """Append zero rows to the embedding and output matrices (re-tying if tied)."""
+    embed, head = model.model.embed_tokens, model.lm_head
+    extra = n_rows - embed.weight.shape[0]
+    embed.weight = torch.nn.Parameter(_append_zero_rows(embed.weight, extra))
+    embed.num_embeddings = n_rows
+    if model.config.tie_word_embeddings:
+        head.weight = embed.weight
+    else:
+        head.weight = torch.nn.Parameter(_append_zero_rows(head.weight, extra))
+    head.out_features = n_rows
+    model.config.vocab_size = n_rows
+
+
+def _append_zero_rows(w: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.cat([w.detach(), w.new_zeros(n, w.shape[1])])  # (V + n, hidden)
+
+
+# ---------------------------------------------------------------------------- convert
+def convert(
+    base: PathLike | None,
+    out: PathLike,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+    overwrite: bool = False,
+) -> int:
+    """Load an AR checkpoint, add `<|mask|>` and save it as a ReFusion checkpoint at out.
+    Returns the MASK id. Fails before loading if out is a non-empty directory (unless
+    overwrite), and never leaves a half-written out."""
+    out = Path(out)
+    check_output_dir(out, overwrite)
+    model, tokenizer = load(base, device=device, dtype=dtype)
+    mask_id = add_mask_token(model, tokenizer)
+    save_pretrained(model, tokenizer, out, overwrite=overwrite)
+    return mask_id

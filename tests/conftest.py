@@ -1,0 +1,183 @@
+"""Shared fixtures: tiny random Hugging Face models and a tiny tokenizer, built offline.
+
+Everything here is made from scratch in a temporary directory (no hub access): a
+byte-level BPE tokenizer trained on a few sentences, and tiny Llama / Qwen2 / Qwen3
+models with randomised weights, written the way `transformers` writes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
+
+from refusion import ModelConfig, Transformer
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+SENTENCES = [
+    "The cat sat on the mat and looked at the dog.",
+    "Two plus three is five; five plus five is ten.",
+    "def add(a, b):\n    return a + b\n",
+    "A slot is a run of tokens decoded together, then verified left to right.",
+    "Hello world! Hello there, how are you today?",
+]
+
+# Tiny members of each family, each switching on the features that distinguish it.
+_COMMON = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=512, rms_norm_eps=1e-6
+)
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    # GQA, untied, plain RoPE
+    "llama": dict(
+        _COMMON, model_type="llama", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False
+    ),
+    # Llama-3 frequency scaling (positions beyond the original 64 matter) and q/k/v/o bias
+    "llama3": dict(
+        _COMMON,
+        model_type="llama",
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        attention_bias=True,
+        tie_word_embeddings=False,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+    ),
+    # qkv bias, tied embeddings, GQA
+    "qwen2": dict(_COMMON, model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    # q/k norm, head_dim not hidden/heads, GQA
+    "qwen3": dict(
+        _COMMON,
+        model_type="qwen3",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+    ),
+}
+
+# The test machines have two cores shared with other jobs: with two intra-op threads,
+# a busy neighbour makes OpenMP spin-waits cost 10-30x; one thread is never worse than 2x.
+torch.set_num_threads(1)
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (any text round-trips) with ChatML-style specials."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(SENTENCES, trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def randomise_(model: torch.nn.Module, seed: int) -> None:
+    """Weights large enough that a wrong op shows in the logits; norm weights around 1
+    (not exactly 1, so a forgotten norm weight shows too)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.08 * noise)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A saved tiny tokenizer (tokenizer.json, tokenizer_config.json, chat template)."""
+    path = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def tiny_tokenizer(tokenizer_dir: Path):
+    """A fresh copy of the tiny tokenizer, safe to modify."""
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_len(tokenizer_dir: Path) -> int:
+    return len(AutoTokenizer.from_pretrained(tokenizer_dir))
+
+
+@pytest.fixture(scope="session")
+def make_hf_model(tokenizer_len: int) -> Callable[..., PreTrainedModel]:
+    """Factory: a tiny random `transformers` model of the named TINY_CONFIGS family, float32,
+    eval mode, eager attention (the plainest reference). vocab = tokenizer + vocab_pad."""
+
+    def make(name: str, vocab_pad: int = 0, seed: int = 0, **overrides: Any) -> PreTrainedModel:
+        cfg = dict(TINY_CONFIGS[name], **overrides)
+        config = AutoConfig.for_model(
+            **cfg, vocab_size=tokenizer_len + vocab_pad, bos_token_id=1, eos_token_id=2, pad_token_id=0
+        )
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+        randomise_(model, seed)
+        return model.eval()
+
+    return make
+
+
+@pytest.fixture
+def make_hf_dir(
+    tmp_path: Path, tokenizer_dir: Path, make_hf_model: Callable[..., PreTrainedModel]
+) -> Callable[..., Path]:
+    """Factory: a Hugging Face model directory written by `transformers` (config.json,
+    safetensors, optionally sharded with an index, and the tiny tokenizer unless
+    tokenizer=False). Returns its path."""
+
+    def make(
+        name: str = "qwen3",
+        *,
+        shard_size: str | None = None,
+        tokenizer: bool = True,
+        vocab_pad: int = 0,
+        dirname: str | None = None,
+    ) -> Path:
+        out = tmp_path / (dirname or f"hf-{name}")
+        model = make_hf_model(name, vocab_pad=vocab_pad)
+        model.save_pretrained(out, **({"max_shard_size": shard_size} if shard_size else {}))
+        if tokenizer:
+            AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+        return out
+
+    return make
+
+
+@pytest.fixture
+def tiny_model() -> Transformer:
+    """A small random ReFusion `Transformer` built in memory (Qwen3 shape: GQA, q/k norm),
+    float32, eval mode. Vocabulary of 64; no tokenizer."""
+    config = ModelConfig(
+        model_type="qwen3",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        qk_norm=True,
+        max_position_embeddings=256,
+        eos_token_id=1,
+    )
+    model = Transformer(config)
+    randomise_(model, seed=0)
+    return model.eval()

@@ -1,0 +1,211 @@
+"""Each `KVCache` operation on its own, against a reference that does not use it.
+
+Where the arithmetic is the same (copies, or a forward over identical cache contents
+with identical shapes) results must be bit-equal; where the batch shape or the
+attention path differs, assert_close with default float32 tolerances.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from refusion import Transformer
+from refusion.cache import KVCache
+from refusion.errors import ContextLengthError
+
+MASK = 63  # any id: the model does not know it is special
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+def rand_tokens(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(2, 60, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def prefilled(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, capacity: int = 64) -> KVCache:
+    """A one-row cache holding `tokens` (T,) at `positions` (T,)."""
+    cache = model.new_cache(1, capacity)
+    model(tokens[None], positions[None], cache)
+    return cache
+
+
+def entries_equal(a: KVCache, row_a: int, b: KVCache, row_b: int, start: int, stop: int, start_b: int | None = None):
+    """Bit-equality of k, v, tokens and positions over a range of physical columns."""
+    sb = start if start_b is None else start_b
+    n = stop - start
+    for layer in range(len(a.k)):
+        assert torch.equal(a.k[layer][row_a, :, start:stop], b.k[layer][row_b, :, sb : sb + n])
+        assert torch.equal(a.v[layer][row_a, :, start:stop], b.v[layer][row_b, :, sb : sb + n])
+    assert torch.equal(a.tokens[row_a, start:stop], b.tokens[row_b, sb : sb + n])
+    assert torch.equal(a.positions[row_a, start:stop], b.positions[row_b, sb : sb + n])
+
+
+# ---------------------------------------------------------------------------- append (forward)
+def test_prefill_then_incremental_steps_equal_one_full_forward(tiny_model):
+    """Chunks of 5, 3, then single tokens, at shuffled positions, reproduce the uncached logits."""
+    tokens = rand_tokens(12, seed=0)[None]  # (1, 12)
+    positions = torch.randperm(40, generator=torch.Generator().manual_seed(0))[:12][None]
+    full = tiny_model(tokens, positions)  # (1, 12, V)
+    cache = tiny_model.new_cache(1, 16)
+    pieces, start = [], 0
+    for n in (5, 3, 1, 1, 1, 1):
+        pieces.append(tiny_model(tokens[:, start : start + n], positions[:, start : start + n], cache))
+        start += n
+    assert cache.lengths == [12]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full)
+
+
+def test_ragged_rows_with_n_new_padding_equal_each_row_alone(tiny_model):
+    """Right-padded prefill (n_new per row), then steps from different row lengths."""
+    a, b = rand_tokens(6, seed=1), rand_tokens(3, seed=2)
+    steps_a, steps_b = rand_tokens(4, seed=3), rand_tokens(4, seed=4)
+    cache = tiny_model.new_cache(2, 16)
+    padded = torch.stack([a, torch.cat([b, torch.zeros(3, dtype=torch.long)])])  # (2, 6)
+    pre = tiny_model(padded, torch.arange(6).expand(2, -1), cache, n_new=[6, 3])
+    assert cache.lengths == [6, 3]
+    step_logits = []
+    for i in range(0, 4, 2):  # two steps of two tokens, each row at its own length
+        toks = torch.stack([steps_a[i : i + 2], steps_b[i : i + 2]])
+        pos = torch.tensor([[6 + i, 7 + i], [3 + i, 4 + i]])
+        step_logits.append(tiny_model(toks, pos, cache))
+    steps = torch.cat(step_logits, dim=1)  # (2, 4, V)
+    for row, (prompt, cont) in enumerate([(a, steps_a), (b, steps_b)]):
+        seq = torch.cat([prompt, cont])[None]
+        alone = tiny_model(seq, torch.arange(seq.shape[1])[None])
+        n = len(prompt)
+        torch.testing.assert_close(pre[row, :n], alone[0, :n])
+        torch.testing.assert_close(steps[row], alone[0, n:])
+
+
+def test_ragged_rows_via_truncate_equal_each_row_alone(tiny_model):
+    """Both rows prefilled to 6; row 1 rolled back to 3; the next step sees only what is left."""
+    prompts = torch.stack([rand_tokens(6, seed=5), rand_tokens(6, seed=6)])
+    cache = tiny_model.new_cache(2, 16)
+    tiny_model(prompts, torch.arange(6).expand(2, -1), cache)
+    cache.truncate([6, 3])
+    nxt = torch.stack([rand_tokens(2, seed=7), rand_tokens(2, seed=8)])  # (2, 2)
+    out = tiny_model(nxt, torch.tensor([[6, 7], [3, 4]]), cache)
+    for row, keep in enumerate([6, 3]):
+        seq = torch.cat([prompts[row, :keep], nxt[row]])[None]
+        alone = tiny_model(seq, torch.arange(keep + 2)[None])
+        torch.testing.assert_close(out[row], alone[0, keep:])
+
+
+# ---------------------------------------------------------------------------- named operations
+def test_truncate_forgets_discarded_entries_exactly(tiny_model):
+    """A plan step's MASK entries, once truncated away, leave no trace: the next forward
+    is bit-equal to one on a cache that never saw them."""
+    prompt, pos = rand_tokens(7, seed=9), torch.arange(7)
+    drafted = rand_tokens(4, seed=10)[None]
+    with_plan = prefilled(tiny_model, prompt, pos, capacity=16)
+    tiny_model(torch.full((1, 4), MASK), torch.arange(7, 11)[None], with_plan)
+    with_plan.truncate([7])
+    assert with_plan.lengths == [7]
+    never = prefilled(tiny_model, prompt, pos, capacity=16)
+    out = tiny_model(drafted, torch.arange(7, 11)[None], with_plan)
+    assert torch.equal(out, tiny_model(drafted, torch.arange(7, 11)[None], never))
+
+
+def test_truncate_only_shortens(tiny_model):
+    cache = prefilled(tiny_model, rand_tokens(5, seed=11), torch.arange(5))
+    with pytest.raises(ValueError):
+        cache.truncate([6])
+    with pytest.raises(ValueError):
+        cache.truncate([2, 2])
+    assert cache.lengths == [5]
+
+
+def test_fork_copies_rows_bit_equal_and_independent(tiny_model):
+    cache = prefilled(tiny_model, rand_tokens(6, seed=12), torch.arange(6), capacity=16)
+    before = [k.clone() for k in cache.k]
+    forked = cache.fork([3])
+    assert forked.lengths == [6, 6, 6] and forked.capacity == 16
+    for row in range(3):
+        entries_equal(forked, row, cache, 0, 0, 6)
+    # each forked row continues with its own slot, as infilling does
+    slots = torch.stack([rand_tokens(3, seed=s) for s in (13, 14, 15)])  # (3, 3)
+    slot_pos = torch.tensor([[6, 7, 8], [9, 10, 11], [12, 13, 14]])
+    out = tiny_model(slots, slot_pos, forked)
+    assert cache.lengths == [6] and all(torch.equal(k, b) for k, b in zip(cache.k, before))
+    for row in range(3):
+        alone = prefilled(tiny_model, rand_tokens(6, seed=12), torch.arange(6), capacity=16)
+        torch.testing.assert_close(out[row], tiny_model(slots[row][None], slot_pos[row][None], alone)[0])
+
+
+def test_fork_repeats_each_row_in_order(tiny_model):
+    cache = tiny_model.new_cache(3, 16)
+    prompts = torch.stack([rand_tokens(4, seed=s) for s in (16, 17, 18)])  # (3, 4)
+    tiny_model(prompts, torch.arange(4).expand(3, -1), cache, n_new=[4, 2, 3])
+    forked = cache.fork([2, 0, 1])
+    assert forked.lengths == [4, 4, 3]
+    for dst, src in enumerate([0, 0, 2]):
+        entries_equal(forked, dst, cache, src, 0, cache.lengths[src])
+
+
+def test_select_reorders_rows_and_sets_capacity(tiny_model):
+    cache = tiny_model.new_cache(3, 16)
+    prompts = torch.stack([rand_tokens(5, seed=s) for s in (19, 20, 21)])  # (3, 5)
+    tiny_model(prompts, torch.arange(5).expand(3, -1), cache, n_new=[5, 2, 4])
+    picked = cache.select([2, 0], capacity=8)
+    assert picked.lengths == [4, 5] and picked.capacity == 8 and picked.batch_size == 2
+    entries_equal(picked, 0, cache, 2, 0, 4)
+    entries_equal(picked, 1, cache, 0, 0, 5)
+    with pytest.raises(ContextLengthError):
+        cache.select([0], capacity=4)  # row 0 holds 5 entries
+
+
+def test_append_from_copies_segments_in_order(tiny_model):
+    """Infill pattern: fork the committed row, feed one slot per row in one batch, then
+    append both slots to the committed row in position order."""
+    P = 5
+    committed = prefilled(tiny_model, rand_tokens(P, seed=22), torch.arange(P), capacity=32)
+    infill = committed.fork([2])
+    slot_a, slot_b = rand_tokens(4, seed=23), rand_tokens(4, seed=24)
+    tiny_model(torch.stack([slot_a, slot_b]), torch.tensor([[9, 10, 11, 12], [5, 6, 7, 8]]), infill)
+    committed.append_from(infill, src_rows=[1, 0], src_starts=[P, P], counts=[4, 4], dst_rows=[0, 0])
+    assert committed.lengths == [P + 8]
+    entries_equal(committed, 0, infill, 1, P, P + 4)  # slot b (positions 5..8) first
+    entries_equal(committed, 0, infill, 0, P + 4, P + 8, start_b=P)
+    tokens, positions = committed.row_entries(0)
+    assert positions[P:].tolist() == [5, 6, 7, 8, 9, 10, 11, 12]
+    assert torch.equal(tokens[P:], torch.cat([slot_b, slot_a]))
+
+
+def test_append_from_a_fork_equals_feeding_directly(tiny_model):
+    """Entries computed in a forked row and appended back behave like entries fed in place."""
+    P, prompt, slot = 6, rand_tokens(6, seed=25), rand_tokens(3, seed=26)
+    committed = prefilled(tiny_model, prompt, torch.arange(P), capacity=16)
+    row = committed.fork([1])
+    tiny_model(slot[None], torch.arange(P, P + 3)[None], row)
+    committed.append_from(row, src_rows=[0], src_starts=[P], counts=[3], dst_rows=[0])
+    direct = prefilled(tiny_model, torch.cat([prompt, slot]), torch.arange(P + 3), capacity=16)
+    query, qpos = rand_tokens(2, seed=27)[None], torch.arange(P + 3, P + 5)[None]
+    torch.testing.assert_close(tiny_model(query, qpos, committed), tiny_model(query, qpos, direct))
+
+
+def test_append_from_checks_source_range_and_capacity(tiny_model):
+    src = prefilled(tiny_model, rand_tokens(6, seed=28), torch.arange(6), capacity=16)
+    dst = prefilled(tiny_model, rand_tokens(6, seed=29), torch.arange(6), capacity=8)
+    with pytest.raises(ValueError):
+        dst.append_from(src, src_rows=[0], src_starts=[4], counts=[3], dst_rows=[0])  # src holds 6
+    with pytest.raises(ContextLengthError):
+        dst.append_from(src, src_rows=[0], src_starts=[0], counts=[3], dst_rows=[0])  # 6 + 3 > 8
+    assert dst.lengths == [6]
+
+
+def test_overflow_raises_before_any_layer_runs(tiny_model):
+    cache = prefilled(tiny_model, rand_tokens(6, seed=30), torch.arange(6), capacity=8)
+    tokens_before = cache.tokens.clone()
+    calls = []
+    hook = tiny_model.model.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        with pytest.raises(ContextLengthError):
+            tiny_model(rand_tokens(3, seed=31)[None], torch.arange(6, 9)[None], cache)
+    finally:
+        hook.remove()
+    assert calls == [] and cache.lengths == [6] and torch.equal(cache.tokens, tokens_before)
