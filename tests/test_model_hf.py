@@ -166,3 +166,19 @@ def test_smollm2_describe_reads_the_gguf_metadata(smollm):
     assert info["parameters"] == theirs.num_parameters()
     assert (info["model_type"], info["vocab_size"], info["context_length"]) == ("llama", 49152, 8192)
     assert info["mask_token_id"] is None and info["tokenizer_size"] == 49152
+
+
+@pytest.mark.slow
+def test_smollm2_ar_decoding_matches_transformers_generate(smollm):
+    """`refusion.generate(method="ar")`, batched with a second prompt of another length,
+    gives transformers' greedy `generate` token for token (64 tokens)."""
+    ours, theirs, tokenizer = smollm
+    questions = ["Write a haiku about the sea.", "List three primary colours and explain each briefly."]
+    cfg = refusion.DecodeConfig(method="ar", gen_length=64)
+    outs = refusion.generate(ours, tokenizer, questions, cfg)
+    for q, out in zip(questions, outs):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        prompt = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+        ref = theirs.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=64, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        assert out.token_ids == ref[0, prompt.shape[1] :].tolist()
+    assert max(len(o.token_ids) for o in outs) >= 32
