@@ -44,11 +44,11 @@ class Sampler:
         self.cfg = cfg
         self.generators: list[torch.Generator] | None = None
         if not cfg.greedy:
-            seed = cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+            # a given seed: every prompt reproducible alone or batched; no seed: each prompt its own draws
             self.generators = []
             for _ in range(n_prompts):
                 g = torch.Generator(device=device)
-                g.manual_seed(seed)
+                g.manual_seed(cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
                 self.generators.append(g)
 
     def pick(self, logits: torch.Tensor, row_ids: list[int]) -> torch.Tensor:

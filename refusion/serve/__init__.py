@@ -1,0 +1,46 @@
+"""OpenAI-compatible HTTP serving: `create_app` (FastAPI) and `serve` (uvicorn).
+
+- `protocol.py`: request validation and response bodies in the OpenAI schema
+- `scheduler.py`: the batching scheduler, one worker thread that owns the model
+- `app.py`: the routes (/v1/models, /v1/completions, /v1/chat/completions, /health, /metrics)
+- `metrics.py`: Prometheus text format, by hand
+- `loadtest.py`: `python -m refusion.serve.loadtest`, concurrent streaming clients
+
+The web framework is imported only when an app is made, so `refusion.serve.scheduler`
+works without the `serve` extra.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..decode import DecodeConfig
+
+__all__ = ["create_app", "serve"]
+
+
+def create_app(model: Any, tokenizer: Any, cfg: DecodeConfig | None = None, **kwargs: Any):
+    """The FastAPI app for one model; see `refusion.serve.app.create_app`."""
+    from .app import create_app as make
+
+    return make(model, tokenizer, cfg, **kwargs)
+
+
+def serve(
+    model: Any,
+    tokenizer: Any,
+    cfg: DecodeConfig | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    shutdown_timeout: float = 30.0,
+    log_level: str = "info",
+    **kwargs: Any,
+) -> None:
+    """Run the server until interrupted. On SIGINT/SIGTERM it stops accepting
+    connections, lets in-flight requests finish for up to `shutdown_timeout` seconds,
+    then cancels what is left."""
+    import uvicorn
+
+    app = create_app(model, tokenizer, cfg, shutdown_timeout=shutdown_timeout, **kwargs)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout)

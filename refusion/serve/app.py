@@ -1,0 +1,356 @@
+"""The FastAPI application: OpenAI routes over the batching scheduler.
+
+A completion request is validated (`protocol.parse_request`), tokenised here in the event
+loop, fitted to the context (`protocol.fit_length`) and queued as one `Job` per prompt.
+The worker thread pushes each job's text into an asyncio queue as the decoder finalises
+left-to-right prefixes; a streamed response forwards those events as server-sent events,
+a plain one collects them. A client that goes away cancels its jobs, and the decoder
+drops their rows at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..decode import DecodeConfig, generate, resolve_ids
+from ..errors import ContextLengthError, MissingMaskTokenError, ReFusionError
+from .metrics import Metrics
+from .protocol import APIError, CompletionRequest, bad, chunk_body, fit_length, new_id, parse_request, request_config, response_body, usage, usage_chunk
+from .scheduler import Job, QueueFull, Scheduler, ShuttingDown
+
+log = logging.getLogger("refusion.serve")
+
+ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+MAX_BODY = 16 * 2**20
+
+
+def create_app(
+    model: Any,
+    tokenizer: Any,
+    cfg: DecodeConfig | None = None,
+    *,
+    model_name: str = "refusion",
+    api_key: str | None = None,
+    max_queue: int = 256,
+    batch_window: float = 0.01,
+    shutdown_timeout: float = 30.0,
+    generate_fn=generate,
+) -> FastAPI:
+    """The server for one model. `cfg` is the server's default DecodeConfig (requests
+    override it field by field); `api_key` turns on bearer-token auth for everything but
+    /health; `generate_fn` replaces `refusion.generate` (tests wrap it)."""
+    if tokenizer is None:
+        raise ReFusionError("serving needs a tokenizer: this checkpoint has none")
+    cfg = (cfg or DecodeConfig()).validate()
+    metrics = Metrics()
+    scheduler = Scheduler(model, tokenizer, max_queue=max_queue, batch_window=batch_window, metrics=metrics, generate_fn=generate_fn)
+    server = _Server(model, tokenizer, cfg, model_name, scheduler)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        scheduler.start()
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, scheduler.shutdown, shutdown_timeout)
+
+    app = FastAPI(title="ReFusion", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.scheduler, app.state.metrics = scheduler, metrics
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = scheduler.alive and not scheduler.closing
+        body = {"status": "ok" if ok else "unavailable", "model": model_name, "queue_length": scheduler.queue_length, "running": scheduler.running}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics_text() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [server.model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model_info(name: str) -> dict:
+        server.check_model(name)
+        return server.model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await server.complete(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await server.complete(request, "chat")
+
+    @app.exception_handler(APIError)
+    async def api_error(_request: Request, e: APIError) -> JSONResponse:
+        return _error_response(metrics, e)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Request, e: HTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return _error_response(metrics, APIError(e.status_code, str(e.detail), param=None, code=code, headers=dict(e.headers or {})))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return _error_response(metrics, APIError(500, f"internal server error: {type(e).__name__}", type="server_error", code="internal_error"))
+
+    app.add_middleware(_Observe, metrics=metrics, api_key=api_key)
+    return app
+
+
+def _error_response(metrics: Metrics, e: APIError) -> JSONResponse:
+    metrics.errors.inc(1, e.type)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def library_error(e: BaseException) -> APIError:
+    """An error from the decode thread as an API error: the library's own errors are the
+    request's fault (400); anything else is ours (500)."""
+    if isinstance(e, ShuttingDown):
+        return APIError(503, str(e), type="server_error", code="shutting_down")
+    if isinstance(e, ReFusionError):
+        code = "context_length_exceeded" if isinstance(e, ContextLengthError) else "missing_mask_token" if isinstance(e, MissingMaskTokenError) else "invalid_config"
+        return bad(str(e), None, code)
+    return APIError(500, f"decoding failed: {type(e).__name__}", type="server_error", code="internal_error")
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _Server:
+    """Per-app state and the completion flow shared by both completion routes."""
+
+    def __init__(self, model: Any, tokenizer: Any, cfg: DecodeConfig, name: str, scheduler: Scheduler) -> None:
+        self.model, self.tokenizer, self.cfg, self.name, self.scheduler = model, tokenizer, cfg, name, scheduler
+        self.context = model.config.max_position_embeddings
+        self.vocab = model.config.vocab_size
+        self.eos_ids = resolve_ids(model, tokenizer, cfg)[0]
+        self.created = int(time.time())
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "refusion", "max_model_len": self.context}
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.name}`", param="model", code="model_not_found")
+
+    # ---------------------------------------------------------------- request -> jobs
+    async def complete(self, request: Request, kind: str) -> Response:
+        req = parse_request(await _read_json(request), kind)
+        self.check_model(req.model)
+        base = request_config(self.cfg, req)
+        prompts = self.encode(req)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        param = "messages" if kind == "chat" else "prompt"
+        jobs = []
+        for i, ids in enumerate(prompts):
+            cfg, max_tokens = fit_length(base, len(ids), req.max_tokens, self.context, param)
+            notify = lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev))  # noqa: E731
+            jobs.append(Job(ids, cfg, max_tokens, req.stop, self.tokenizer, self.eos_ids, notify))
+        try:
+            self.scheduler.submit(jobs)
+        except QueueFull as e:
+            raise APIError(429, f"the server is busy ({self.scheduler.max_queue} requests waiting); retry in {e.retry_after} s", type="rate_limit_error", code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
+        except ShuttingDown as e:
+            raise library_error(e) from None
+        flow = _Flow(request, req, jobs, events, self.name, sum(len(p) for p in prompts))
+        try:
+            first = await flow.next()
+            if first[1][0] == "error":
+                raise library_error(first[1][1])
+            if req.stream:
+                return StreamingResponse(flow.sse(first), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return JSONResponse(await flow.collect(first))
+        except _ClientGone:
+            flow.close()
+            return Response(status_code=499)
+        except BaseException:
+            flow.close()
+            raise
+
+    def encode(self, req: CompletionRequest) -> list[list[int]]:
+        tok = self.tokenizer
+        if req.kind == "chat":
+            if getattr(tok, "chat_template", None):
+                try:
+                    text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+                except Exception as e:  # the template itself rejects the conversation
+                    raise bad(f"the chat template rejected the messages: {e}", "messages") from None
+            else:
+                text = "".join(f"{m['role']}: {m['content']}\n" for m in req.messages) + "assistant:"
+            prompts = [list(tok(text, add_special_tokens=False)["input_ids"])]
+        else:
+            prompts = []
+            for p in req.prompts:
+                if isinstance(p, str):
+                    prompts.append(list(tok(p)["input_ids"]))
+                elif any(not 0 <= t < self.vocab for t in p):
+                    raise bad(f"prompt token ids must be in [0, {self.vocab})", "prompt")
+                else:
+                    prompts.append(p)
+        if any(not p for p in prompts):
+            raise bad("the prompt is empty after tokenisation: give at least one token", "messages" if req.kind == "chat" else "prompt", "empty_prompt")
+        return prompts
+
+
+class _Flow:
+    """One request's events from the decode thread, until every choice is done."""
+
+    def __init__(self, request: Request, req: CompletionRequest, jobs: list[Job], events: asyncio.Queue, model: str, prompt_tokens: int) -> None:
+        self.request, self.req, self.jobs, self.events = request, req, jobs, events
+        self.model, self.prompt_tokens = model, prompt_tokens
+        self.id = new_id(req.kind)
+        self.open = len(jobs)
+        self.watcher: asyncio.Task | None = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        """Resolves when the client disconnects (only while no response is streaming:
+        StreamingResponse listens itself once it starts)."""
+        while (await self.request.receive())["type"] != "http.disconnect":
+            pass
+
+    async def next(self) -> tuple[int, tuple]:
+        if self.watcher is None:
+            return await self.events.get()
+        get = asyncio.ensure_future(self.events.get())
+        await asyncio.wait({get, self.watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not get.done():
+            get.cancel()
+            raise _ClientGone()
+        return get.result()
+
+    def _stop_watching(self) -> None:
+        if self.watcher is not None:
+            self.watcher.cancel()
+            self.watcher = None
+
+    def close(self) -> None:
+        self._stop_watching()
+        for j in self.jobs:
+            if not j.finished:
+                j.cancel()
+
+    def usage(self) -> dict[str, int]:
+        return usage(self.prompt_tokens, sum(j.completion_tokens for j in self.jobs))
+
+    async def collect(self, first: tuple[int, tuple]) -> dict[str, Any]:
+        texts: list[list[str]] = [[] for _ in self.jobs]
+        reasons: list[str] = [""] * len(self.jobs)
+        item = first
+        while True:
+            i, ev = item
+            if ev[0] == "text":
+                texts[i].append(ev[1])
+            elif ev[0] == "error":
+                self.close()
+                raise library_error(ev[1])
+            else:
+                reasons[i] = ev[1]
+                self.open -= 1
+                if not self.open:
+                    break
+            item = await self.next()
+        self._stop_watching()
+        return response_body(self.req.kind, self.id, self.model, [("".join(t), r) for t, r in zip(texts, reasons)], self.usage())
+
+    async def sse(self, first: tuple[int, tuple]) -> AsyncIterator[str]:
+        self._stop_watching()
+        kind = self.req.kind
+        try:
+            if kind == "chat":
+                for i in range(len(self.jobs)):
+                    yield _data(chunk_body(kind, self.id, self.model, i, "", None, first=True))
+            item = first
+            while True:
+                i, ev = item
+                if ev[0] == "text":
+                    yield _data(chunk_body(kind, self.id, self.model, i, ev[1], None))
+                elif ev[0] == "error":
+                    yield _data(library_error(ev[1]).body())
+                    break
+                else:
+                    yield _data(chunk_body(kind, self.id, self.model, i, None, ev[1]))
+                    self.open -= 1
+                    if not self.open:
+                        if self.req.include_usage:
+                            yield _data(usage_chunk(kind, self.id, self.model, self.usage()))
+                        break
+                item = await self.next()
+            yield "data: [DONE]\n\n"
+        finally:
+            self.close()
+
+
+def _data(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _read_json(request: Request) -> Any:
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > MAX_BODY:
+        raise APIError(413, f"the request body is over {MAX_BODY} bytes", code="request_too_large")
+    raw = await request.body()
+    if len(raw) > MAX_BODY:
+        raise APIError(413, f"the request body is over {MAX_BODY} bytes", code="request_too_large")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+
+
+class _Observe:
+    """ASGI wrapper: bearer-token auth, and per-route request counts and latency (taken
+    when the last byte of the response is sent, so streams count in full)."""
+
+    def __init__(self, app: Any, metrics: Metrics, api_key: str | None) -> None:
+        self.app, self.metrics, self.api_key = app, metrics, api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        route = path if path in ROUTES else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+        t0, status, recorded = time.monotonic(), [500], [False]
+
+        def record() -> None:
+            if not recorded[0]:
+                recorded[0] = True
+                self.metrics.requests.inc(1, route, str(status[0]))
+                self.metrics.latency.observe(time.monotonic() - t0, route)
+
+        async def observed_send(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                record()
+
+        try:
+            if self.api_key is not None and path != "/health" and not self._authorised(scope):
+                e = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", type="authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                return await _error_response(self.metrics, e)(scope, receive, observed_send)
+            await self.app(scope, receive, observed_send)
+        finally:
+            record()
+
+    def _authorised(self, scope) -> bool:
+        for k, v in scope["headers"]:
+            if k == b"authorization":
+                scheme, _, token = v.decode("latin-1").partition(" ")
+                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        return False

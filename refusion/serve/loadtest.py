@@ -1,0 +1,186 @@
+"""Load test for `refusion serve`: N concurrent streaming clients for a bounded time.
+
+    python -m refusion.serve.loadtest --url http://127.0.0.1:8000 --clients 32 --seconds 60 --pid PID
+    python -m refusion.serve.loadtest --url http://127.0.0.1:8000 --compare 1,16 --seconds 30
+
+Each client sends streamed chat completions back to back (prompts taken in turn from a
+fixed list, so runs compare) until the time is up; requests in flight then finish. It
+reports requests/s, completion tokens/s (from the usage the server streams), latency and
+time-to-first-token percentiles, errors by kind, responses that ended without a
+finish_reason or `[DONE]`, and with --pid the server's resident memory before and after.
+--compare runs one phase per client count, same prompts, and prints the tokens/s ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+PROMPTS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Explain in two sentences why the sky is blue.",
+    "List three prime numbers larger than 100.",
+    "Translate 'good morning, how are you?' into French.",
+    "What is 17 times 23? Think step by step.",
+    "Summarise the plot of a heist movie in one paragraph.",
+    "Give a haiku about autumn rain.",
+]
+
+
+@dataclass
+class Phase:
+    clients: int
+    seconds: float
+    latencies: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    tokens: int = 0
+    ok: int = 0
+    incomplete: int = 0
+    errors: Counter = field(default_factory=Counter)
+    wall: float = 0.0
+
+    def summary(self) -> dict:
+        pct = lambda xs, q: statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else (xs[0] if xs else float("nan"))  # noqa: E731
+        return {
+            "clients": self.clients,
+            "seconds": round(self.wall, 2),
+            "requests_ok": self.ok,
+            "requests_per_s": round(self.ok / self.wall, 3) if self.wall else 0.0,
+            "tokens": self.tokens,
+            "tokens_per_s": round(self.tokens / self.wall, 1) if self.wall else 0.0,
+            "latency_p50_s": round(pct(self.latencies, 50), 3),
+            "latency_p95_s": round(pct(self.latencies, 95), 3),
+            "ttft_p50_s": round(pct(self.ttfts, 50), 3),
+            "ttft_p95_s": round(pct(self.ttfts, 95), 3),
+            "incomplete": self.incomplete,
+            "errors": dict(self.errors),
+        }
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict, phase: Phase) -> None:
+    t0 = time.perf_counter()
+    first = None
+    finish = done = False
+    usage = None
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                phase.errors[f"http {r.status_code}"] += 1
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    phase.errors[f"stream error {obj['error'].get('code')}"] += 1
+                    return
+                for c in obj.get("choices", []):
+                    if first is None and c.get("delta", {}).get("content"):
+                        first = time.perf_counter() - t0
+                    finish = finish or c.get("finish_reason") is not None
+                usage = obj.get("usage") or usage
+    except httpx.HTTPError as e:
+        phase.errors[type(e).__name__] += 1
+        return
+    if not (done and finish and usage):
+        phase.incomplete += 1
+        return
+    phase.ok += 1
+    phase.latencies.append(time.perf_counter() - t0)
+    if first is not None:
+        phase.ttfts.append(first)
+    phase.tokens += usage["completion_tokens"]
+
+
+async def run_phase(args: argparse.Namespace, model: str, clients: int) -> Phase:
+    phase = Phase(clients, args.seconds)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits, headers=headers) as client:
+        end = time.perf_counter() + args.seconds
+        t0 = time.perf_counter()
+
+        async def worker(k: int) -> None:
+            i = k
+            while time.perf_counter() < end:
+                body = {"model": model, "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "max_tokens": args.max_tokens,
+                        "stream": True, "stream_options": {"include_usage": True}, **args.extra}
+                await one_request(client, args.url, body, phase)
+                i += clients
+
+        await asyncio.gather(*(worker(k) for k in range(clients)))
+        phase.wall = time.perf_counter() - t0
+    return phase
+
+
+def rss_kib(pid: int | None) -> dict[str, int] | None:
+    if pid is None:
+        return None
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m refusion.serve.loadtest", description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--clients", type=int, default=32, help="concurrent streaming clients")
+    p.add_argument("--seconds", type=float, default=60.0, help="how long clients start new requests")
+    p.add_argument("--compare", default=None, metavar="A,B", help="run one phase per client count (e.g. 1,16) and compare tokens/s")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--extra", type=json.loads, default={}, help='extra body fields as JSON, e.g. \'{"method": "ar"}\'')
+    p.add_argument("--pid", type=int, default=None, help="server process id: report its RSS before and after")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    args = p.parse_args(argv)
+    if args.clients < 1 or args.seconds <= 0:
+        p.error("--clients must be >= 1 and --seconds > 0")
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = httpx.get(args.url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    counts = [int(c) for c in args.compare.split(",")] if args.compare else [args.clients]
+    before = rss_kib(args.pid)
+    phases = [asyncio.run(run_phase(args, model, n)).summary() for n in counts]
+    after = rss_kib(args.pid)
+    report = {"url": args.url, "model": model, "max_tokens": args.max_tokens, "phases": phases, "rss_kib_before": before, "rss_kib_after": after}
+    if len(phases) > 1 and phases[0]["tokens_per_s"]:
+        report["tokens_per_s_ratio"] = round(phases[-1]["tokens_per_s"] / phases[0]["tokens_per_s"], 2)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"model {model} at {args.url}, max_tokens {args.max_tokens}")
+        for ph in phases:
+            print(
+                f"clients {ph['clients']:>3}: {ph['requests_ok']} ok in {ph['seconds']} s = {ph['requests_per_s']} req/s, "
+                f"{ph['tokens_per_s']} tokens/s; latency p50 {ph['latency_p50_s']} s p95 {ph['latency_p95_s']} s; "
+                f"TTFT p50 {ph['ttft_p50_s']} s p95 {ph['ttft_p95_s']} s; incomplete {ph['incomplete']}; errors {ph['errors'] or 0}"
+            )
+        if "tokens_per_s_ratio" in report:
+            print(f"tokens/s ratio, {counts[-1]} clients vs {counts[0]}: {report['tokens_per_s_ratio']}x")
+        if before:
+            print(f"server RSS before {before['VmRSS'] / 1024:.1f} MiB, after {after['VmRSS'] / 1024:.1f} MiB (peak {after['VmHWM'] / 1024:.1f} MiB)")
+    failed = sum(ph["incomplete"] + sum(ph["errors"].values()) for ph in phases)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

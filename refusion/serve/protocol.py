@@ -1,0 +1,350 @@
+"""The OpenAI wire format: request validation, decode settings per request, response bodies.
+
+Validation is written out by hand (not pydantic) so that every rejection names its field
+the way OpenAI does: `{"error": {"message", "type", "param", "code"}}` with a 4xx status.
+Fields that OpenAI defines and that would change the answer in a way we cannot honour
+(logprobs, tools, n > 1, penalties, ...) are refused; harmless ones (`user`, `metadata`,
+...) are accepted and ignored; anything else is an unrecognised argument, as at OpenAI.
+ReFusion's own knobs ride along as extra body fields (`extra_body` in the openai client).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..decode import METHODS, PRESETS, DecodeConfig
+from ..errors import ConfigError
+
+
+class APIError(Exception):
+    """An error response: HTTP status plus OpenAI's error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# ------------------------------------------------------------------ field checkers
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _int(lo: int | None = None, hi: int | None = None):
+    def check(name: str, v: Any) -> int:
+        if not _is_int(v):
+            raise bad(f"{name} must be an integer, got {type(v).__name__}", name, "invalid_type")
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise bad(f"{name} must be {_range(lo, hi)}, got {v}", name)
+        return v
+
+    return check
+
+
+def _number(lo: float, hi: float):
+    def check(name: str, v: Any) -> float:
+        if not _is_number(v):
+            raise bad(f"{name} must be a number, got {type(v).__name__}", name, "invalid_type")
+        if not lo <= v <= hi:
+            raise bad(f"{name} must be {_range(lo, hi)}, got {v}", name)
+        return float(v)
+
+    return check
+
+
+def _choice(options: tuple[str, ...]):
+    def check(name: str, v: Any) -> str:
+        if not isinstance(v, str):
+            raise bad(f"{name} must be a string, got {type(v).__name__}", name, "invalid_type")
+        if v not in options:
+            raise bad(f"{name} must be one of {', '.join(options)}, got {v!r}", name)
+        return v
+
+    return check
+
+
+def _range(lo: float | None, hi: float | None) -> str:
+    if lo is not None and hi is not None:
+        return f"between {lo} and {hi}"
+    return f">= {lo}" if lo is not None else f"<= {hi}"
+
+
+def _bool(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise bad(f"{name} must be a boolean, got {type(v).__name__}", name, "invalid_type")
+    return v
+
+
+# request field -> checker; the field names are DecodeConfig's (temperature .. mdm_threshold)
+DECODE_FIELDS = {
+    "temperature": _number(0.0, 2.0),
+    "top_p": _number(0.0, 1.0),
+    "seed": _int(-(2**63), 2**63 - 1),
+    "top_k": _int(0),
+    "method": _choice(METHODS),
+    "slot_size": _int(1, 4096),
+    "serial_blocks": _int(1, 4096),
+    "slot_threshold": _number(0.0, 1.0),
+    "token_threshold": _number(0.0, 1.0),
+    "mdm_block_length": _int(1, 4096),
+    "mdm_steps": _int(1, 2**16),
+    "mdm_threshold": _number(0.0, 1.0),
+}
+# accepted and ignored
+IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options"}
+# accepted only at the value that means "off" (anything else would change the answer)
+NEUTRAL = {
+    "n": lambda v: v == 1 and _is_int(v),
+    "best_of": lambda v: v == 1 and _is_int(v),
+    "presence_penalty": lambda v: _is_number(v) and v == 0,
+    "frequency_penalty": lambda v: _is_number(v) and v == 0,
+    "repetition_penalty": lambda v: _is_number(v) and v == 1,
+    "logprobs": lambda v: v is False,
+    "top_logprobs": lambda v: _is_int(v) and v == 0,
+    "echo": lambda v: v is False,
+    "suffix": lambda v: v == "",
+    "logit_bias": lambda v: v == {},
+    "tools": lambda v: v == [],
+    "functions": lambda v: v == [],
+    "tool_choice": lambda v: v in ("none", "auto"),
+    "function_call": lambda v: v in ("none", "auto"),
+    "response_format": lambda v: v == {"type": "text"},
+}
+COMMON = {"model", "max_tokens", "stop", "stream", "preset", *DECODE_FIELDS, *IGNORED, *NEUTRAL}
+FIELDS = {
+    "completion": COMMON | {"prompt"},
+    "chat": COMMON | {"messages", "max_completion_tokens"},
+}
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+MAX_PROMPTS = 64
+MAX_STOPS = 16
+
+
+@dataclass
+class CompletionRequest:
+    """A validated request: what to decode and how (the settings still unresolved)."""
+
+    kind: str  # "completion" or "chat"
+    model: str | None
+    prompts: list[str | list[int]] | None = None  # completion: text or token ids, one choice each
+    messages: list[dict[str, str]] | None = None  # chat
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    preset: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)  # DecodeConfig fields
+
+
+def parse_request(body: Any, kind: str) -> CompletionRequest:
+    """Check a decoded JSON body for /v1/completions (kind "completion") or
+    /v1/chat/completions ("chat"); raise APIError (400) on the first problem."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object", None, "invalid_type")
+    unknown = sorted(set(body) - FIELDS[kind])
+    if unknown:
+        raise bad(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
+    body = {k: v for k, v in body.items() if v is not None}  # null = not given, as at OpenAI
+    for name, ok in NEUTRAL.items():
+        if name in body and not ok(body[name]):
+            raise bad(f"{name}={body[name]!r} is not supported by this server", name, "unsupported_value")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model must be a string", "model", "invalid_type")
+    req = CompletionRequest(kind=kind, model=model)
+    if kind == "completion":
+        if "prompt" not in body:
+            raise bad("you must provide a prompt", "prompt", "missing_required_parameter")
+        req.prompts = _prompts(body["prompt"])
+    else:
+        if "messages" not in body:
+            raise bad("you must provide messages", "messages", "missing_required_parameter")
+        req.messages = _messages(body["messages"])
+    for name in ("max_tokens", "max_completion_tokens"):
+        if name in body:
+            req.max_tokens = _int(1)(name, body[name])
+    if "stop" in body:
+        req.stop = _stops(body["stop"])
+    req.stream = _bool("stream", body.get("stream", False))
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+            raise bad("stream_options must be an object with include_usage", "stream_options", "invalid_type")
+        req.include_usage = _bool("stream_options.include_usage", opts.get("include_usage", False))
+    if "preset" in body:
+        req.preset = _choice(PRESETS)("preset", body["preset"])
+    req.overrides = {name: check(name, body[name]) for name, check in DECODE_FIELDS.items() if name in body}
+    return req
+
+
+def _prompts(p: Any) -> list[str | list[int]]:
+    if isinstance(p, str):
+        return [p]
+    if not isinstance(p, list) or not p:
+        raise bad("prompt must be a string, a list of strings, or token ids (a list of integers or of lists)", "prompt", "invalid_type")
+    if all(_is_int(t) for t in p):
+        return [list(p)]
+    if all(isinstance(t, str) for t in p) or all(isinstance(t, list) and t and all(_is_int(x) for x in t) for t in p):
+        if len(p) > MAX_PROMPTS:
+            raise bad(f"at most {MAX_PROMPTS} prompts per request, got {len(p)}", "prompt")
+        return [t if isinstance(t, str) else list(t) for t in p]
+    raise bad("prompt must be a string, a list of strings, or token ids (a list of integers or of lists)", "prompt", "invalid_type")
+
+
+def _messages(msgs: Any) -> list[dict[str, str]]:
+    if not isinstance(msgs, list):
+        raise bad("messages must be a list of {role, content} objects", "messages", "invalid_type")
+    if not msgs:
+        raise bad("messages must not be empty", "messages", "empty_array")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(f"{where} must be an object with role and content", where, "invalid_type")
+        extra = sorted(set(m) - {"role", "content", "name"})
+        if extra:
+            raise bad(f"{where}.{extra[0]} is not supported by this server", f"{where}.{extra[0]}", "unknown_parameter")
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad(f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {role!r}", f"{where}.role")
+        out.append({"role": "system" if role == "developer" else role, "content": _content(m.get("content"), where)})
+    return out
+
+
+def _content(c: Any, where: str) -> str:
+    if c is None:
+        return ""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        texts = []
+        for part in c:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise bad(f"{where}.content: only text parts are supported", f"{where}.content", "invalid_type")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad(f"{where}.content must be a string or a list of text parts", f"{where}.content", "invalid_type")
+
+
+def _stops(s: Any) -> list[str]:
+    stops = [s] if isinstance(s, str) else s
+    if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
+        raise bad("stop must be a string or a list of strings", "stop", "invalid_type")
+    if len(stops) > MAX_STOPS or any(not x for x in stops):
+        raise bad(f"stop takes at most {MAX_STOPS} non-empty strings", "stop")
+    return stops
+
+
+# ------------------------------------------------------------------ decode settings
+def request_config(base: DecodeConfig, req: CompletionRequest) -> DecodeConfig:
+    """The server's DecodeConfig with the request's preset and knobs on top (gen_length is
+    set later, per prompt, by `fit_length`)."""
+    cfg = base
+    try:
+        if req.preset:
+            keep = {k: getattr(base, k) for k in ("max_batch_size", "memory_budget_gb", "eos_id", "mask_id")}
+            cfg = DecodeConfig.preset(req.preset, **keep)
+        if not req.overrides:
+            return cfg
+        # gen_length is provisional until fit_length; round it so the new slot layout validates
+        get = lambda k: req.overrides.get(k, getattr(cfg, k))  # noqa: E731
+        unit = get("slot_size") * get("serial_blocks") if get("method") == "refusion" else 1
+        return dataclasses.replace(cfg, **req.overrides, gen_length=-(-cfg.gen_length // unit) * unit)
+    except ConfigError as e:
+        param = next((k for k in req.overrides if str(e).startswith(k)), None)
+        raise bad(str(e), param, "invalid_config") from None
+
+
+def fit_length(cfg: DecodeConfig, prompt_len: int, max_tokens: int | None, context: int, param: str) -> tuple[DecodeConfig, int]:
+    """(config with gen_length set, max_tokens) for one prompt, or a 400.
+
+    max_tokens may be at most the context minus the prompt; omitted, it is the server's
+    gen_length, capped to what fits. ReFusion decodes whole slots in equal blocks, so its
+    region is max_tokens rounded up to a multiple of slot_size * serial_blocks; the
+    output is cut back to max_tokens (and the row stops once it has that many)."""
+    room = context - prompt_len
+    if room < 1:
+        raise bad(f"the prompt has {prompt_len} tokens; this model's context is {context} tokens, which leaves no room to generate", param, "context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = min(cfg.gen_length, room)
+    elif max_tokens > room:
+        raise bad(
+            f"this model's maximum context length is {context} tokens; you requested {prompt_len + max_tokens} "
+            f"({prompt_len} in the prompt, {max_tokens} for the completion): lower max_tokens to at most {room}",
+            "max_tokens", "context_length_exceeded",
+        )
+    unit = {"refusion": cfg.slot_size * cfg.serial_blocks, "mdm": cfg.mdm_block_length, "ar": 1}[cfg.method]
+    region = -(-max_tokens // unit) * unit
+    if region > room:
+        raise bad(
+            f"{cfg.method} decodes in units of {unit} tokens: max_tokens {max_tokens} needs {region} positions but only "
+            f"{room} are left after the {prompt_len}-token prompt; lower max_tokens to {room // unit * unit} or change slot_size/serial_blocks",
+            "max_tokens", "context_length_exceeded",
+        )
+    gen = region if cfg.method == "refusion" else max_tokens
+    try:
+        return dataclasses.replace(cfg, gen_length=gen), max_tokens
+    except ConfigError as e:
+        raise bad(str(e), None, "invalid_config") from None
+
+
+# ------------------------------------------------------------------ response bodies
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response_body(kind: str, rid: str, model: str, choices: list[tuple[str, str]], use: dict[str, int]) -> dict[str, Any]:
+    """A whole (non-streamed) completion; choices = [(text, finish_reason), ...]."""
+    if kind == "chat":
+        items = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r} for i, (t, r) in enumerate(choices)]
+        obj = "chat.completion"
+    else:
+        items = [{"index": i, "text": t, "logprobs": None, "finish_reason": r} for i, (t, r) in enumerate(choices)]
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": items, "usage": use}
+
+
+def chunk_body(kind: str, rid: str, model: str, index: int, text: str | None, finish: str | None, *, first: bool = False) -> dict[str, Any]:
+    """One server-sent event of a streamed completion."""
+    if kind == "chat":
+        delta: dict[str, str] = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+def usage_chunk(kind: str, rid: str, model: str, use: dict[str, int]) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [], "usage": use}
