@@ -33,9 +33,9 @@ def request(*args):
     return SimpleNamespace(args=args)
 
 
+@torch.no_grad()
 def direct_loglikelihood(model, tok, context: str, continuation: str) -> tuple[float, bool]:
     """One sequence, one forward, no batching or padding."""
-    torch.set_grad_enabled(False)
     whole = tok.encode(context + continuation, add_special_tokens=False)
     n_ctx = len(tok.encode(context, add_special_tokens=False))
     tokens = torch.tensor([whole[:-1]])
