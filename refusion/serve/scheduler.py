@@ -58,23 +58,26 @@ class StopText:
         self.pending = ""  # received, not yet released
 
     def feed(self, delta: str, final: bool) -> tuple[str, bool]:
-        """(text to release now, whether a stop string was hit)."""
+        """(text to release now, whether a stop string was hit). A complete stop string
+        only counts once no earlier start could still grow into another one."""
         self.pending += delta
-        hits = [i for s in self.stops if (i := self.pending.find(s)) >= 0]
-        if hits:
-            out, self.pending = self.pending[: min(hits)], ""
-            return out, True
-        keep = 0 if final else self._held_tail()
-        out = self.pending[: len(self.pending) - keep]
-        self.pending = self.pending[len(out) :]
-        return out, False
-
-    def _held_tail(self) -> int:
         p = self.pending
-        for k in range(min(len(p), max((len(s) - 1 for s in self.stops), default=0)), 0, -1):
-            if any(s.startswith(p[-k:]) for s in self.stops):
-                return k
-        return 0
+        hit = min((i for s in self.stops if (i := p.find(s)) >= 0), default=None)
+        partial = None if final else self._earliest_partial(p)
+        if hit is not None and (partial is None or hit <= partial):
+            self.pending = ""
+            return p[:hit], True
+        cut = len(p) if partial is None else partial
+        self.pending = p[cut:]
+        return p[:cut], False
+
+    def _earliest_partial(self, p: str) -> int | None:
+        """The first index from which the rest of `p` is a proper prefix of a stop string."""
+        longest = max((len(s) - 1 for s in self.stops), default=0)
+        for j in range(max(0, len(p) - longest), len(p)):
+            if any(len(s) > len(p) - j and s.startswith(p[j:]) for s in self.stops):
+                return j
+        return None
 
 
 class Job:
