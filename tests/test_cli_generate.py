@@ -1,0 +1,95 @@
+"""`refusion generate` / `chat` / `bench decode` end to end on a tiny converted model."""
+
+import json
+import re
+
+import pytest
+
+import refusion
+from refusion.checkpoint import convert
+from refusion.cli import main
+
+
+@pytest.fixture
+def model_dir(make_hf_dir, tmp_path):
+    out = tmp_path / "rf"
+    convert(make_hf_dir("qwen3"), out)
+    return out
+
+
+def test_generate_json_matches_the_library(model_dir, capsys):
+    assert main(["generate", str(model_dir), "hello there", "the cat", "--json", "--gen-length", "16", "--slot-size", "4"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    model, tok = refusion.load(model_dir)
+    outs = refusion.generate(model, tok, ["hello there", "the cat"], refusion.DecodeConfig(gen_length=16, slot_size=4))
+    assert [r["token_ids"] for r in lines] == [o.token_ids for o in outs]
+    assert [r["text"] for r in lines] == [o.text for o in outs]
+    assert all(r["stats"]["nfe"] >= 1 and r["config"]["method"] == "refusion" for r in lines)
+
+
+@pytest.mark.parametrize("method", ["ar", "mdm"])
+def test_generate_stats_for_baselines(model_dir, capsys, method):
+    assert main(["generate", str(model_dir), "hi", "--method", method, "--gen-length", "8", "--mdm-block-length", "4", "--stats"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(rf"\[{method}\] tokens=\d+ nfe=\d+ tpf=[\d.]+", err)
+
+
+def test_generate_trace_page_replays_the_commits(model_dir, tmp_path, capsys):
+    page = tmp_path / "trace.html"
+    assert main(["generate", str(model_dir), "hello", "--gen-length", "16", "--slot-size", "4", "--trace", str(page)]) == 0
+    html = page.read_text()
+    data = json.loads(re.search(r"const DATA = (.*);\n", html).group(1))
+    events = data[0]["events"]
+    assert events and {e["path"] for e in events} <= {"fast", "infill"}
+    covered = sorted(i for e in events for s, n in e["spans"] for i in range(s, s + n))
+    assert covered[: len(covered)] == list(range(len(covered)))  # each position once, from the start
+    assert "<script>" in html and "http" not in html.split("<script>")[1]  # self-contained
+
+
+def test_generate_preset_and_overrides_reach_the_config(model_dir, capsys):
+    assert main(["generate", str(model_dir), "x", "--preset", "gsm8k", "--gen-length", "128", "--json"]) == 0
+    cfg = json.loads(capsys.readouterr().out)["config"]
+    assert (cfg["slot_size"], cfg["serial_blocks"], cfg["slot_threshold"], cfg["token_threshold"]) == (32, 4, 0.9, 0.4)
+    assert cfg["gen_length"] == 128
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--slot-threshold", "1.5"], "slot_threshold"),
+        (["--gen-length", "600"], "context"),
+        (["--slot-size", "3", "--gen-length", "9", "--serial-blocks", "2"], "blocks"),
+    ],
+)
+def test_generate_bad_input_is_one_line_and_exit_2(model_dir, capsys, argv, message):
+    assert main(["generate", str(model_dir), "hi", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+
+
+def test_generate_without_a_prompt_says_how(capsys):
+    assert main(["generate"]) == 2
+    assert "no prompt" in capsys.readouterr().err
+
+
+def test_stream_yields_the_generated_text(model_dir):
+    model, tok = refusion.load(model_dir)
+    cfg = refusion.DecodeConfig(gen_length=16, slot_size=4)
+    pieces = list(refusion.stream(model, tok, "hello there", cfg))
+    assert "".join(pieces) == refusion.generate(model, tok, ["hello there"], cfg)[0].text
+
+
+def test_chat_streams_replies(model_dir, monkeypatch, capsys):
+    answers = iter(["hello", "and again", ""])
+    monkeypatch.setattr("builtins.input", lambda _prompt: next(answers))
+    assert main(["chat", str(model_dir), "--gen-length", "8", "--slot-size", "4", "--stats"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("[refusion] tokens=") == 2
+
+
+def test_bench_decode_prints_the_table(model_dir, capsys):
+    assert main(["bench", "decode", str(model_dir), "--prompts", "2", "--rounds", "1", "--gen-length", "8", "--slot-size", "4", "--batch-sizes", "1,2", "--mdm-block-length", "4"]) == 0
+    out = capsys.readouterr().out
+    for method in ("ar", "refusion", "mdm"):
+        assert re.search(rf"^{method}\s+\d+\s+\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+x", out, re.M)
+    assert "batch-size sweep" in out
