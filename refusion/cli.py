@@ -21,7 +21,7 @@ VERBS = {
     "chat": "interactive chat that streams",
     "train": "train with the ReFusion objective (or plain AR)",
     "eval": "evaluate on a benchmark",
-    "bench": "benchmarks: decode, speed, and the paper's table on the bundled suite",
+    "bench": "speed benchmarks that print figures side by side: decode, train",
     "serve": "OpenAI-compatible HTTP server",
 }
 
