@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-prompt="${1:-Sort these numbers in ascending order: 42, 7, 19, 3, 25.}"
+prompt="${1:-Sort these numbers from smallest to largest: 42, 7, 19, 3, 25}"
 .venv/bin/refusion generate "$prompt" --stats
