@@ -24,12 +24,13 @@ from refusion.tasks import (
     read_jsonl,
     write_jsonl,
 )
-from refusion.tasks.sandbox import run_tests, validate, UnsafeCode
+from refusion.tasks import lists, strings
+from refusion.tasks.sandbox import UnsafeCode, run_tests, validate
 
 # Changes whenever the held-out set changes. If you changed a template on
 # purpose, update it, and retrain: models trained on the old suite are
 # evaluated on a different test set now.
-TEST_SET_SHA256 = "460188270d153ea6c90fb8466ab0409f120c51026d2566b7e6ccb043b96edd2c"
+TEST_SET_SHA256 = "bb71a45ca17395b60c1f4d8366661cc3c912d06a08f83ce95d838ff645d6c384"
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +116,28 @@ def test_arithmetic_numbers_stay_small(test_items):
         assert it.response.endswith(f"Answer: {it.answer}")
 
 
+def _evaluate(expr: str) -> int:
+    """Left to right: "30 - 4" -> 26, "5 x 5" -> 25 (one operator at most here)."""
+    tokens = expr.split()
+    value = int(tokens[0])
+    for op, arg in zip(tokens[1::2], tokens[2::2]):
+        value = {"+": value + int(arg), "-": value - int(arg), "x": value * int(arg)}[op]
+    return value
+
+
+def test_arithmetic_worked_steps_are_true(test_items):
+    n = 0
+    for it in _by_family(test_items, "arithmetic"):
+        for line in it.response.splitlines()[1:-1]:
+            for chain in line.split(": ", 1)[1].rstrip(".").split(", "):
+                sides = [_evaluate(side) for side in chain.split(" = ")]
+                assert len(sides) >= 2 and len(set(sides)) == 1, line
+                n += 1
+    assert n > 300
+
+
 def test_every_operation_appears(test_items):
     ops = Counter((it.family, it.meta.get("op")) for it in test_items if it.family != "arithmetic")
-    from refusion.tasks import lists, strings
     assert {op for fam, op in ops if fam == "lists"} == set(lists.OPS)
     assert {op for fam, op in ops if fam == "strings"} == set(strings.OPS)
     assert {op for fam, op in ops if fam == "code"} >= {"count_filtered", "piecewise", "range_sum"}

@@ -78,7 +78,8 @@ def _share(rng: random.Random, cur: int, name: str, other: str, obj: str):
         if m * k <= cur:
             break
     new = cur - m * k
-    sentence = f"{name} gives {k} {obj} to each of {m} friends."
+    # m before k, as in the response and in _bags: copying keeps its order
+    sentence = f"{name} gives {m} friends {k} {obj} each."
     return new, sentence, f"Take away {m} groups of {k}: {_groups(m, k)}, {_worked(cur, '-', m * k)}."
 
 

@@ -88,11 +88,9 @@ def parse_int(s: str | None) -> int | None:
 
 
 def parse_int_list(s: str | None) -> list[int] | None:
-    """``"3, 5, 8"`` -> ``[3, 5, 8]``; ``"none"`` -> ``[]``; else None."""
+    """``"3, 5, 8"`` -> ``[3, 5, 8]``; None unless every item is an integer."""
     if s is None:
         return None
-    if s.strip() == "none":
-        return []
     values = [parse_int(part) for part in s.split(",")]
     if any(v is None for v in values):
         return None
@@ -100,4 +98,4 @@ def parse_int_list(s: str | None) -> list[int] | None:
 
 
 def join_ints(values: list[int]) -> str:
-    return ", ".join(str(v) for v in values) if values else "none"
+    return ", ".join(str(v) for v in values)

@@ -8,7 +8,7 @@
     - tree -> TREE
     Answer: CAT, MOON, TREE
 
-Word-by-word rewrites (and replace/remove) get one line per word; those lines
+Word-by-word rewrites (and replace) get one line per word; those lines
 depend on one input word each and not on each other, and the answer collects
 them. Words are comma-separated and bulleted so that each one is preceded by
 a space everywhere: BPE tokens for " cat" and "cat" differ, and copying a
@@ -30,7 +30,7 @@ MAP_OPS = {
     "capitalize": ("Capitalize each word:", str.capitalize),
     "first_letter": ("Write the first letter of each word:", lambda w: w[0]),
 }
-OPS = (*MAP_OPS, "reverse", "replace", "remove")
+OPS = (*MAP_OPS, "reverse", "replace")
 
 
 def _words(rng: random.Random, repeats: bool = False) -> list[str]:
@@ -56,15 +56,6 @@ def _make(rng: random.Random, op: str):
         new = rng.choice([w for w in WORDS if w not in ws])
         out = [new if w == old else w for w in ws]
         return f"Replace each {old} with {new}:", ws, [f"- {w} -> {o}" for w, o in zip(ws, out)], out
-    if op == "remove":
-        while True:
-            ws = _words(rng, repeats=True)
-            old = rng.choice(ws)
-            out = [w for w in ws if w != old]
-            if out:
-                break
-        lines = [f"- {w} -> {'drop' if w == old else 'keep'}" for w in ws]
-        return f"Remove every {old}:", ws, lines, out
     raise ValueError(op)
 
 
