@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-prompt="${1:-Sort these numbers from smallest to largest: 42, 7, 19, 3, 25}"
-.venv/bin/refusion generate "$prompt" --stats
+prompt="${1:-Write these words in capital letters: leaf, frog, coin, star}"
+.venv/bin/refusion generate "$prompt" --gen-length 128 --slot-size 8 --slot-threshold 0.7 --token-threshold 0.3 --stats
