@@ -12,6 +12,7 @@ are never attended to: the model masks them out.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cached_property
 
 import torch
 
@@ -209,15 +210,23 @@ class WriteSlots:
         self.end = max(self.starts, default=0) + T
         first = self.starts[0] if self.starts else 0
         self.uniform_start = first if all(s == first for s in self.starts) else None
-        start_t = torch.tensor(self.starts, device=device, dtype=torch.long)  # (B,)
-        offs = torch.arange(T, device=device)
-        self.cols = start_t[:, None] + offs[None, :]  # (B, T)
-        self.rows = torch.arange(len(self.starts), device=device)[:, None].expand(-1, T)  # (B, T)
+        self.device = device
+
+    @cached_property
+    def cols(self) -> torch.Tensor:
+        """(B, T) physical column of each new entry; built only when a step needs it."""
+        start_t = torch.tensor(self.starts, device=self.device, dtype=torch.long)  # (B,)
+        return start_t[:, None] + torch.arange(self.T, device=self.device)[None, :]
+
+    @cached_property
+    def rows(self) -> torch.Tensor:
+        """(B, T) row index of each new entry, for the ragged advanced-index write."""
+        return torch.arange(len(self.starts), device=self.device)[:, None].expand(-1, self.T)
 
     def attention_mask(self) -> torch.Tensor | None:
         """(B, 1, T, end) bool: query i of row b sees physical j <= start[b] + i.
         None when the plain full view is already right (one new token, equal lengths)."""
         if self.uniform_start is not None and self.T == 1:
             return None
-        j = torch.arange(self.end, device=self.cols.device)
+        j = torch.arange(self.end, device=self.device)
         return (j[None, None, :] <= self.cols[:, :, None])[:, None]  # (B, 1, T, end)
