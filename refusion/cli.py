@@ -21,7 +21,7 @@ VERBS = {
     "chat": "interactive chat that streams",
     "train": "train with the ReFusion objective (or plain AR)",
     "eval": "evaluate on a benchmark",
-    "bench": "speed benchmarks that print figures side by side: decode, train",
+    "bench": "benchmarks that print figures side by side: decode, speed, suite, train",
     "serve": "OpenAI-compatible HTTP server",
 }
 

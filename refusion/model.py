@@ -64,6 +64,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
+PACK_BELOW = 0.75  # pack a forward's rows when real tokens are at most this share of B * T
+
+
+class Packing:
+    """Right-padded rows of a forward pass, packed: the real tokens of every row as one
+    (N, hidden) matrix. Norms, projections and the MLP (most of the FLOPs) then skip the
+    padding; attention alone runs on the padded (B, T) layout. It pays when rows are
+    ragged (a batch of decoding rows at different phases, prompts of different lengths)."""
+
+    def __init__(self, lengths: torch.Tensor, T: int) -> None:  # lengths (B,) int64
+        self.B, self.T = lengths.shape[0], T
+        valid = torch.arange(T, device=lengths.device)[None, :] < lengths[:, None]  # (B, T)
+        self.idx = valid.flatten().nonzero().flatten()  # (N,) flat index of each real token
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, ...) -> (N, ...)"""
+        return x.flatten(0, 1).index_select(0, self.idx)
+
+    def unpack_split(self, x: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """(N, sum(sizes)) -> tensors (B, T, size) with zeros at the padding."""
+        out = x.new_zeros(self.B * self.T, x.shape[-1])
+        out.index_copy_(0, self.idx, x)
+        return out.view(self.B, self.T, -1).split(sizes, dim=-1)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -82,20 +107,25 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # (B, T, hidden)
+        x: torch.Tensor,  # (B, T, hidden), or (N, hidden) when packed
         cos: torch.Tensor,  # (B, 1, T, head_dim)
         sin: torch.Tensor,  # (B, 1, T, head_dim), first half negated (see apply_rope)
         cache: KVCache | None,
         slots: WriteSlots | None,
         mask: torch.Tensor | None,  # (B, 1, T, S) bool, or None
+        packing: "Packing | None" = None,
     ) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
+        H, H_kv, D = self.n_heads, self.n_kv, self.head_dim
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (..., heads * D)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D)
+            q = self.q_norm(q.unflatten(-1, (H, D))).flatten(-2)
+            k = self.k_norm(k.unflatten(-1, (H_kv, D))).flatten(-2)
+        if packing is not None:  # attention runs on the padded layout
+            q, k, v = packing.unpack_split(torch.cat((q, k, v), dim=-1), (H * D, H_kv * D, H_kv * D))
+        B, T = cos.shape[0], cos.shape[2]
+        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, H_kv, D).transpose(1, 2)  # (B, H_kv, T, D)
+        v = v.view(B, T, H_kv, D).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.write(self.layer, k, v, slots)  # (B, H_kv, S, D)
@@ -104,7 +134,8 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        out = out.transpose(1, 2).reshape(B, T, H * D)
+        return self.o_proj(packing.pack(out) if packing is not None else out)
 
 
 class MLP(nn.Module):
@@ -127,8 +158,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, cache, slots, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, mask)
+    def forward(self, x, cos, sin, cache, slots, mask, packing=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, mask, packing)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -178,13 +209,22 @@ class Transformer(nn.Module):
         positions: torch.Tensor,  # (B, T) int64
         cache: KVCache | None = None,
         n_new: int | list[int] | None = None,
+        lengths: list[int] | None = None,
     ) -> torch.Tensor:
         """Final hidden states (B, T, hidden). With a cache, the new entries are written at
         each row's end and the row grows by n_new[b] (default: all T; pass fewer when a
-        row's input is right-padded)."""
+        row's input is right-padded). `lengths[b]` says how many of row b's tokens are
+        real (the rest is right padding, whose outputs are zeros): with enough padding the
+        rows are packed (see `Packing`)."""
         if tokens.shape != positions.shape:
             raise ValueError(f"tokens {tuple(tokens.shape)} and positions {tuple(positions.shape)} differ in shape")
-        x = self.model.embed_tokens(tokens)
+        B, T = tokens.shape
+        packing = None
+        if lengths is not None and sum(lengths) <= PACK_BELOW * B * T:
+            packing = Packing(torch.tensor(lengths, device=tokens.device), T)
+            x = self.model.embed_tokens(packing.pack(tokens[..., None]).flatten())  # (N, hidden)
+        else:
+            x = self.model.embed_tokens(tokens)  # (B, T, hidden)
         cos, sin = self.rope(positions, x.dtype)
         slots = mask = None
         if cache is not None:
@@ -192,12 +232,13 @@ class Transformer(nn.Module):
             mask = slots.attention_mask()
         for block in self.model.layers:
             if self.gradient_checkpointing and self.training and cache is None:
-                x = checkpoint(block, x, cos, sin, None, None, None, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, None, None, None, packing, use_reentrant=False)
             else:
-                x = block(x, cos, sin, cache, slots, mask)
+                x = block(x, cos, sin, cache, slots, mask, packing)
         if cache is not None:
-            cache.advance(tokens.shape[1] if n_new is None else n_new)
-        return self.model.norm(x)
+            cache.advance(T if n_new is None else n_new)
+        x = self.model.norm(x)
+        return packing.unpack_split(x, (x.shape[-1],))[0] if packing is not None else x
 
     def forward(
         self,

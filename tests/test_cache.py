@@ -82,6 +82,33 @@ def test_ragged_rows_with_n_new_padding_equal_each_row_alone(tiny_model):
         torch.testing.assert_close(steps[row], alone[0, n:])
 
 
+def test_packed_ragged_rows_equal_padded_rows(tiny_model):
+    """`lengths` packs the real tokens of ragged rows (norms, projections and MLP skip the
+    padding): outputs at real tokens and every cache entry a row keeps equal the padded
+    forward; outputs at the padding are zeros. Then a packed step from unequal lengths."""
+    rows = [rand_tokens(n, seed=20 + n) for n in (7, 2, 0, 5)]  # a row may feed nothing
+    T = max(len(r) for r in rows)
+    tokens = torch.stack([torch.cat([r, torch.zeros(T - len(r), dtype=torch.long)]) for r in rows])
+    positions = torch.arange(T).expand(len(rows), -1)
+    lengths = [len(r) for r in rows]
+    assert sum(lengths) <= 0.75 * tokens.numel()  # so the packed path is taken
+    caches = [tiny_model.new_cache(len(rows), 16) for _ in range(2)]
+    padded = tiny_model.hidden(tokens, positions, caches[0], n_new=lengths)
+    packed = tiny_model.hidden(tokens, positions, caches[1], n_new=lengths, lengths=lengths)
+    for b, n in enumerate(lengths):
+        torch.testing.assert_close(packed[b, :n], padded[b, :n])
+        assert not packed[b, n:].any()
+        for layer in range(len(caches[0].k)):
+            torch.testing.assert_close(caches[1].k[layer][b, :, :n], caches[0].k[layer][b, :, :n])
+            torch.testing.assert_close(caches[1].v[layer][b, :, :n], caches[0].v[layer][b, :, :n])
+    step = torch.stack([rand_tokens(3, seed=30 + b) for b in range(len(rows))])  # (4, 3)
+    step_pos = torch.tensor(lengths)[:, None] + torch.arange(3)[None]
+    step_len = [1, 3, 1, 1]
+    outs = [tiny_model.hidden(step, step_pos, c, n_new=step_len, lengths=l) for c, l in zip(caches, (None, step_len))]
+    for b, n in enumerate(step_len):
+        torch.testing.assert_close(outs[1][b, :n], outs[0][b, :n])
+
+
 def test_ragged_rows_via_truncate_equal_each_row_alone(tiny_model):
     """Both rows prefilled to 6; row 1 rolled back to 3; the next step sees only what is left."""
     prompts = torch.stack([rand_tokens(6, seed=5), rand_tokens(6, seed=6)])

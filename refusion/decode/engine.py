@@ -156,7 +156,8 @@ class Forward:
         for b, (t, p) in enumerate(zip(tokens, positions)):
             tok[b, : len(t)] = torch.as_tensor(t, dtype=torch.long)
             pos[b, : len(p)] = torch.as_tensor(p, dtype=torch.long)
-        hidden = self.model.hidden(tok.to(device), pos.to(device), cache, n_new=0 if cache is not None else None)
+        lengths = [len(t) for t in tokens]
+        hidden = self.model.hidden(tok.to(device), pos.to(device), cache, n_new=0 if cache is not None else None, lengths=lengths)
         self.nfe += 1
         for rid in set(row_ids):
             self.progress.stats[rid].nfe += 1
