@@ -1,0 +1,374 @@
+"""`refusion bench suite [MODEL]`: the paper's Table 1 and Figure 1 at laptop scale.
+
+On the held-out items of the bundled synthetic suite (`refusion.tasks`), greedy, batch
+size 1, one run decodes the same prompts with every row: the AR baseline model, ReFusion,
+ReFusion left to right (one slot per block), MDM on the ReFusion weights, and AR decoding
+of the ReFusion weights. The machine is shared and noisy, so work is interleaved: items go
+in chunks and every row decodes a chunk before the next one starts (in rotating order), so
+drift touches all rows alike. Wall time is measured around `generate` only.
+
+Then a sweep (Figure 1): ReFusion over slot x token thresholds, MDM over tokens per step
+and confidence thresholds, the AR baseline as a point; accuracy against tokens/s and
+against TPF, drawn to a PNG, and each method scored by AUP (`refusion.bench.aup`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from ..commands._common import add_decode_arguments, add_model_arguments, decode_config_from_args, load_from_args
+from ..decode import DecodeConfig, generate
+from ..decode.engine import sync
+from ..errors import CheckpointError, ConfigError, ReFusionError
+from .aup import aup
+
+DEFAULT_AR_MODEL = Path("runs/bundled-ar")
+# Settings that suit the bundled model (its answers are short); every one can be overridden by a flag.
+SUITE_DEFAULTS = DecodeConfig(method="refusion", gen_length=128, slot_size=8, slot_threshold=0.7, token_threshold=0.3)
+
+
+class MissingExtraError(ReFusionError):
+    """An optional dependency (an extra of the package) is not installed."""
+
+
+@dataclass
+class Run:
+    """One decoding setting to measure: which weights ("refusion" or "ar"), which config."""
+
+    key: str
+    label: str
+    weights: str
+    cfg: DecodeConfig
+    group: str = ""  # the sweep's method (AUP is computed per group)
+
+
+@dataclass
+class Record:
+    """One item decoded by one run: what it takes to recompute every figure."""
+
+    index: int  # position in the held-out list that was run
+    family: str
+    correct: bool
+    tokens: int
+    nfe: int
+    seconds: float
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_pos", nargs="?", metavar="MODEL", help="the ReFusion model (default: the bundled one)")
+    add_model_arguments(parser)
+    add_decode_arguments(parser)
+    parser.add_argument("--ar-model", default=None, help="the AR baseline (`refusion train --objective ar`); "
+                        f"default: {DEFAULT_AR_MODEL} once trained, else its row is skipped")
+    parser.add_argument("--limit", type=int, default=None, help="first N held-out items (default: all 600)")
+    parser.add_argument("--families", default=None, help="comma-separated task families (default: all)")
+    parser.add_argument("--chunk", type=int, default=10, help="items per interleaving chunk")
+    parser.add_argument("--out", default="runs/bench-suite", help="directory for the JSON and the PNG")
+    parser.add_argument("--json", dest="json_out", default=None, help="JSON path (default: OUT/suite.json)")
+    parser.add_argument("--plot", default=None, help="PNG path of the sweep (default: OUT/sweep.png)")
+    g = parser.add_argument_group("sweep (Figure 1, AUP)")
+    g.add_argument("--no-sweep", action="store_true", help="only the table")
+    g.add_argument("--sweep-limit", type=int, default=100, help="items in the sweep (the first N of those selected)")
+    g.add_argument("--sweep-slot", default="0.5,0.7,0.9", help="ReFusion slot thresholds")
+    g.add_argument("--sweep-token", default="0.1,0.3,0.5", help="ReFusion token thresholds")
+    g.add_argument("--sweep-mdm-tokens-per-step", default="1,2,4", help="MDM: tokens fixed per step (top-k schedule)")
+    g.add_argument("--sweep-mdm-threshold", default="0.9,0.7", help="MDM: confidence thresholds (Fast-dLLM style)")
+
+
+# ---------------------------------------------------------------------------- inputs
+def parse_floats(text: str, name: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{name} must be comma-separated numbers, got {text!r}") from None
+
+
+def select_items(limit: int | None, families: str | None) -> list:
+    """The held-out items, balanced across the chosen families."""
+    from ..tasks import FAMILIES, load_test_items
+
+    names = None
+    if families:
+        names = [f.strip() for f in families.split(",") if f.strip()]
+        unknown = [f for f in names if f not in FAMILIES]
+        if unknown:
+            raise ConfigError(f"unknown task families {', '.join(unknown)}; families: {', '.join(FAMILIES)}")
+    return load_test_items(limit, names)
+
+
+def _is_checkpoint(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def resolve_ar_model(given: str | None) -> tuple[str | None, str | None]:
+    """(what to load for the AR baseline, or None with a note saying why it is skipped).
+    A path the user names must exist: a typo should not silently drop the baseline row."""
+    if given is None:
+        if _is_checkpoint(DEFAULT_AR_MODEL):
+            return str(DEFAULT_AR_MODEL), None
+        return None, (f"note: AR baseline row skipped: no trained model in {DEFAULT_AR_MODEL} "
+                      "(train one with `refusion train --objective ar`, or pass --ar-model)")
+    local = Path(given).expanduser()
+    looks_local = given.startswith((".", "/", "~")) or given.count("/") != 1 or Path(given.split("/")[0]).is_dir()
+    if looks_local and not local.exists():
+        raise CheckpointError(f"AR baseline model not found: no directory at {given} "
+                              "(train one with `refusion train --objective ar`, or fix --ar-model)")
+    return given, None
+
+
+def base_config(args: argparse.Namespace) -> DecodeConfig:
+    """The user's flags over the suite's defaults; batch size 1 for every row. Flags the
+    suite cannot honour are refused rather than silently ignored."""
+    if args.method:
+        raise ConfigError("the suite runs every method (its rows); drop --method")
+    if args.max_batch_size not in (None, 1):
+        raise ConfigError("the suite decodes at batch size 1 (as the paper's Table 1); drop --max-batch-size")
+    for name in ("limit", "chunk", "sweep_limit"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    return decode_config_from_args(args, base=SUITE_DEFAULTS).replace(max_batch_size=1)
+
+
+def table_runs(base: DecodeConfig, with_ar: bool) -> list[Run]:
+    """Table 1's rows, in the paper's order."""
+    l2r = base.replace(method="refusion", serial_blocks=base.padded_length // base.slot_size)
+    runs = [
+        Run("refusion", "ReFusion", "refusion", base.replace(method="refusion")),
+        Run("refusion_l2r", "ReFusion L2R (one slot per block)", "refusion", l2r),
+        Run("mdm", "MDM", "refusion", base.replace(method="mdm")),
+        Run("ar_refusion", "AR decoding of ReFusion weights", "refusion", base.replace(method="ar")),
+    ]
+    if with_ar:
+        runs.insert(0, Run("ar_baseline", "AR baseline (AR decoding)", "ar", base.replace(method="ar")))
+    return runs
+
+
+def sweep_runs(base: DecodeConfig, args: argparse.Namespace, with_ar: bool) -> list[Run]:
+    """Figure 1's points: ReFusion thresholds, MDM steps and thresholds, the AR baseline."""
+    runs = []
+    for ts in parse_floats(args.sweep_slot, "--sweep-slot"):
+        for tt in parse_floats(args.sweep_token, "--sweep-token"):
+            cfg = base.replace(method="refusion", slot_threshold=ts, token_threshold=tt)
+            runs.append(Run(f"refusion:{ts}:{tt}", f"slot {ts:g}, token {tt:g}", "refusion", cfg, "ReFusion"))
+    mdm = base.replace(method="mdm")
+    span = -(-mdm.gen_length // mdm.mdm_block_length) * mdm.mdm_block_length
+    for k in parse_floats(args.sweep_mdm_tokens_per_step, "--sweep-mdm-tokens-per-step"):
+        cfg = mdm.replace(mdm_steps=max(1, int(span // k)), mdm_threshold=None)
+        runs.append(Run(f"mdm:k{k:g}", f"{k:g} token/step", "refusion", cfg, "MDM"))
+    for t in parse_floats(args.sweep_mdm_threshold, "--sweep-mdm-threshold"):
+        cfg = mdm.replace(mdm_steps=None, mdm_threshold=t)
+        runs.append(Run(f"mdm:t{t:g}", f"threshold {t:g}", "refusion", cfg, "MDM"))
+    if with_ar:
+        runs.append(Run("ar", "AR decoding", "ar", base.replace(method="ar"), "AR baseline"))
+    return runs
+
+
+# ---------------------------------------------------------------------------- measuring
+def decode_one(model, tokenizer, item, index: int, cfg: DecodeConfig) -> Record:
+    """Decode one item alone (batch size 1); the clock covers `generate`, not the check."""
+    from ..tasks import check
+
+    sync(model.device)
+    t0 = time.perf_counter()
+    out = generate(model, tokenizer, [item.prompt], cfg)[0]
+    sync(model.device)
+    seconds = time.perf_counter() - t0
+    return Record(index, item.family, bool(check(item, out.text)), out.stats.tokens, out.stats.nfe, seconds)
+
+
+def measure(runs: Sequence[Run], items: Sequence, models: dict[str, tuple], chunk: int, desc: str) -> dict[str, list[Record]]:
+    """Every run on every item, interleaved chunk by chunk; rows rotate their order each
+    chunk so none always runs first after a switch of weights."""
+    warm_up(runs, items[0], models)
+    records: dict[str, list[Record]] = {r.key: [] for r in runs}
+    with tqdm(total=len(runs) * len(items), desc=desc, unit="decode", file=sys.stderr, mininterval=1.0) as bar:
+        for c, start in enumerate(range(0, len(items), chunk)):
+            shift = c % len(runs)
+            for run in [*runs[shift:], *runs[:shift]]:
+                model, tokenizer = models[run.weights]
+                for i in range(start, min(start + chunk, len(items))):
+                    records[run.key].append(decode_one(model, tokenizer, items[i], i, run.cfg))
+                    bar.update()
+    return records
+
+
+def warm_up(runs: Sequence[Run], item, models: dict[str, tuple]) -> None:
+    """One untimed decode per (weights, method), so first-call costs stay out of the figures."""
+    seen = set()
+    for run in runs:
+        if (run.weights, run.cfg.method) not in seen:
+            seen.add((run.weights, run.cfg.method))
+            model, tokenizer = models[run.weights]
+            generate(model, tokenizer, [item.prompt], run.cfg)
+
+
+def summarise(records: Sequence[Record]) -> dict[str, Any]:
+    """A row's figures, from its per-item records only (so JSON readers can recompute them)."""
+    n = len(records)
+    tokens = sum(r.tokens for r in records)
+    nfe = sum(r.nfe for r in records)
+    seconds = sum(r.seconds for r in records)
+    families: dict[str, list[bool]] = {}
+    for r in records:
+        families.setdefault(r.family, []).append(r.correct)
+    return {
+        "items": n,
+        "accuracy": sum(r.correct for r in records) / n,
+        "per_family": {f: sum(v) / len(v) for f, v in families.items()},
+        "tokens": tokens,
+        "nfe": nfe,
+        "nfe_per_item": nfe / n,
+        "tpf": tokens / nfe if nfe else 0.0,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+    }
+
+
+def table_rows(runs: Sequence[Run], records: dict[str, list[Record]]) -> list[dict[str, Any]]:
+    """One dict per row: figures, the tok/s ratio to the AR baseline row, config, records."""
+    rows = [{"key": r.key, "label": r.label, "weights": r.weights, "method": r.cfg.method, **summarise(records[r.key]),
+             "config": dataclasses.asdict(r.cfg), "records": [dataclasses.asdict(x) for x in records[r.key]]} for r in runs]
+    ar = next((row for row in rows if row["key"] == "ar_baseline"), None)
+    for row in rows:
+        row["vs_ar"] = row["tokens_per_s"] / ar["tokens_per_s"] if ar and ar["tokens_per_s"] > 0 else None
+    return rows
+
+
+def sweep_points(runs: Sequence[Run], records: dict[str, list[Record]]) -> tuple[list[dict[str, Any]], dict[str, float], float]:
+    """(points, AUP per method, y_max): y_max is the best accuracy (%) of any point, as the
+    leaderboard takes it."""
+    points = [{"key": r.key, "method": r.group, "label": r.label, **summarise(records[r.key]),
+               "config": dataclasses.asdict(r.cfg), "records": [dataclasses.asdict(x) for x in records[r.key]]} for r in runs]
+    y_max = max(100 * p["accuracy"] for p in points)
+    groups: dict[str, list[tuple[float, float]]] = {}
+    for p in points:
+        groups.setdefault(p["method"], []).append((p["tpf"], 100 * p["accuracy"]))
+    return points, {g: aup(pts, y_max) for g, pts in groups.items()}, y_max
+
+
+# ---------------------------------------------------------------------------- output
+def print_table(rows: list[dict[str, Any]], items: Sequence, base: DecodeConfig, device: str) -> None:
+    families = list(dict.fromkeys(it.family for it in items))
+    counts = ", ".join(f"{f} {sum(it.family == f for it in items)}" for f in families)
+    decoding = "greedy" if base.greedy else f"temperature {base.temperature:g}"
+    print(f"held-out suite: {len(items)} items ({counts}); {decoding}, batch size 1, {device}, one interleaved run")
+    print(f"gen_length {base.gen_length}; ReFusion slot_size {base.slot_size}, serial_blocks {base.serial_blocks}, "
+          f"slot_threshold {base.slot_threshold:g}, token_threshold {base.token_threshold:g}; "
+          f"MDM block {base.mdm_block_length}, steps {base.mdm_steps or 'one token each'}"
+          + (f", threshold {base.mdm_threshold:g}" if base.mdm_threshold is not None else ""))
+    fam_heads = "".join(f" {f[:6]:>6}" for f in families)
+    print(f"{'method':34} {'acc%':>6}{fam_heads} {'tok/s':>8} {'vs AR':>6} {'TPF':>5} {'NFE':>7} {'NFE/it':>7}")
+    for r in rows:
+        fam = "".join(f" {100 * r['per_family'].get(f, 0.0):6.1f}" for f in families)
+        ratio = f"{r['vs_ar']:.2f}x" if r["vs_ar"] is not None else "-"
+        print(f"{r['label']:34} {100 * r['accuracy']:6.1f}{fam} {r['tokens_per_s']:8.1f} {ratio:>6} "
+              f"{r['tpf']:5.2f} {r['nfe']:7d} {r['nfe_per_item']:7.1f}")
+
+
+def print_sweep(points: list[dict[str, Any]], aups: dict[str, float], n_items: int) -> None:
+    print(f"\nsweep on {n_items} items: accuracy against throughput (AUP over TPF, d3LLM definition)")
+    print(f"{'method':12} {'setting':22} {'acc%':>6} {'tok/s':>8} {'TPF':>5}")
+    for p in points:
+        print(f"{p['method']:12} {p['label']:22} {100 * p['accuracy']:6.1f} {p['tokens_per_s']:8.1f} {p['tpf']:5.2f}")
+    print("AUP: " + ", ".join(f"{g} {v:.1f}" for g, v in aups.items()))
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files only), or a clear error."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise MissingExtraError("the sweep plot needs matplotlib: pip install 'refusion[plot]' (or pass --no-sweep)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def frontier(pts: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points no other point beats on both axes, left to right (the trade-off curve)."""
+    best, out = float("-inf"), []
+    for x, y in sorted(pts, key=lambda p: (-p[0], -p[1])):
+        if y > best:
+            out.append((x, y))
+            best = y
+    return out[::-1]
+
+
+def plot_sweep(points: list[dict[str, Any]], aups: dict[str, float], path: Path, title: str) -> None:
+    """Figure 1's shape: accuracy against tokens/s (left) and against TPF (right)."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for g, color in zip(aups, ("tab:red", "tab:blue", "tab:gray", "tab:green")):
+        mine = [p for p in points if p["method"] == g]
+        for ax, x in zip(axes, ("tokens_per_s", "tpf")):
+            pts = [(p[x], 100 * p["accuracy"]) for p in mine]
+            marker = "*" if len(pts) == 1 else "o"
+            ax.scatter(*zip(*pts), color=color, marker=marker, s=160 if marker == "*" else 30,
+                       label=f"{g} (AUP {aups[g]:.1f})", zorder=3)
+            if len(pts) > 1:
+                ax.plot(*zip(*frontier(pts)), color=color, alpha=0.6)
+    axes[0].set_xlabel("throughput (tokens / s)")
+    axes[1].set_xlabel("parallelism (tokens per forward)")
+    for ax in axes:
+        ax.set_ylabel("accuracy (%)")
+        ax.grid(alpha=0.3)
+    axes[1].legend(loc="best", fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- the command
+def run(args: argparse.Namespace) -> int:
+    args.model = args.model or args.model_pos
+    base = base_config(args)
+    items = select_items(args.limit, args.families)
+    ar_path, note = resolve_ar_model(args.ar_model)
+    sweep = None if args.no_sweep else sweep_runs(base, args, ar_path is not None)
+    if sweep is not None:
+        pyplot()  # a missing extra fails now, not after the table's minutes of decoding
+    out = Path(args.out)
+    json_path = Path(args.json_out) if args.json_out else out / "suite.json"
+    plot_path = Path(args.plot) if args.plot else out / "sweep.png"
+
+    models = {"refusion": load_from_args(args)}
+    if ar_path is not None:
+        from ..checkpoint import load
+
+        models["ar"] = load(ar_path, device=args.device, dtype=args.dtype)
+    if note:
+        print(note, file=sys.stderr)
+
+    runs = table_runs(base, ar_path is not None)
+    rows = table_rows(runs, measure(runs, items, models, args.chunk, "table"))
+    print_table(rows, items, base, args.device)
+    result: dict[str, Any] = {
+        "models": {"refusion": args.model or "bundled", "ar": ar_path},
+        "device": args.device, "items": len(items), "families": sorted({it.family for it in items}),
+        "chunk": args.chunk, "config": dataclasses.asdict(base), "table": rows,
+    }
+    if sweep is not None:
+        sweep_items = items[: args.sweep_limit]
+        points, aups, y_max = sweep_points(sweep, measure(sweep, sweep_items, models, args.chunk, "sweep"))
+        print_sweep(points, aups, len(sweep_items))
+        plot_sweep(points, aups, plot_path, f"held-out suite, {len(sweep_items)} items, batch size 1, {args.device}")
+        print(f"figure: {plot_path}")
+        result["sweep"] = {"items": len(sweep_items), "points": points, "aup": aups, "y_max": y_max, "plot": str(plot_path)}
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result, indent=1))
+    print(f"figures and per-item records: {json_path}")
+    return 0
