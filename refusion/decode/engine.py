@@ -150,7 +150,7 @@ class Forward:
         want: Sequence[tuple[int, int]],  # per row: logits for entries [a, b)
     ) -> list[torch.Tensor]:
         device = self.model.device
-        T = max(len(t) for t in tokens)
+        T = max(1, max(len(t) for t in tokens))  # a row may feed nothing this step
         tok = torch.full((len(tokens), T), self.pad_id, dtype=torch.long)
         pos = torch.zeros((len(tokens), T), dtype=torch.long)
         for b, (t, p) in enumerate(zip(tokens, positions)):

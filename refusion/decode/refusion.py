@@ -207,9 +207,10 @@ class ReFusionDecoder:
     def _infill_draft(self, forks: list[Fork], fcache: KVCache) -> None:
         tokens, positions, want = [], [], []
         for f in forks:
-            # a complete fork, or one whose slot passed whole in step 3, has nothing to draft
+            # a complete fork, or one whose slot passed whole in step 3, has nothing to draft:
+            # it feeds nothing (a packed forward spends no compute on its row)
             n_masks = 0 if f.complete else self.s - f.accepted
-            toks, pos = self._feed(f, [self.mask_id] * n_masks) if n_masks else ([self.mask_id], [0])
+            toks, pos = self._feed(f, [self.mask_id] * n_masks) if n_masks else ([], [])
             tokens.append(toks)
             positions.append(pos)
             want.append((len(toks) - n_masks, len(toks)))
@@ -222,10 +223,10 @@ class ReFusionDecoder:
         s, tau = self.s, self.cfg.token_threshold
         tokens, positions, want = [], [], []
         for f in forks:
-            toks, pos = self._feed(f, f.tokens[f.accepted :]) if not f.complete else ([self.mask_id], [0])
+            toks, pos = self._feed(f, f.tokens[f.accepted :]) if not f.complete else ([], [])
             tokens.append(toks)
             positions.append(pos)
-            want.append((0, len(toks) - 1 if not f.complete else 0))
+            want.append((0, max(len(toks) - 1, 0)))
         logits = self.fwd.run([f.row.rid for f in forks], tokens, positions, fcache, want)
         advance = []
         for f, toks, lg in zip(forks, tokens, logits):
