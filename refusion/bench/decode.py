@@ -59,7 +59,10 @@ def timed(model, tokenizer, prompts, cfg: DecodeConfig) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     tokens = sum(o.stats.tokens for o in outs)
     nfe = sum(o.stats.nfe for o in outs)
-    return {"tokens": tokens, "nfe": nfe, "tpf": tokens / max(nfe, 1), "wall": wall, "tps": tokens / wall}
+    # share of the time outside forward passes: the decoder's own per-step overhead (exact
+    # at batch size 1, where each prompt's forward time is its own)
+    overhead = 1.0 - sum(o.stats.forward_time for o in outs) / wall
+    return {"tokens": tokens, "nfe": nfe, "tpf": tokens / max(nfe, 1), "wall": wall, "tps": tokens / wall, "overhead": overhead}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,10 +78,11 @@ def run(args: argparse.Namespace) -> int:
     table = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in rows.items()}
     ar_tps = table.get("ar", {}).get("tps")
     print(f"{len(prompts)} prompts, batch size 1, gen_length {base.gen_length}, median of {args.rounds} interleaved rounds")
-    print(f"{'method':10} {'tokens':>7} {'NFE':>6} {'TPF':>6} {'tok/s':>8} {'vs AR':>6}")
+    print(f"{'method':10} {'tokens':>7} {'NFE':>6} {'TPF':>6} {'tok/s':>8} {'vs AR':>6} {'overhead':>9}")
     for m, r in table.items():
         ratio = f"{r['tps'] / ar_tps:.2f}x" if ar_tps else "-"
-        print(f"{m:10} {r['tokens']:7.0f} {r['nfe']:6.0f} {r['tpf']:6.2f} {r['tps']:8.1f} {ratio:>6}")
+        print(f"{m:10} {r['tokens']:7.0f} {r['nfe']:6.0f} {r['tpf']:6.2f} {r['tps']:8.1f} {ratio:>6} {r['overhead']:8.1%}")
+    print("overhead: share of decode time spent outside forward passes (decoder logic, sampling, bookkeeping)")
     sweep = {}
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     sweep_prompts = (prompts * (max(sizes) // len(prompts) + 1))[: max(max(sizes), len(prompts))]

@@ -26,6 +26,9 @@ class DecodeStats:
     tokens: int = 0
     nfe: int = 0
     wall_time: float = 0.0
+    # seconds inside the forward passes this prompt took part in (model + logits); the rest
+    # of wall_time is the decoder's own per-step overhead (exact at batch size 1)
+    forward_time: float = 0.0
 
     @property
     def tpf(self) -> float:
@@ -36,7 +39,8 @@ class DecodeStats:
         return self.tokens / self.wall_time if self.wall_time > 0 else 0.0
 
     def as_dict(self) -> dict[str, float]:
-        return {"tokens": self.tokens, "nfe": self.nfe, "tpf": self.tpf, "wall_time": self.wall_time, "tps": self.tps}
+        return {"tokens": self.tokens, "nfe": self.nfe, "tpf": self.tpf, "wall_time": self.wall_time, "tps": self.tps,
+                "forward_time": self.forward_time}
 
 
 @dataclass
@@ -157,15 +161,19 @@ class Forward:
             tok[b, : len(t)] = torch.as_tensor(t, dtype=torch.long)
             pos[b, : len(p)] = torch.as_tensor(p, dtype=torch.long)
         lengths = [len(t) for t in tokens]
+        t0 = time.perf_counter()
         hidden = self.model.hidden(tok.to(device), pos.to(device), cache, n_new=0 if cache is not None else None, lengths=lengths)
-        self.nfe += 1
-        for rid in set(row_ids):
-            self.progress.stats[rid].nfe += 1
         rows = [b for b, (a, e) in enumerate(want) for _ in range(e - a)]
         cols = [i for a, e in want for i in range(a, e)]
         idx = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
         picked = hidden[idx(rows), idx(cols)]  # (N, hidden)
         logits = self.model.lm_head(picked).float()  # (N, V)
+        sync(device)
+        seconds = time.perf_counter() - t0
+        self.nfe += 1
+        for rid in set(row_ids):
+            self.progress.stats[rid].nfe += 1
+            self.progress.stats[rid].forward_time += seconds
         return list(logits.split([e - a for a, e in want]))
 
     def finish(self, rid: int) -> None:
