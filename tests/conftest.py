@@ -7,12 +7,14 @@ models with randomised weights, written the way `transformers` writes them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
@@ -73,6 +75,45 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 # The test machines have two cores shared with other jobs: with two intra-op threads,
 # a busy neighbour makes OpenMP spin-waits cost 10-30x; one thread is never worse than 2x.
 torch.set_num_threads(1)
+
+
+# REFUSION_TEST_DEVICE=cuda runs the tests on that device (scripts/gpu_check.sh): models
+# and inputs that the tests build without naming a device are built there. Unset (the
+# default), nothing changes: the suite runs on the CPU.
+TEST_DEVICE = os.environ.get("REFUSION_TEST_DEVICE")
+_FACTORIES = {
+    torch.empty, torch.empty_strided, torch.zeros, torch.ones, torch.full, torch.arange, torch.linspace, torch.eye,
+    torch.rand, torch.randn, torch.randint, torch.randperm, torch.tensor, torch.as_tensor,
+}
+
+
+class OnTestDevice(TorchFunctionMode):
+    """Tensor factories without an explicit device build on the test device, so a test
+    written for the CPU runs unchanged on an accelerator (parameters too: nn.Linear and
+    friends allocate through torch.empty). A draw from a CPU generator is made on the CPU
+    and then moved, so seeded inputs hold the same values on every device."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.device = torch.device(device)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _FACTORIES and kwargs.get("device") is None:
+            gen = kwargs.get("generator")
+            if gen is not None and gen.device.type == "cpu":
+                return func(*args, **kwargs).to(self.device)
+            kwargs["device"] = self.device
+        return func(*args, **kwargs)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _test_device() -> Iterator[None]:
+    if TEST_DEVICE is None:
+        yield
+        return
+    with OnTestDevice(TEST_DEVICE):
+        yield
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:

@@ -8,6 +8,8 @@ import importlib
 BENCHES = {
     "decode": "AR vs ReFusion vs MDM on the same prompts, with a batch-size sweep",
     "train": "training tokens/s: ReFusion objective vs plain next-token training",
+    "speed": "forward and AR decode against the machine's floors and transformers, side by side",
+    "suite": "Table 1 and Figure 1 on the held-out suite: accuracy, tokens/s, TPF, NFE, AUP",
 }
 
 

