@@ -150,6 +150,23 @@ class KVCache:
         positions[:, :used] = self.positions.index_select(0, idx)[:, :used]
         return KVCache([take(k) for k in self.k], [take(v) for v in self.v], tokens, positions, lengths)
 
+    def add_rows(self, n: int, capacity: int | None = None) -> "KVCache":
+        """A new cache: these rows (their used region copied) then n empty rows, with at
+        least `capacity` entries per row (rows joining a running batch)."""
+        cap = max(self.capacity, capacity or 0)
+        B, used = self.batch_size, self.used()
+
+        def grow(t: torch.Tensor) -> torch.Tensor:
+            out = t.new_zeros((B + n,) + t.shape[1:2] + (cap,) + t.shape[3:])
+            out[:B, :, :used] = t[:, :, :used]
+            return out
+
+        tokens = self.tokens.new_zeros(B + n, cap)
+        positions = self.positions.new_zeros(B + n, cap)
+        tokens[:B, :used] = self.tokens[:, :used]
+        positions[:B, :used] = self.positions[:, :used]
+        return KVCache([grow(k) for k in self.k], [grow(v) for v in self.v], tokens, positions, self.lengths + [0] * n)
+
     def fork(self, repeats: Sequence[int], capacity: int | None = None) -> "KVCache":
         """Row b repeated repeats[b] times, in order (one copy of the committed cache per slot)."""
         rows = [b for b, r in enumerate(repeats) for _ in range(int(r))]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 
 from ..errors import ConfigError, ContextLengthError, MissingMaskTokenError
 from ..model import Transformer
-from .ar import decode_ar
+from .ar import ARDecoder
 from .config import METHODS, PRESETS, DecodeConfig
 from .engine import DecodeStats, Forward, GenerationOutput, Progress, TraceEvent
 from .mdm import decode_mdm
@@ -26,7 +27,7 @@ from .sampling import Sampler
 
 __all__ = [
     "DecodeConfig", "DecodeStats", "GenerationOutput", "TraceEvent", "METHODS", "PRESETS",
-    "generate", "stream", "encode_prompts", "resolve_ids", "TextDeltas",
+    "generate", "stream", "encode_prompts", "resolve_ids", "check_prompts", "TextDeltas",
 ]
 
 Prompt = str | Sequence[int]
@@ -109,11 +110,18 @@ def generate(
     trace: bool = False,
     on_prefix: Callable[[int, list[int], bool], None] | None = None,
     is_cancelled: Callable[[int], bool] | None = None,
+    admit: Callable[[int], Sequence[Sequence[int]]] | None = None,
 ) -> list[GenerationOutput]:
     """Decode every prompt; outputs come back in the order given.
 
     `on_prefix(i, ids, done)` streams prompt i's final left-to-right prefix as it grows;
-    `is_cancelled(i)` stops prompt i early (finish_reason "cancelled")."""
+    `is_cancelled(i)` stops prompt i early (finish_reason "cancelled").
+
+    Methods `ar` and `refusion` batch continuously: a row that finishes frees its place
+    for the next prompt at once. `admit(room)` (a server's queue) is then asked between
+    steps for up to `room` more prompts as token ids, already checked with
+    `check_prompts`; they join the running batch, take the next indices (len(prompts),
+    ...) in the callbacks and come back at the end of the returned list."""
     cfg = (cfg or DecodeConfig()).validate()
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
@@ -125,17 +133,46 @@ def generate(
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths batch together
     bs = batch_size_for(model, cfg, max(len(p) for p in ids))
     pad_id = mask_id if mask_id is not None else next(iter(eos_ids), 0)
-    for start in range(0, len(order), bs):
-        rids = order[start : start + bs]
-        fwd = Forward(model, progress, pad_id)
-        batch = [ids[i] for i in rids]
+    fwd = Forward(model, progress, pad_id)
+    if cfg.method == "mdm":  # no KV cache, rows step through blocks together: batch by batch
+        for start in range(0, len(order), bs):
+            rids = order[start : start + bs]
+            decode_mdm(fwd, progress, sampler, cfg, [ids[i] for i in rids], rids, mask_id, eos_ids)
+    else:
         if cfg.method == "refusion":
-            ReFusionDecoder(fwd, progress, sampler, cfg, mask_id, eos_ids).decode(batch, rids)
-        elif cfg.method == "ar":
-            decode_ar(fwd, progress, sampler, cfg, batch, rids, eos_ids)
+            decoder: ARDecoder | ReFusionDecoder = ReFusionDecoder(fwd, progress, sampler, cfg, mask_id, eos_ids)
         else:
-            decode_mdm(fwd, progress, sampler, cfg, batch, rids, mask_id, eos_ids)
+            decoder = ARDecoder(fwd, progress, sampler, cfg, eos_ids)
+        _decode_continuous(decoder, ids, deque(order), bs, progress, sampler, admit)
     return [_output(i, ids[i], progress, tokenizer, eos_ids) for i in range(len(ids))]
+
+
+def _decode_continuous(decoder: ARDecoder | ReFusionDecoder, ids: list[list[int]], waiting: deque[int], bs: int,
+                       progress: Progress, sampler: Sampler, admit: Callable[[int], Sequence[Sequence[int]]] | None) -> None:
+    """Keep up to `bs` rows decoding: waiting prompts first, then whatever `admit` gives."""
+    while True:
+        room = bs - decoder.active
+        if room > 0 and waiting:
+            rids = [waiting.popleft() for _ in range(min(room, len(waiting)))]
+            decoder.admit([ids[i] for i in rids], rids)
+        room = bs - decoder.active
+        if room > 0 and not waiting and admit is not None:
+            new = [[int(t) for t in p] for p in admit(room)][:room]
+            if new:
+                rids = progress.extend(len(new))
+                sampler.extend(len(new))
+                ids.extend(new)
+                decoder.admit(new, rids)
+        if not decoder.active:
+            return
+        decoder.step()
+
+
+def check_prompts(model: Transformer, tokenizer: Any, cfg: DecodeConfig, ids: Sequence[Sequence[int]]) -> None:
+    """Raise what `generate` would raise for these token-id prompts, before any compute
+    (a server checks a request before it joins a running batch)."""
+    _, mask_id = resolve_ids(model, tokenizer, cfg)
+    _check_request(model, cfg.validate(), [list(p) for p in ids], mask_id)
 
 
 def _output(i: int, prompt: list[int], progress: Progress, tokenizer: Any, eos_ids: set[int]) -> GenerationOutput:

@@ -2,43 +2,66 @@
 
 from __future__ import annotations
 
+from ..cache import KVCache
 from .config import DecodeConfig
 from .engine import Forward, Progress
 from .sampling import Sampler
 
 
-def decode_ar(fwd: Forward, progress: Progress, sampler: Sampler, cfg: DecodeConfig, prompts: list[list[int]], rids: list[int], eos_ids: set[int]) -> None:
-    """Prefill every prompt in one batched forward, then one token per row per forward;
-    a row that hits EOS or gen_length leaves the batch (its cache row is dropped)."""
-    L = cfg.gen_length
-    for rid in rids:
-        progress.start(rid, L)
-    cache = fwd.model.new_cache(len(prompts), max(len(p) for p in prompts) + L)
-    lengths = [len(p) for p in prompts]
-    logits = fwd.run(rids, prompts, [list(range(n)) for n in lengths], cache, [(n - 1, n) for n in lengths])
-    cache.advance(lengths)
-    done_count = [0] * len(prompts)  # tokens generated per row
-    active = list(range(len(prompts)))
-    while active:
-        nxt = [int(sampler.pick(lg[None], [rids[b]])[0, 0]) for b, lg in zip(active, logits)]
+class ARDecoder:
+    """Rows step together, one token each per forward; a row that hits EOS or gen_length
+    leaves (its cache row is dropped) and new rows may join between steps: a joining row's
+    prompt is prefilled in the same forward as the others' next token (continuous batching)."""
+
+    def __init__(self, fwd: Forward, progress: Progress, sampler: Sampler, cfg: DecodeConfig, eos_ids: set[int]) -> None:
+        self.fwd, self.progress, self.sampler, self.cfg, self.eos_ids = fwd, progress, sampler, cfg, eos_ids
+        self.rids: list[int] = []  # prompt index of each cache row
+        self.prompt_len: list[int] = []
+        self.done: list[int] = []  # tokens generated per row
+        self.feed: list[list[int]] = []  # what each row feeds next: its prompt, then its last token
+        self.cache: KVCache | None = None
+
+    @property
+    def active(self) -> int:
+        return len(self.rids)
+
+    def admit(self, prompts: list[list[int]], rids: list[int]) -> None:
+        for rid in rids:
+            self.progress.start(rid, self.cfg.gen_length)
+        longest = max(len(p) for p in prompts)
+        if self.cache is None:  # every row starts empty: a row and its prefill fit
+            self.cache = self.fwd.model.new_cache(len(prompts), longest + self.cfg.gen_length)
+        else:  # a ragged step writes every row from the longest row's end: room for a prefill there
+            longest = max([longest] + self.prompt_len)
+            self.cache = self.cache.add_rows(len(prompts), 2 * longest + self.cfg.gen_length)
+        self.rids += rids
+        self.prompt_len += [len(p) for p in prompts]
+        self.done += [0] * len(prompts)
+        self.feed += [list(p) for p in prompts]
+
+    def step(self) -> None:
+        """One forward for every row, then one token per row."""
+        n_fed = [len(f) for f in self.feed]
+        positions = [self._positions(b, n) for b, n in enumerate(n_fed)]
+        logits = self.fwd.run(self.rids, self.feed, positions, self.cache, [(n - 1, n) for n in n_fed])
+        self.cache.advance(n_fed)
         keep = []
-        for j, (b, tok) in enumerate(zip(active, nxt)):
-            progress.commit(rids[b], "ar", [(done_count[b], [tok])])
-            done_count[b] += 1
-            if tok in eos_ids or done_count[b] == L or progress.check_cancelled(rids[b]):
-                fwd.finish(rids[b])
+        for b, lg in enumerate(logits):
+            tok = int(self.sampler.pick(lg[None], [self.rids[b]])[0, 0])
+            rid = self.rids[b]
+            self.progress.commit(rid, "ar", [(self.done[b], [tok])])
+            self.done[b] += 1
+            self.feed[b] = [tok]
+            if tok in self.eos_ids or self.done[b] == self.cfg.gen_length or self.progress.check_cancelled(rid):
+                self.fwd.finish(rid)
             else:
-                keep.append(j)
-        if len(keep) < len(active):
-            if not keep:
-                break
-            cache = cache.select(keep)
-            active, nxt = [active[j] for j in keep], [nxt[j] for j in keep]
-        logits = fwd.run(
-            [rids[b] for b in active],
-            [[t] for t in nxt],
-            [[len(prompts[b]) + done_count[b] - 1] for b in active],
-            cache,
-            [(0, 1)] * len(active),
-        )
-        cache.advance(1)
+                keep.append(b)
+        if len(keep) < self.active:
+            self.rids, self.prompt_len, self.done, self.feed = ([xs[b] for b in keep] for xs in (self.rids, self.prompt_len, self.done, self.feed))
+            self.cache = self.cache.select(keep) if keep else None
+
+    def _positions(self, b: int, n: int) -> list[int]:
+        """A joining row feeds its prompt at 0..P-1; a running row its last token at P+done-1."""
+        start = self.prompt_len[b] + self.done[b] - n if self.done[b] else 0
+        return list(range(start, start + n))
+

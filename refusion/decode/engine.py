@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -92,9 +92,24 @@ class Progress:
         self.traces: list[list[TraceEvent]] | None = [[] for _ in range(n_prompts)] if trace else None
         self.stats = [DecodeStats() for _ in range(n_prompts)]
         self.cancelled = [False] * n_prompts
+        self.started = [0.0] * n_prompts
+
+    def extend(self, n: int) -> list[int]:
+        """Room for n more prompts (joining a running batch); returns their indices."""
+        first = len(self.filled)
+        self.filled += [[] for _ in range(n)]
+        self.prefix_len += [0] * n
+        if self.traces is not None:
+            self.traces += [[] for _ in range(n)]
+        self.stats += [DecodeStats() for _ in range(n)]
+        self.cancelled += [False] * n
+        self.started += [0.0] * n
+        return list(range(first, first + n))
 
     def start(self, rid: int, gen_length: int) -> None:
+        """A prompt starts decoding now (its wall time counts from here)."""
         self.filled[rid] = [None] * gen_length
+        self.started[rid] = time.perf_counter()
 
     def commit(self, rid: int, path: str, spans: Sequence[tuple[int, list[int]]]) -> None:
         """Tokens enter the committed sequence at generation offsets (start, tokens)."""
@@ -143,7 +158,6 @@ class Forward:
     progress: Progress
     pad_id: int
     nfe: int = 0
-    t0: float = field(default_factory=time.perf_counter)
 
     def run(
         self,
@@ -177,6 +191,6 @@ class Forward:
         return list(logits.split([e - a for a, e in want]))
 
     def finish(self, rid: int) -> None:
-        """Stamp a prompt's wall time (from the first forward of its batch)."""
+        """Stamp a prompt's wall time (from when it started decoding)."""
         sync(self.model.device)
-        self.progress.stats[rid].wall_time = time.perf_counter() - self.t0
+        self.progress.stats[rid].wall_time = time.perf_counter() - self.progress.started[rid]

@@ -84,33 +84,56 @@ class ReFusionDecoder:
         self.fwd, self.progress, self.sampler, self.cfg = fwd, progress, sampler, cfg
         self.mask_id, self.eos_ids = mask_id, eos_ids
         self.s = cfg.slot_size
+        self.rows: list[Row] = []  # one per cache row
+        self.cache: KVCache | None = None
 
     # ------------------------------------------------------------------ driver
+    @property
+    def active(self) -> int:
+        return len(self.rows)
+
     def decode(self, prompts: list[list[int]], rids: list[int]) -> None:
-        cfg, s = self.cfg, self.s
-        n_slots = cfg.padded_length // s
-        rows = [Row(rid, p, n_slots // cfg.serial_blocks, cfg.serial_blocks) for rid, p in zip(rids, prompts)]
-        for row in rows:
+        """Decode a batch to the end (no rows joining)."""
+        self.admit(prompts, rids)
+        while self.rows:
+            self.step()
+
+    def admit(self, prompts: list[list[int]], rids: list[int]) -> None:
+        """New rows join at the next step; their first plan step also prefills the prompt
+        (continuous batching: each row's decisions depend only on its own logits)."""
+        cfg = self.cfg
+        n_slots = cfg.padded_length // self.s
+        new = [Row(rid, p, n_slots // cfg.serial_blocks, cfg.serial_blocks) for rid, p in zip(rids, prompts)]
+        for row in new:
             self.progress.start(row.rid, cfg.padded_length)
         block_len = cfg.padded_length // cfg.serial_blocks
-        capacity = max(len(p) for p in prompts) + cfg.padded_length + block_len
-        cache = self.fwd.model.new_cache(len(rows), capacity)
-        while rows:
-            plans = self.plan(rows, cache)
-            selections = [select_slots(p, self.cfg.slot_threshold) for p in plans]
-            to_infill = self.verify(rows, plans, selections, cache)
-            if to_infill:
-                self.infill(rows, to_infill, cache)
-            for row in rows:
-                row.next_block_if_complete()
-                if self.progress.check_cancelled(row.rid):
-                    row.done = True
-                if row.done:
-                    self.fwd.finish(row.rid)
-            keep = [i for i, row in enumerate(rows) if not row.done]
-            if len(keep) < len(rows):
-                rows = [rows[i] for i in keep]
-                cache = cache.select(keep) if keep else cache
+        longest = max(len(p) for p in prompts)
+        if self.cache is None:  # every row starts empty: a row and its widest step fit
+            self.cache = self.fwd.model.new_cache(len(new), longest + cfg.padded_length + block_len)
+        else:  # a ragged step writes every row from the longest row's end: room for a prefill there
+            longest = max([longest] + [len(r.prompt) for r in self.rows])
+            self.cache = self.cache.add_rows(len(new), 2 * longest + cfg.padded_length + block_len)
+        self.rows += new
+
+    def step(self) -> None:
+        """One round for every row: plan, select, verify, infill where needed, commit;
+        finished rows leave the batch."""
+        rows, cache = self.rows, self.cache
+        plans = self.plan(rows, cache)
+        selections = [select_slots(p, self.cfg.slot_threshold) for p in plans]
+        to_infill = self.verify(rows, plans, selections, cache)
+        if to_infill:
+            self.infill(rows, to_infill, cache)
+        for row in rows:
+            row.next_block_if_complete()
+            if self.progress.check_cancelled(row.rid):
+                row.done = True
+            if row.done:
+                self.fwd.finish(row.rid)
+        keep = [i for i, row in enumerate(rows) if not row.done]
+        if len(keep) < len(rows):
+            self.rows = [rows[i] for i in keep]
+            self.cache = cache.select(keep) if keep else None
 
     # ------------------------------------------------------------------ step 1
     def plan(self, rows: list[Row], cache: KVCache) -> list[Plan]:

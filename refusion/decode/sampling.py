@@ -41,15 +41,19 @@ class Sampler:
     """Picks tokens for rows of a batch; `row_ids` name each row's prompt (its generator)."""
 
     def __init__(self, cfg: DecodeConfig, n_prompts: int, device: torch.device) -> None:
-        self.cfg = cfg
-        self.generators: list[torch.Generator] | None = None
-        if not cfg.greedy:
-            # a given seed: every prompt reproducible alone or batched; no seed: each prompt its own draws
-            self.generators = []
-            for _ in range(n_prompts):
-                g = torch.Generator(device=device)
-                g.manual_seed(cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
-                self.generators.append(g)
+        self.cfg, self.device = cfg, device
+        self.generators: list[torch.Generator] | None = None if cfg.greedy else []
+        self.extend(n_prompts)
+
+    def extend(self, n: int) -> None:
+        """Generators for n more prompts (joining a running batch)."""
+        if self.generators is None:
+            return
+        # a given seed: every prompt reproducible alone or batched; no seed: each prompt its own draws
+        for _ in range(n):
+            g = torch.Generator(device=self.device)
+            g.manual_seed(self.cfg.seed if self.cfg.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+            self.generators.append(g)
 
     def pick(self, logits: torch.Tensor, row_ids: list[int]) -> torch.Tensor:
         """Tokens (B, T) from logits (B, T, V); row b belongs to prompt row_ids[b]."""

@@ -1,0 +1,104 @@
+"""Continuous batching: rows leave when done and new prompts join a running batch between
+steps (from the waiting list, or from an `admit` callback such as a server's queue).
+Each row's decisions depend only on its own logits, so every output must equal the
+prompt decoded alone, token for token."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from refusion.config import ModelConfig
+from refusion.decode import DecodeConfig, check_prompts, generate
+from refusion.errors import ContextLengthError
+from refusion.model import Transformer
+
+GOLDEN = Path(__file__).parent / "golden"
+CASES = [json.loads(line) for line in (GOLDEN / "refusion_cases.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = Transformer(ModelConfig.from_json(GOLDEN / "tiny-qwen3" / "config.json"))
+    model.load_state_dict(load_file(GOLDEN / "tiny-qwen3" / "model.safetensors"), strict=False)
+    return model.eval()
+
+
+def golden_config(c: dict, **changes) -> DecodeConfig:
+    return DecodeConfig(
+        method="refusion", gen_length=c["gen_length"], slot_size=c["slot_size"], serial_blocks=c["serial_blocks"],
+        slot_threshold=c["slot_threshold"], token_threshold=c["token_threshold"], eos_id=c["eos_id"],
+        mask_id=c["mask_id"],
+    ).replace(**changes)
+
+
+def test_golden_cases_through_one_place(tiny):
+    """The golden cases that share a config, through one place: each row joins the
+    batch (and its cache) when the one before finishes; the decodings still equal the
+    authors' reference."""
+    by_cfg: dict[str, list[dict]] = {}
+    for c in CASES:
+        by_cfg.setdefault(json.dumps(golden_config(c).__dict__, sort_keys=True, default=str), []).append(c)
+    groups = [cs for cs in by_cfg.values() if len(cs) >= 2]
+    assert groups, "the golden set has configs shared by several prompts"
+    for cs in groups:
+        outs = generate(tiny, None, [c["prompt_ids"] for c in cs], golden_config(cs[0], max_batch_size=1))
+        assert [o.token_ids for o in outs] == [c["expected_ids"] for c in cs]
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_all_golden_prompts_through_two_places(tiny, k):
+    """All 42 golden prompts under one golden config through 2 places (rows of different
+    lengths joining a cache with rows mid-generation) equal each prompt decoded alone."""
+    cfg = golden_config(CASES[k * 7], max_batch_size=2)
+    prompts = [c["prompt_ids"] for c in CASES]
+    outs = generate(tiny, None, prompts, cfg)
+    assert [o.token_ids for o in outs] == [generate(tiny, None, [p], cfg)[0].token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("method", ["ar", "refusion"])
+def test_admitted_prompts_join_the_running_batch(tiny, method):
+    """One prompt starts; `admit` hands over two more at the first chance and one later;
+    all four equal their decodings alone, callbacks see the new indices, and `admit` is
+    never offered more room than the batch has."""
+    c = CASES[0]
+    cfg = golden_config(c, method=method, max_batch_size=3)
+    first = c["prompt_ids"]
+    later = [CASES[5]["prompt_ids"], CASES[9]["prompt_ids"][:7], CASES[2]["prompt_ids"] + [11, 12, 13]]
+    calls, rooms, seen = [], [], set()
+
+    def admit(room: int):
+        rooms.append(room)
+        calls.append(len(calls))
+        if len(calls) == 1:
+            return later[:2]
+        if len(calls) == 2:
+            return later[2:]
+        return []
+
+    outs = generate(tiny, None, [first], cfg, admit=admit, on_prefix=lambda i, ids, done: seen.add(i))
+    assert len(outs) == 4 and seen == {0, 1, 2, 3}
+    assert all(1 <= r <= 3 for r in rooms) and rooms[0] == 2
+    alone = [generate(tiny, None, [p], cfg)[0] for p in [first] + later]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
+    assert outs[3].stats.nfe == alone[3].stats.nfe  # a joining row pays only for its own steps
+
+
+def test_many_prompts_through_few_places_keep_their_order(tiny):
+    """More prompts than places: outputs come back in the order given, each as alone."""
+    cfg = DecodeConfig(method="ar", gen_length=12, eos_id=CASES[0]["eos_id"], max_batch_size=2)
+    prompts = [c["prompt_ids"][: 3 + i] for i, c in enumerate(CASES[:5])]
+    outs = generate(tiny, None, prompts, cfg)
+    assert [o.token_ids for o in outs] == [generate(tiny, None, [p], cfg)[0].token_ids for p in prompts]
+
+
+def test_check_prompts_raises_what_generate_would(tiny):
+    cfg = golden_config(CASES[0])
+    check_prompts(tiny, None, cfg, [CASES[0]["prompt_ids"]])
+    too_long = [1] * tiny.config.max_position_embeddings
+    with pytest.raises(ContextLengthError):
+        check_prompts(tiny, None, cfg, [too_long])
+    with pytest.raises(ContextLengthError):
+        generate(tiny, None, [too_long], cfg)
