@@ -304,7 +304,9 @@ def test_api_key(loaded):
 
 
 # ---------------------------------------------------------------------------- batching and queue
-def test_concurrent_requests_are_batched_by_config(loaded):
+def test_requests_join_the_running_batch_by_config(loaded):
+    """Requests queued while a batch is held join it at its first step (continuous
+    batching) when their config equals its config; the ar request waits for its own batch."""
     gate = Gate()
     with live(loaded, generate_fn=gate) as s:
         gate.opened.clear()
@@ -318,10 +320,10 @@ def test_concurrent_requests_are_batched_by_config(loaded):
         for t, box in [(first, None), *same, (other, None)]:
             t.join(60)
         assert all(box and box[0].choices[0].text is not None for _, box in same)
-        assert sorted(gate.batches) == [1, 1, 3]  # the ar request decodes on its own
+        assert gate.batches == [1, 1]  # two generate calls, each started with one request
+        assert len(gate.outputs) == 5  # the first call returned its own row and the 3 that joined
         m = s.metrics()
-        assert m["refusion_batch_size_count"] == 3 and m['refusion_batch_size_bucket{le="2"}'] == 2  # one batch > 2
-        assert m["refusion_batch_size_sum"] == 5
+        assert m["refusion_joined_total"] == 3 and m["refusion_batch_size_count"] == 2
 
 
 def test_full_queue_gets_429_with_retry_after(loaded):

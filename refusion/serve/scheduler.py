@@ -4,16 +4,15 @@ Requests that arrive together (within `batch_window` seconds of the oldest waiti
 and whose `DecodeConfig`s are equal are decoded in one `generate` call; a request with a
 different config waits for a later batch (configs decide the plan, the slot layout and
 the sampler, so only equal ones can share a call and still decode exactly what each
-would decode alone). The decoder does not let a row join a batch that is already
-running, so a request that arrives mid-batch waits for the next one: latency under load
-is up to one batch's duration plus its own. Rows leave early, though: a row that has
-its max_tokens, has hit a stop string or EOS, or whose client went away reports
-`is_cancelled`, and the decoder stops it at its next step.
+would decode alone). Batching is continuous for the `ar` and `refusion` methods: a
+request with the running batch's config that arrives mid-batch joins it at the next
+step, as soon as the batch has a free place (`generate`'s `admit`); `mdm` batches run to
+the end. Rows leave early: a row that has its max_tokens, has hit a stop string or EOS,
+or whose client went away reports `is_cancelled`, and the decoder stops it at its next
+step, which frees its place.
 
-Sampling without a seed: `generate` draws one seed per call and seeds every row with it,
-so unseeded sampled requests that share a batch share a random stream (the same prompt
-twice in one batch samples the same text). A request that gives a seed is reproducible
-whatever it is batched with.
+Sampling: each completion has its own generator, seeded from its `seed` (reproducible
+whatever it is batched with) or, without one, drawn at random.
 
 The queue is bounded (`max_queue` waiting completions); `submit` raises `QueueFull` with
 a retry estimate when it is full, and `ShuttingDown` once `shutdown` has begun.
@@ -29,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..decode import DecodeConfig, GenerationOutput, TextDeltas, generate
+from ..decode import DecodeConfig, GenerationOutput, TextDeltas, check_prompts, generate
 from ..errors import ReFusionError
 from .metrics import Metrics
 
@@ -266,11 +265,42 @@ class Scheduler:
             self.metrics.running.set(len(batch))
             return batch
 
+    def _admit(self, batch: list[Job], room: int) -> list[list[int]]:
+        """Queued jobs with the running batch's config join it (up to `room`), checked one
+        by one first so a bad request fails alone; called by `generate` between steps."""
+        with self._cv:
+            if self._closing:
+                return []
+            taken: list[Job] = []
+            rest: deque[Job] = deque()
+            for j in self._queue:
+                fits = len(taken) < room and j.cfg == batch[0].cfg and not j.cancelled.is_set()
+                (taken if fits else rest).append(j)
+            self._queue = rest
+            self.metrics.queue_length.set(len(rest))
+        ok = []
+        for j in taken:
+            try:
+                check_prompts(self.model, self.tokenizer, j.cfg, [j.ids])
+            except ReFusionError as e:
+                j.fail(e)
+            else:
+                ok.append(j)
+        now = time.monotonic()
+        for j in ok:
+            self.metrics.queue_wait.observe(now - j.submitted)
+        with self._cv:
+            batch.extend(ok)  # the callbacks index into it; it is also self._running
+            self.metrics.running.set(len(batch))
+        self.metrics.joined.inc(len(ok))
+        return [j.ids for j in ok]
+
     def _decode(self, batch: list[Job]) -> None:
         t0 = time.monotonic()
         for j in batch:
             self.metrics.queue_wait.observe(t0 - j.submitted)
         self.metrics.batch_size.observe(len(batch))
+        joinable = batch[0].cfg.method in ("ar", "refusion")
         try:
             outs = self.generate_fn(
                 self.model,
@@ -279,6 +309,7 @@ class Scheduler:
                 batch[0].cfg,
                 on_prefix=lambda i, ids, done: batch[i].on_prefix(ids, done),
                 is_cancelled=lambda i: batch[i].stopped(),
+                admit=(lambda room: self._admit(batch, room)) if joinable else None,
             )
         except ReFusionError as e:
             # raised before any compute: retry one by one so only the bad request fails
