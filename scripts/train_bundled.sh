@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # The recipe of the bundled model, from nothing: tokenizer, data, config, `refusion train`.
 #
-#   scripts/train_bundled.sh [OBJECTIVE] [OUT] [STEPS]
-#     OBJECTIVE  refusion (default: the bundled model) or ar (the AR baseline: same
-#                data, architecture, size and budget)
-#     OUT        output directory (default: runs/bundled-OBJECTIVE)
-#     STEPS      optimizer steps (default: 4000)
+#   scripts/train_bundled.sh ar        the AR baseline: 4000 steps of next-token training
+#   scripts/train_bundled.sh refusion  the bundled model: the AR baseline's step-2250
+#                                      checkpoint, then 1750 steps of the ReFusion objective
+#   scripts/train_bundled.sh scratch   ReFusion from random weights, 4000 steps (a reference)
 #
-# Everything is seeded; rerunning it reproduces the model on the same machine. It resumes
-# from its latest checkpoint when OUT already holds one. The bundled copy is OUT itself,
-# copied to refusion/bundled/refusion-tiny/ (model.safetensors in float32 <= 16 MB).
+# As in the paper, ReFusion is made from an autoregressive model: here the AR baseline's
+# own checkpoint at step 2250, so the two models see the same data, architecture, size and
+# total budget (4000 steps of 16 examples each) and the AR baseline is ReFusion's base model.
+# Run `ar` first. Everything is seeded; a run resumes from its latest checkpoint when its
+# output directory already holds one. The bundled copy is runs/bundled-refusion, copied to
+# refusion/bundled/refusion-tiny/ (model.safetensors in float32 <= 16 MB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-objective="${1:-refusion}"
-out="${2:-runs/bundled-$objective}"
-steps="${3:-4000}"
+what="${1:-refusion}"
 work=runs/bundled-data
 py=.venv/bin/python
 mkdir -p "$work"
@@ -30,9 +30,22 @@ cat > "$work/config.json" <<JSON
   "tie_word_embeddings": true, "hidden_act": "silu", "torch_dtype": "float32"
 }
 JSON
-OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" .venv/bin/refusion train \
-  --init-config "$work/config.json" --tokenizer "$work/tokenizer" --data "$work/train.jsonl" \
-  --out "$out" --objective "$objective" --max-length 320 \
-  --batch-size 16 --max-steps "$steps" --lr 3e-3 --min-lr-ratio 0.05 --warmup-steps 100 \
-  --weight-decay 0.1 --eval-every 500 --save-every 250 --keep-checkpoints 2 --log-every 25 \
-  --seed 0 --resume
+train() {
+  OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" .venv/bin/refusion train --data "$work/train.jsonl" --max-length 320 \
+    --batch-size 16 --min-lr-ratio 0.05 --weight-decay 0.1 --eval-every 500 --save-every 250 --log-every 25 \
+    --seed 0 --resume "$@"
+}
+case "$what" in
+  ar)  # keep the step-2250 checkpoint: ReFusion starts from it
+    train --init-config "$work/config.json" --tokenizer "$work/tokenizer" --out runs/bundled-ar --objective ar \
+      --max-steps 4000 --lr 3e-3 --warmup-steps 100 --keep-checkpoints 0 ;;
+  refusion)
+    base=runs/bundled-ar/checkpoints/step-00002250
+    [ -f "$base/model.safetensors" ] || { echo "run '$0 ar' first (needs $base)" >&2; exit 2; }
+    train --model "$base" --out runs/bundled-refusion --objective refusion \
+      --max-steps 1750 --lr 1.5e-3 --warmup-steps 50 --keep-checkpoints 2 ;;
+  scratch)
+    train --init-config "$work/config.json" --tokenizer "$work/tokenizer" --out runs/bundled-refusion-scratch \
+      --objective refusion --max-steps 4000 --lr 3e-3 --warmup-steps 100 --keep-checkpoints 2 ;;
+  *) echo "usage: $0 ar|refusion|scratch" >&2; exit 2 ;;
+esac

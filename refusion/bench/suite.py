@@ -34,7 +34,7 @@ from .aup import aup
 
 DEFAULT_AR_MODEL = Path("runs/bundled-ar")
 # Settings that suit the bundled model (its answers are short); every one can be overridden by a flag.
-SUITE_DEFAULTS = DecodeConfig(method="refusion", gen_length=128, slot_size=8, slot_threshold=0.7, token_threshold=0.3)
+SUITE_DEFAULTS = DecodeConfig(method="refusion", gen_length=128, slot_size=8, serial_blocks=4, slot_threshold=0.7, token_threshold=0.3)
 
 
 class MissingExtraError(ReFusionError):
