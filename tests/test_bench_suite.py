@@ -18,7 +18,7 @@ from refusion.bench.aup import aup, aup_weight
 from refusion.checkpoint import BUNDLED_DIR
 from refusion.cli import main
 
-TINY = ["--gen-length", "16", "--slot-size", "8", "--mdm-block-length", "16", "--chunk", "2"]
+TINY = ["--gen-length", "16", "--slot-size", "8", "--serial-blocks", "1", "--mdm-block-length", "16", "--chunk", "2"]
 
 
 # ---------------------------------------------------------------------------- AUP
