@@ -23,3 +23,7 @@ class ContextLengthError(ConfigError):
 
 class MissingMaskTokenError(ConfigError):
     """A diffusion method was asked of a model that has no MASK token."""
+
+
+class MissingExtraError(ReFusionError):
+    """An optional dependency (an extra of the package, e.g. `refusion[plot]`) is not installed."""

@@ -29,16 +29,12 @@ from tqdm import tqdm
 from ..commands._common import add_decode_arguments, add_model_arguments, decode_config_from_args, load_from_args
 from ..decode import DecodeConfig, generate
 from ..decode.engine import sync
-from ..errors import CheckpointError, ConfigError, ReFusionError
+from ..errors import CheckpointError, ConfigError, MissingExtraError, ReFusionError
 from .aup import aup
 
 DEFAULT_AR_MODEL = Path("runs/bundled-ar")
 # Settings that suit the bundled model (its answers are short); every one can be overridden by a flag.
 SUITE_DEFAULTS = DecodeConfig(method="refusion", gen_length=128, slot_size=8, serial_blocks=4, slot_threshold=0.7, token_threshold=0.3)
-
-
-class MissingExtraError(ReFusionError):
-    """An optional dependency (an extra of the package) is not installed."""
 
 
 @dataclass
