@@ -29,7 +29,7 @@ from tqdm import tqdm
 from ..commands._common import add_decode_arguments, add_model_arguments, decode_config_from_args, load_from_args
 from ..decode import DecodeConfig, generate
 from ..decode.engine import sync
-from ..errors import CheckpointError, ConfigError, MissingExtraError, ReFusionError
+from ..errors import CheckpointError, ConfigError, MissingExtraError
 from .aup import aup
 
 DEFAULT_AR_MODEL = Path("runs/bundled-ar")
