@@ -4,26 +4,17 @@ Each row's decisions depend only on its own logits, so every output must equal t
 prompt decoded alone, token for token."""
 
 import json
-from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
+from golden_data import CASES, load_tiny
 
-from refusion.config import ModelConfig
 from refusion.decode import DecodeConfig, check_prompts, generate
 from refusion.errors import ContextLengthError
-from refusion.model import Transformer
-
-GOLDEN = Path(__file__).parent / "golden"
-CASES = [json.loads(line) for line in (GOLDEN / "refusion_cases.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    model = Transformer(ModelConfig.from_json(GOLDEN / "tiny-qwen3" / "config.json"))
-    model.load_state_dict(load_file(GOLDEN / "tiny-qwen3" / "model.safetensors"), strict=False)
-    return model.eval()
+    return load_tiny()
 
 
 def golden_config(c: dict, **changes) -> DecodeConfig:

@@ -3,28 +3,20 @@ one prompt at a time, and against a full recompute of its KV cache."""
 
 import collections
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from golden_data import CASES, load_tiny
 
-from refusion.config import ModelConfig
 from refusion.decode import DecodeConfig, generate
 from refusion.decode.engine import Forward, Progress
 from refusion.decode.refusion import ReFusionDecoder
 from refusion.decode.sampling import Sampler
-from refusion.model import Transformer
-
-GOLDEN = Path(__file__).parent / "golden"
-CASES = [json.loads(line) for line in (GOLDEN / "refusion_cases.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    model = Transformer(ModelConfig.from_json(GOLDEN / "tiny-qwen3" / "config.json"))
-    model.load_state_dict(load_file(GOLDEN / "tiny-qwen3" / "model.safetensors"), strict=False)
-    return model.eval()
+    return load_tiny()
 
 
 def case_config(c: dict) -> DecodeConfig:
