@@ -129,43 +129,33 @@ class KVCache:
                 raise ValueError(f"truncate can only shorten a row: {old} -> {new}")
         self.lengths = lengths
 
-    def select(self, rows: Sequence[int] | torch.Tensor, capacity: int | None = None) -> "KVCache":
+    def select(self, rows: Sequence[int] | torch.Tensor, capacity: int | None = None, empty: int = 0) -> "KVCache":
         """A new cache made of the given rows (repeats allowed: that is a fork), copying only
-        the used region. `capacity` defaults to this cache's."""
+        the used region, then `empty` empty rows. `capacity` defaults to this cache's."""
         idx = torch.as_tensor(rows, dtype=torch.long, device=self.device)
         cap = capacity if capacity is not None else self.capacity
         lengths = [self.lengths[int(r)] for r in idx.tolist()]
         used = max(lengths, default=0)
         if used > cap:
             raise ContextLengthError(f"rows of length {used} do not fit a cache of capacity {cap}")
+        n = len(lengths)
 
         def take(t: torch.Tensor) -> torch.Tensor:
-            out = t.new_zeros((len(lengths),) + t.shape[1:2] + (cap,) + t.shape[3:])
-            out[:, :, :used] = t.index_select(0, idx)[:, :, :used]
+            """(B, ...) -> (n + empty, ...), entries along dim 1 (tokens) or 2 (keys, values)."""
+            col = 1 if t.dim() == 2 else 2
+            shape = list(t.shape)
+            shape[0], shape[col] = n + empty, cap
+            out = t.new_zeros(shape)
+            out[:n].narrow(col, 0, used).copy_(t.index_select(0, idx).narrow(col, 0, used))
             return out
 
-        tokens = self.tokens.new_zeros(len(lengths), cap)
-        positions = self.positions.new_zeros(len(lengths), cap)
-        tokens[:, :used] = self.tokens.index_select(0, idx)[:, :used]
-        positions[:, :used] = self.positions.index_select(0, idx)[:, :used]
-        return KVCache([take(k) for k in self.k], [take(v) for v in self.v], tokens, positions, lengths)
+        return KVCache([take(k) for k in self.k], [take(v) for v in self.v], take(self.tokens), take(self.positions),
+                       lengths + [0] * empty)
 
     def add_rows(self, n: int, capacity: int | None = None) -> "KVCache":
-        """A new cache: these rows (their used region copied) then n empty rows, with at
-        least `capacity` entries per row (rows joining a running batch)."""
-        cap = max(self.capacity, capacity or 0)
-        B, used = self.batch_size, self.used()
-
-        def grow(t: torch.Tensor) -> torch.Tensor:
-            out = t.new_zeros((B + n,) + t.shape[1:2] + (cap,) + t.shape[3:])
-            out[:B, :, :used] = t[:, :, :used]
-            return out
-
-        tokens = self.tokens.new_zeros(B + n, cap)
-        positions = self.positions.new_zeros(B + n, cap)
-        tokens[:B, :used] = self.tokens[:, :used]
-        positions[:B, :used] = self.positions[:, :used]
-        return KVCache([grow(k) for k in self.k], [grow(v) for v in self.v], tokens, positions, self.lengths + [0] * n)
+        """A new cache: these rows then n empty rows, with at least `capacity` entries per
+        row (rows joining a running batch)."""
+        return self.select(range(self.batch_size), max(self.capacity, capacity or 0), empty=n)
 
     def fork(self, repeats: Sequence[int], capacity: int | None = None) -> "KVCache":
         """Row b repeated repeats[b] times, in order (one copy of the committed cache per slot)."""

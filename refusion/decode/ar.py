@@ -64,4 +64,3 @@ class ARDecoder:
         """A joining row feeds its prompt at 0..P-1; a running row its last token at P+done-1."""
         start = self.prompt_len[b] + self.done[b] - n if self.done[b] else 0
         return list(range(start, start + n))
-

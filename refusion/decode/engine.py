@@ -157,7 +157,6 @@ class Forward:
     model: Transformer
     progress: Progress
     pad_id: int
-    nfe: int = 0
 
     def run(
         self,
@@ -184,7 +183,6 @@ class Forward:
         logits = self.model.lm_head(picked).float()  # (N, V)
         sync(device)
         seconds = time.perf_counter() - t0
-        self.nfe += 1
         for rid in set(row_ids):
             self.progress.stats[rid].nfe += 1
             self.progress.stats[rid].forward_time += seconds
