@@ -321,7 +321,8 @@ def test_requests_join_the_running_batch_by_config(loaded):
             t.join(60)
         assert all(box and box[0].choices[0].text is not None for _, box in same)
         assert gate.batches == [1, 1]  # two generate calls, each started with one request
-        assert len(gate.outputs) == 5  # the first call returned its own row and the 3 that joined
+        # a client has its answer before `generate` returns: wait for both calls to end
+        wait_for(lambda: len(gate.outputs) == 5, what="the first call's own row and the 3 that joined, and the ar call")
         m = s.metrics()
         assert m["refusion_joined_total"] == 3 and m["refusion_batch_size_count"] == 2
 
