@@ -1,8 +1,11 @@
 """`refusion bench decode [MODEL]`: AR vs ReFusion vs MDM on the same prompts, in one run.
 
 Methods are interleaved round by round (this machine is shared and noisy) and each
-figure is the median over rounds. Then a batch-size sweep: the same prompts decoded in
-batches of 1, 4, 16, as tokens/s of the whole set.
+figure is the median over rounds. Then a batch-size sweep: one set of prompts decoded
+with at most 1, 4, 16 rows in flight, as tokens/s of the whole set. The set holds
+several times the largest batch (`--sweep-prompts`): rows finish at different times and
+continuous batching refills their places, so the figure is the steady-state throughput
+of a full batch, not the tail of one batch waiting for its longest row.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import json
 import statistics
 import time
 from typing import Any
+
+import torch
 
 from ..commands._common import add_decode_arguments, add_model_arguments, decode_config_from_args, load_from_args
 from ..decode import DecodeConfig, generate
@@ -37,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved repeats; the median is reported")
     parser.add_argument("--methods", default="ar,refusion,mdm")
     parser.add_argument("--batch-sizes", default="1,4,16")
+    parser.add_argument("--sweep-prompts", type=int, default=0,
+                        help="prompts in the batch-size sweep (default: 4 x the largest batch size)")
     parser.add_argument("--json", dest="json_out", default=None, help="also write the figures to this JSON file")
 
 
@@ -77,21 +84,34 @@ def run(args: argparse.Namespace) -> int:
             rows[m].append(timed(model, tokenizer, prompts, base.replace(method=m, max_batch_size=1)))
     table = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in rows.items()}
     ar_tps = table.get("ar", {}).get("tps")
-    print(f"{len(prompts)} prompts, batch size 1, gen_length {base.gen_length}, median of {args.rounds} interleaved rounds")
+    threads = f", {torch.get_num_threads()} CPU threads" if model.device.type == "cpu" else ""
+    print(f"{len(prompts)} prompts, batch size 1, gen_length {base.gen_length}, median of {args.rounds} interleaved rounds{threads}")
     print(f"{'method':10} {'tokens':>7} {'NFE':>6} {'TPF':>6} {'tok/s':>8} {'vs AR':>6} {'overhead':>9}")
     for m, r in table.items():
         ratio = f"{r['tps'] / ar_tps:.2f}x" if ar_tps else "-"
         print(f"{m:10} {r['tokens']:7.0f} {r['nfe']:6.0f} {r['tpf']:6.2f} {r['tps']:8.1f} {ratio:>6} {r['overhead']:8.1%}")
     print("overhead: share of decode time spent outside forward passes (decoder logic, sampling, bookkeeping)")
-    sweep = {}
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    sweep_prompts = (prompts * (max(sizes) // len(prompts) + 1))[: max(max(sizes), len(prompts))]
-    print(f"\nbatch-size sweep ({len(sweep_prompts)} prompts, tokens/s of the whole set)")
+    sweep, n_sweep = batch_sweep(model, tokenizer, base, methods, sizes, args.sweep_prompts or 4 * max(sizes), args.rounds)
+    print(f"\nbatch-size sweep: {n_sweep} prompts, at most b rows in flight (refilled as rows finish), "
+          f"tokens/s of the whole set, median of {args.rounds} interleaved rounds")
     print(f"{'method':10} " + " ".join(f"{'b=' + str(b):>9}" for b in sizes) + f" {'max/b1':>7}")
     for m in methods:
-        sweep[m] = {b: timed(model, tokenizer, sweep_prompts, base.replace(method=m, max_batch_size=b))["tps"] for b in sizes}
         print(f"{m:10} " + " ".join(f"{sweep[m][b]:9.1f}" for b in sizes) + f" {max(sweep[m].values()) / sweep[m][sizes[0]]:6.2f}x")
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"config": base.__dict__, "prompts": len(prompts), "table": table, "sweep": sweep}, f, indent=2)
+            json.dump({"config": base.__dict__, "prompts": len(prompts), "table": table, "sweep_prompts": n_sweep, "sweep": sweep}, f, indent=2)
     return 0
+
+
+def batch_sweep(model, tokenizer, base: DecodeConfig, methods: list[str], sizes: list[int], n: int,
+                rounds: int) -> tuple[dict[str, dict[int, float]], int]:
+    """Median tokens/s of n prompts per (method, batch size), sizes and methods interleaved
+    within each round."""
+    prompts = bench_prompts(n)
+    tps: dict[str, dict[int, list[float]]] = {m: {b: [] for b in sizes} for m in methods}
+    for _ in range(rounds):
+        for m in methods:
+            for b in sizes:
+                tps[m][b].append(timed(model, tokenizer, prompts, base.replace(method=m, max_batch_size=b))["tps"])
+    return {m: {b: statistics.median(v) for b, v in per.items()} for m, per in tps.items()}, len(prompts)
