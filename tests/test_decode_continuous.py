@@ -60,7 +60,8 @@ def test_admitted_prompts_join_the_running_batch(tiny, method):
     later = [CASES[5]["prompt_ids"], CASES[9]["prompt_ids"][:7], CASES[2]["prompt_ids"] + [11, 12, 13]]
     calls, rooms, seen = [], [], set()
 
-    def admit(room: int):
+    def admit(room: int, max_len: int):
+        assert max_len >= max(len(p) for p in later)  # the default budget fits these
         rooms.append(room)
         calls.append(len(calls))
         if len(calls) == 1:
@@ -93,3 +94,27 @@ def test_check_prompts_raises_what_generate_would(tiny):
         check_prompts(tiny, None, cfg, [too_long])
     with pytest.raises(ContextLengthError):
         generate(tiny, None, [too_long], cfg)
+
+
+def test_joining_prompts_are_bounded_by_the_memory_budget(tiny):
+    """With a budget that fits 2 rows of at most ~20-token prompts, `admit` is told that
+    bound, and a prompt over it is refused rather than outgrowing the budget."""
+    from refusion.decode import _bytes_per_entry, batch_size_for, longest_that_fits
+
+    c = CASES[0]
+    cfg = golden_config(c, max_batch_size=4)
+    two_rows_of_20 = 2 * _bytes_per_entry(tiny, cfg) * (20 + 2 * cfg.padded_length)
+    cfg = cfg.replace(memory_budget_gb=two_rows_of_20 / 2**30)
+    first = c["prompt_ids"][:10]
+    assert batch_size_for(tiny, cfg, len(first)) == 2
+    bound = longest_that_fits(tiny, cfg, 2)
+    assert 18 <= bound <= 20
+    seen: list[int] = []
+
+    def admit(room: int, max_len: int):
+        seen.append(max_len)
+        return [[5] * (max_len + 1)] if len(seen) == 1 else []
+
+    with pytest.raises(ValueError, match="at most"):
+        generate(tiny, None, [first], cfg, admit=admit)
+    assert seen == [bound]

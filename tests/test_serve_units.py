@@ -210,3 +210,24 @@ def test_cancelled_jobs_never_reach_the_decoder(tiny_tokenizer):
     sched.start()
     sched.shutdown(10)
     assert gen.batches == [[1]] and e1 == [("done", "cancelled", 0)] and e2[-1][:2] == ("done", "length")
+
+
+def test_admit_takes_what_fits_and_lets_no_job_overtake_a_long_one(tiny_tokenizer, monkeypatch):
+    """Joining a running batch: same config only, at most `room` jobs, prompts of at most
+    `max_len` tokens; the first too-long job stops the joining (it heads the next batch)."""
+    monkeypatch.setattr("refusion.serve.scheduler.check_prompts", lambda *a: None)
+    a, b = DecodeConfig(gen_length=16), DecodeConfig(gen_length=16, method="ar")
+    sched = Scheduler(None, tiny_tokenizer, generate_fn=Scripted({}))
+
+    def make(n: int, cfg: DecodeConfig) -> Job:
+        return Job([1] * n, cfg, 100, [], tiny_tokenizer, {0}, lambda e: None)
+
+    running = [make(3, a)]
+    queued = [make(4, a), make(2, b), make(9, b), make(5, a), make(9, a), make(2, a)]
+    sched._queue.extend(queued)
+    got = sched._admit(running, room=5, max_len=6)
+    assert got == [[1] * 4, [1] * 5]  # the ar jobs wait; the 9-token job blocks the 2-token one behind it
+    assert list(sched._queue) == [queued[i] for i in (1, 2, 4, 5)] and len(running) == 3
+    sched._queue.clear()
+    sched._queue.extend([make(2, a), make(2, a), make(2, a)])
+    assert len(sched._admit(running, room=2, max_len=6)) == 2 and sched.queue_length == 1

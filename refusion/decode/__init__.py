@@ -28,6 +28,7 @@ from .sampling import Sampler
 __all__ = [
     "DecodeConfig", "DecodeStats", "GenerationOutput", "TraceEvent", "METHODS", "PRESETS",
     "generate", "stream", "encode_prompts", "resolve_ids", "check_prompts", "TextDeltas",
+    "batch_size_for", "longest_that_fits",
 ]
 
 Prompt = str | Sequence[int]
@@ -88,15 +89,27 @@ def _check_request(model: Transformer, cfg: DecodeConfig, ids: list[list[int]], 
         )
 
 
-def batch_size_for(model: Transformer, cfg: DecodeConfig, longest: int) -> int:
-    """How many prompts fit the KV-cache memory budget (ReFusion also forks one cache row
-    per selected slot during infilling, so it reserves a row per slot of a block)."""
+def _bytes_per_entry(model: Transformer, cfg: DecodeConfig) -> int:
+    """KV-cache bytes one prompt holds per entry of its rows (ReFusion also forks one cache
+    row per selected slot during infilling, so it reserves a row per slot of a block)."""
     c = model.config
     per_entry = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * model.dtype.itemsize
     rows_per_prompt = 1 + (cfg.padded_length // cfg.slot_size // cfg.serial_blocks if cfg.method == "refusion" else 0)
-    per_prompt = per_entry * (longest + 2 * cfg.padded_length) * rows_per_prompt
+    return per_entry * rows_per_prompt
+
+
+def batch_size_for(model: Transformer, cfg: DecodeConfig, longest: int) -> int:
+    """How many prompts fit the KV-cache memory budget when the longest has `longest` tokens."""
+    per_prompt = _bytes_per_entry(model, cfg) * (longest + 2 * cfg.padded_length)
     fits = int(cfg.memory_budget_gb * 2**30 // max(per_prompt, 1))
     return max(1, min(cfg.max_batch_size, fits))
+
+
+def longest_that_fits(model: Transformer, cfg: DecodeConfig, n_prompts: int) -> int:
+    """The longest prompt (tokens) with which n_prompts rows still fit the memory budget:
+    a prompt joining a running batch must not be longer, or the batch outgrows it."""
+    per_prompt = int(cfg.memory_budget_gb * 2**30 // max(n_prompts, 1))
+    return per_prompt // _bytes_per_entry(model, cfg) - 2 * cfg.padded_length
 
 
 @torch.inference_mode()
@@ -110,7 +123,7 @@ def generate(
     trace: bool = False,
     on_prefix: Callable[[int, list[int], bool], None] | None = None,
     is_cancelled: Callable[[int], bool] | None = None,
-    admit: Callable[[int], Sequence[Sequence[int]]] | None = None,
+    admit: Callable[[int, int], Sequence[Sequence[int]]] | None = None,
 ) -> list[GenerationOutput]:
     """Decode every prompt; outputs come back in the order given.
 
@@ -118,10 +131,11 @@ def generate(
     `is_cancelled(i)` stops prompt i early (finish_reason "cancelled").
 
     Methods `ar` and `refusion` batch continuously: a row that finishes frees its place
-    for the next prompt at once. `admit(room)` (a server's queue) is then asked between
-    steps for up to `room` more prompts as token ids, already checked with
-    `check_prompts`; they join the running batch, take the next indices (len(prompts),
-    ...) in the callbacks and come back at the end of the returned list."""
+    for the next prompt at once. `admit(room, max_len)` (a server's queue) is then asked
+    between steps for up to `room` more prompts of at most `max_len` tokens each (longer
+    ones would outgrow the memory budget: they wait for a later batch), as token ids
+    already checked with `check_prompts`; they join the running batch, take the next
+    indices (len(prompts), ...) in the callbacks and come back at the end of the list."""
     cfg = (cfg or DecodeConfig()).validate()
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
@@ -143,13 +157,15 @@ def generate(
             decoder: ARDecoder | ReFusionDecoder = ReFusionDecoder(fwd, progress, sampler, cfg, mask_id, eos_ids)
         else:
             decoder = ARDecoder(fwd, progress, sampler, cfg, eos_ids)
-        _decode_continuous(decoder, ids, deque(order), bs, progress, sampler, admit)
+        max_len = max(max(len(p) for p in ids), longest_that_fits(model, cfg, bs))
+        _decode_continuous(decoder, ids, deque(order), bs, max_len, progress, sampler, admit)
     return [_output(i, ids[i], progress, tokenizer, eos_ids) for i in range(len(ids))]
 
 
-def _decode_continuous(decoder: ARDecoder | ReFusionDecoder, ids: list[list[int]], waiting: deque[int], bs: int,
-                       progress: Progress, sampler: Sampler, admit: Callable[[int], Sequence[Sequence[int]]] | None) -> None:
-    """Keep up to `bs` rows decoding: waiting prompts first, then whatever `admit` gives."""
+def _decode_continuous(decoder: ARDecoder | ReFusionDecoder, ids: list[list[int]], waiting: deque[int], bs: int, max_len: int,
+                       progress: Progress, sampler: Sampler, admit: Callable[[int, int], Sequence[Sequence[int]]] | None) -> None:
+    """Keep up to `bs` rows decoding: waiting prompts first, then whatever `admit` gives
+    (prompts of at most `max_len` tokens: `bs` rows of that length fit the budget)."""
     while True:
         room = bs - decoder.active
         if room > 0 and waiting:
@@ -157,7 +173,10 @@ def _decode_continuous(decoder: ARDecoder | ReFusionDecoder, ids: list[list[int]
             decoder.admit([ids[i] for i in rids], rids)
         room = bs - decoder.active
         if room > 0 and not waiting and admit is not None:
-            new = [[int(t) for t in p] for p in admit(room)][:room]
+            new = [[int(t) for t in p] for p in admit(room, max_len)]
+            if len(new) > room or any(len(p) > max_len for p in new):
+                raise ValueError(f"admit returned {len(new)} prompts of up to {max(map(len, new))} tokens; "
+                                 f"asked for at most {room} of at most {max_len}")
             if new:
                 rids = progress.extend(len(new))
                 sampler.extend(len(new))

@@ -265,16 +265,21 @@ class Scheduler:
             self.metrics.running.set(len(batch))
             return batch
 
-    def _admit(self, batch: list[Job], room: int) -> list[list[int]]:
-        """Queued jobs with the running batch's config join it (up to `room`), checked one
-        by one first so a bad request fails alone; called by `generate` between steps."""
+    def _admit(self, batch: list[Job], room: int, max_len: int) -> list[list[int]]:
+        """Queued jobs with the running batch's config join it (up to `room`, prompts of at
+        most `max_len` tokens), checked one by one first so a bad request fails alone;
+        called by `generate` between steps. A job too long to join stops the joining: later
+        jobs do not overtake it, and it heads the next batch."""
         with self._cv:
             if self._closing:
                 return []
             taken: list[Job] = []
             rest: deque[Job] = deque()
+            blocked = False
             for j in self._queue:
-                fits = len(taken) < room and j.cfg == batch[0].cfg and not j.cancelled.is_set()
+                same = j.cfg == batch[0].cfg and not j.cancelled.is_set()
+                blocked = blocked or (same and len(j.ids) > max_len)
+                fits = same and not blocked and len(taken) < room
                 (taken if fits else rest).append(j)
             self._queue = rest
             self.metrics.queue_length.set(len(rest))
@@ -309,7 +314,7 @@ class Scheduler:
                 batch[0].cfg,
                 on_prefix=lambda i, ids, done: batch[i].on_prefix(ids, done),
                 is_cancelled=lambda i: batch[i].stopped(),
-                admit=(lambda room: self._admit(batch, room)) if joinable else None,
+                admit=(lambda room, max_len: self._admit(batch, room, max_len)) if joinable else None,
             )
         except ReFusionError as e:
             # raised before any compute: retry one by one so only the bad request fails

@@ -46,7 +46,7 @@ CHAT_TEMPLATE = (
 
 DEFAULT_VOCAB_SIZE = 1024
 DEFAULT_N_TEXTS = 20_000  # training items whose prompts and responses train BPE
-MODEL_MAX_LENGTH = 256
+MODEL_MAX_LENGTH = 512  # the bundled config's max_position_embeddings (scripts/train_bundled.sh)
 
 
 def _bare_tokenizer() -> Tokenizer:
