@@ -5,6 +5,9 @@
 #   scripts/train_bundled.sh refusion  the bundled model: the AR baseline's step-2250
 #                                      checkpoint, then 1750 steps of the ReFusion objective
 #   scripts/train_bundled.sh scratch   ReFusion from random weights, 4000 steps (a reference)
+#   scripts/train_bundled.sh refusion-long  the step-2250 AR checkpoint, then 8000 ReFusion steps
+#   scripts/train_bundled.sh ar-long   the AR baseline's final model, 6250 more AR steps (warm
+#                                      restart at lr 1e-3): 10250 steps, refusion-long's budget
 #
 # As in the paper, ReFusion is made from an autoregressive model: here the AR baseline's
 # own checkpoint at step 2250, so the two models see the same data, architecture, size and
@@ -44,8 +47,17 @@ case "$what" in
     [ -f "$base/model.safetensors" ] || { echo "run '$0 ar' first (needs $base)" >&2; exit 2; }
     train --model "$base" --out runs/bundled-refusion --objective refusion \
       --max-steps 1750 --lr 1.5e-3 --warmup-steps 50 --keep-checkpoints 2 ;;
+  refusion-long)
+    base=runs/bundled-ar/checkpoints/step-00002250
+    [ -f "$base/model.safetensors" ] || { echo "run '$0 ar' first (needs $base)" >&2; exit 2; }
+    train --model "$base" --out runs/bundled-refusion-long --objective refusion \
+      --max-steps 8000 --lr 1.5e-3 --warmup-steps 50 --keep-checkpoints 2 ;;
+  ar-long)
+    [ -f runs/bundled-ar/model.safetensors ] || { echo "run '$0 ar' first" >&2; exit 2; }
+    train --model runs/bundled-ar --out runs/bundled-ar-long --objective ar --seed 1 \
+      --max-steps 6250 --lr 1e-3 --warmup-steps 100 --keep-checkpoints 2 ;;
   scratch)
     train --init-config "$work/config.json" --tokenizer "$work/tokenizer" --out runs/bundled-refusion-scratch \
       --objective refusion --max-steps 4000 --lr 3e-3 --warmup-steps 100 --keep-checkpoints 2 ;;
-  *) echo "usage: $0 ar|refusion|scratch" >&2; exit 2 ;;
+  *) echo "usage: $0 ar|refusion|scratch|refusion-long|ar-long" >&2; exit 2 ;;
 esac
