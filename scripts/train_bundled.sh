@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
 # The recipe of the bundled model, from nothing: tokenizer, data, config, `refusion train`.
 #
-#   scripts/train_bundled.sh ar        the AR baseline: 4000 steps of next-token training
-#   scripts/train_bundled.sh refusion  the bundled model: the AR baseline's step-2250
-#                                      checkpoint, then 1750 steps of the ReFusion objective
+#   scripts/train_bundled.sh ar        AR pre-training: 4000 steps of next-token training
+#   scripts/train_bundled.sh refusion  the bundled model: ar's step-2250 checkpoint, then
+#                                      8000 steps of the ReFusion objective (10250 in all)
+#   scripts/train_bundled.sh ar-long   the AR baseline of Table 1: ar's final model, then 6250
+#                                      more AR steps (warm restart at lr 1e-3; 10250 in all)
+#   scripts/train_bundled.sh refusion-short  ar's step-2250 checkpoint + 1750 ReFusion steps:
+#                                      the earlier bundled model, same 4000-step budget as `ar`
 #   scripts/train_bundled.sh scratch   ReFusion from random weights, 4000 steps (a reference)
-#   scripts/train_bundled.sh refusion-long  the step-2250 AR checkpoint, then 8000 ReFusion steps
-#   scripts/train_bundled.sh ar-long   the AR baseline's final model, 6250 more AR steps (warm
-#                                      restart at lr 1e-3): 10250 steps, refusion-long's budget
 #
-# As in the paper, ReFusion is made from an autoregressive model: here the AR baseline's
-# own checkpoint at step 2250, so the two models see the same data, architecture, size and
-# total budget (4000 steps of 16 examples each) and the AR baseline is ReFusion's base model.
-# Run `ar` first. Everything is seeded; a run resumes from its latest checkpoint when its
-# output directory already holds one. The bundled copy is runs/bundled-refusion, copied to
-# refusion/bundled/refusion-tiny/ (model.safetensors in float32 <= 16 MB).
+# As in the paper, ReFusion is made from an autoregressive model: here the AR run's own
+# checkpoint at step 2250, so ReFusion and its AR baseline see the same data,
+# architecture, size and total budget (10250 steps of 16 examples; `refusion-short` and
+# `ar`: 4000) and the AR baseline shares ReFusion's first 2250 steps. Run `ar` first.
+# Everything is seeded; a run resumes from its latest checkpoint when its output directory
+# already holds one. The bundled copy is runs/bundled-refusion-long, copied to
+# refusion/bundled/refusion-tiny/ (model.safetensors in float32 <= 16 MB). (Its first 750
+# steps ran under a 12000-step cosine schedule, resumed as 8000: a learning rate < 0.5%
+# higher on those steps than this recipe gives.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-refusion}"
@@ -42,12 +46,12 @@ case "$what" in
   ar)  # keep the step-2250 checkpoint: ReFusion starts from it
     train --init-config "$work/config.json" --tokenizer "$work/tokenizer" --out runs/bundled-ar --objective ar \
       --max-steps 4000 --lr 3e-3 --warmup-steps 100 --keep-checkpoints 0 ;;
-  refusion)
+  refusion-short)
     base=runs/bundled-ar/checkpoints/step-00002250
     [ -f "$base/model.safetensors" ] || { echo "run '$0 ar' first (needs $base)" >&2; exit 2; }
     train --model "$base" --out runs/bundled-refusion --objective refusion \
       --max-steps 1750 --lr 1.5e-3 --warmup-steps 50 --keep-checkpoints 2 ;;
-  refusion-long)
+  refusion)
     base=runs/bundled-ar/checkpoints/step-00002250
     [ -f "$base/model.safetensors" ] || { echo "run '$0 ar' first (needs $base)" >&2; exit 2; }
     train --model "$base" --out runs/bundled-refusion-long --objective refusion \
@@ -59,5 +63,5 @@ case "$what" in
   scratch)
     train --init-config "$work/config.json" --tokenizer "$work/tokenizer" --out runs/bundled-refusion-scratch \
       --objective refusion --max-steps 4000 --lr 3e-3 --warmup-steps 100 --keep-checkpoints 2 ;;
-  *) echo "usage: $0 ar|refusion|scratch|refusion-long|ar-long" >&2; exit 2 ;;
+  *) echo "usage: $0 ar|refusion|ar-long|refusion-short|scratch" >&2; exit 2 ;;
 esac
