@@ -145,7 +145,8 @@ def generate(
     progress = Progress(len(ids), eos_ids, on_prefix, is_cancelled, trace)
     sampler = Sampler(cfg, len(ids), model.device)
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths batch together
-    bs = batch_size_for(model, cfg, max(len(p) for p in ids))
+    longest = max(len(p) for p in ids)
+    bs = batch_size_for(model, cfg, longest)
     pad_id = mask_id if mask_id is not None else next(iter(eos_ids), 0)
     fwd = Forward(model, progress, pad_id)
     if cfg.method == "mdm":  # no KV cache, rows step through blocks together: batch by batch
@@ -157,7 +158,7 @@ def generate(
             decoder: ARDecoder | ReFusionDecoder = ReFusionDecoder(fwd, progress, sampler, cfg, mask_id, eos_ids)
         else:
             decoder = ARDecoder(fwd, progress, sampler, cfg, eos_ids)
-        max_len = max(max(len(p) for p in ids), longest_that_fits(model, cfg, bs))
+        max_len = max(longest, longest_that_fits(model, cfg, bs))
         _decode_continuous(decoder, ids, deque(order), bs, max_len, progress, sampler, admit)
     return [_output(i, ids[i], progress, tokenizer, eos_ids) for i in range(len(ids))]
 
