@@ -32,9 +32,24 @@ class KVCache:
         positions: torch.Tensor,
         lengths: Sequence[int],
     ) -> None:
-        self.k, self.v = k, v
-        self.tokens, self.positions = tokens, positions  # (B, capacity) int64 each
+        # the storage may hold more rows than `lengths` (spare rows): `grow` fills them in
+        # place and `retain` frees them in place, so a continuous batch does not reallocate
+        # (and copy) the whole cache each time a row joins or leaves
+        self._store = (k, v, tokens, positions)
         self.lengths = [int(n) for n in lengths]
+        self._view()
+
+    def _view(self) -> None:
+        """Point `k`, `v`, `tokens`, `positions` at the storage's first batch_size rows."""
+        B = len(self.lengths)
+        k, v, tokens, positions = self._store
+        self.k, self.v = [t[:B] for t in k], [t[:B] for t in v]
+        self.tokens, self.positions = tokens[:B], positions[:B]  # (B, capacity) int64 each
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """Every storage tensor, rows first: keys and values of each layer, tokens, positions."""
+        k, v, tokens, positions = self._store
+        return [*k, *v, tokens, positions]
 
     # ------------------------------------------------------------------ creation
     @classmethod
@@ -45,21 +60,29 @@ class KVCache:
         capacity: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        reserve: int = 0,
     ) -> "KVCache":
-        """An empty cache of `batch_size` rows, each able to hold `capacity` entries."""
-        shape = (batch_size, config.num_key_value_heads, capacity, config.head_dim)
+        """An empty cache of `batch_size` rows, each able to hold `capacity` entries, with
+        storage for `reserve` rows in all (rows that join later take them in place)."""
+        rows = max(batch_size, reserve)
+        shape = (rows, config.num_key_value_heads, capacity, config.head_dim)
         layers = range(config.num_hidden_layers)
         return cls(
             [torch.zeros(shape, dtype=dtype, device=device) for _ in layers],
             [torch.zeros(shape, dtype=dtype, device=device) for _ in layers],
-            torch.zeros(batch_size, capacity, dtype=torch.long, device=device),
-            torch.zeros(batch_size, capacity, dtype=torch.long, device=device),
+            torch.zeros(rows, capacity, dtype=torch.long, device=device),
+            torch.zeros(rows, capacity, dtype=torch.long, device=device),
             [0] * batch_size,
         )
 
     @property
     def batch_size(self) -> int:
         return len(self.lengths)
+
+    @property
+    def reserved_rows(self) -> int:
+        """Rows the storage holds (batch_size of them in use)."""
+        return self._store[2].shape[0]
 
     @property
     def capacity(self) -> int:
@@ -129,9 +152,12 @@ class KVCache:
                 raise ValueError(f"truncate can only shorten a row: {old} -> {new}")
         self.lengths = lengths
 
-    def select(self, rows: Sequence[int] | torch.Tensor, capacity: int | None = None, empty: int = 0) -> "KVCache":
-        """A new cache made of the given rows (repeats allowed: that is a fork), copying only
-        the used region, then `empty` empty rows. `capacity` defaults to this cache's."""
+    def select(self, rows: Sequence[int] | torch.Tensor, capacity: int | None = None, empty: int = 0,
+               out: "KVCache | None" = None) -> "KVCache":
+        """A cache made of the given rows (repeats allowed: that is a fork), copying only
+        the used region, then `empty` empty rows. `capacity` defaults to this cache's.
+        `out` (a scratch cache from an earlier call) is reused when its storage is big
+        enough: no allocation, and its old entries are overwritten or never read."""
         idx = torch.as_tensor(rows, dtype=torch.long, device=self.device)
         cap = capacity if capacity is not None else self.capacity
         lengths = [self.lengths[int(r)] for r in idx.tolist()]
@@ -139,22 +165,66 @@ class KVCache:
         if used > cap:
             raise ContextLengthError(f"rows of length {used} do not fit a cache of capacity {cap}")
         n = len(lengths)
+        fits = out is not None and out is not self and out.reserved_rows >= n + empty and out.capacity >= cap
+        if not fits:
+            out = self._empty_like(n + empty, cap)
+        for src, dst in zip(self._tensors(), out._tensors()):
+            col = 1 if src.dim() == 2 else 2  # entries along dim 1 (tokens) or 2 (keys, values)
+            dst[:n].narrow(col, 0, used).copy_(src.narrow(col, 0, used)[idx])
+        out.lengths = lengths + [0] * empty
+        out._view()
+        return out
 
-        def take(t: torch.Tensor) -> torch.Tensor:
-            """(B, ...) -> (n + empty, ...), entries along dim 1 (tokens) or 2 (keys, values)."""
-            col = 1 if t.dim() == 2 else 2
+    def _empty_like(self, rows: int, capacity: int) -> "KVCache":
+        def zeros(t: torch.Tensor) -> torch.Tensor:
             shape = list(t.shape)
-            shape[0], shape[col] = n + empty, cap
-            out = t.new_zeros(shape)
-            out[:n].narrow(col, 0, used).copy_(t.index_select(0, idx).narrow(col, 0, used))
-            return out
+            shape[0], shape[1 if t.dim() == 2 else 2] = rows, capacity
+            return t.new_zeros(shape)
 
-        return KVCache([take(k) for k in self.k], [take(v) for v in self.v], take(self.tokens), take(self.positions),
-                       lengths + [0] * empty)
+        k, v, tokens, positions = self._store
+        return KVCache([zeros(t) for t in k], [zeros(t) for t in v], zeros(tokens), zeros(positions), [0] * rows)
+
+    def grow(self, n: int, capacity: int = 0, reserve: int = 0) -> None:
+        """Add n empty rows in place (rows joining a running batch), each able to hold at
+        least `capacity` entries. Spare rows are taken as they are; only when rows or
+        capacity run out is the storage reallocated (for `reserve` rows in all, if more)
+        and the used region copied."""
+        B = self.batch_size
+        if B + n > self.reserved_rows or capacity > self.capacity:
+            # capacity grows by half at least: rows joining one after another (each a little
+            # longer, say) then reallocate a few times, not at every join
+            cap = max(capacity, self.capacity + self.capacity // 2) if capacity > self.capacity else self.capacity
+            bigger = self.select(range(B), cap, empty=max(n, reserve - B))
+            self._store = bigger._store
+        self.lengths += [0] * n
+        self._view()
+
+    def retain(self, keep: Sequence[int]) -> list[int]:
+        """Keep only the rows in `keep`, in place: the last kept rows move into the places
+        of dropped ones (copying only their used region), and the rest of the storage
+        becomes spare. Returns the new row order: the old index of each row now."""
+        keep = sorted(set(int(b) for b in keep))
+        n = len(keep)
+        kept = set(keep)
+        holes = [b for b in range(n) if b not in kept]
+        movers = [b for b in keep if b >= n]  # as many as holes
+        order = list(range(n))
+        for h, m in zip(holes, movers):
+            order[h] = m
+        if holes:
+            used = max(self.lengths[m] for m in movers)
+            src = torch.tensor(movers, device=self.device)
+            dst = torch.tensor(holes, device=self.device)
+            for t in self._tensors():
+                col = 1 if t.dim() == 2 else 2
+                t.narrow(col, 0, used).index_copy_(0, dst, t.narrow(col, 0, used)[src])
+        self.lengths = [self.lengths[b] for b in order]
+        self._view()
+        return order
 
     def add_rows(self, n: int, capacity: int | None = None) -> "KVCache":
         """A new cache: these rows then n empty rows, with at least `capacity` entries per
-        row (rows joining a running batch)."""
+        row (this cache is left as it is; `grow` adds rows in place)."""
         return self.select(range(self.batch_size), max(self.capacity, capacity or 0), empty=n)
 
     def fork(self, repeats: Sequence[int], capacity: int | None = None) -> "KVCache":

@@ -250,9 +250,10 @@ class Transformer(nn.Module):
         """Logits (B, T, vocab). See `hidden` for the cache contract."""
         return self.lm_head(self.hidden(tokens, positions, cache, n_new))
 
-    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
-        """An empty cache for this model's shapes, dtype and device."""
-        return KVCache.allocate(self.config, batch_size, capacity, self.dtype, self.device)
+    def new_cache(self, batch_size: int, capacity: int, reserve: int = 0) -> KVCache:
+        """An empty cache for this model's shapes, dtype and device (storage for `reserve`
+        rows in all, if more than batch_size: see `KVCache.grow`)."""
+        return KVCache.allocate(self.config, batch_size, capacity, self.dtype, self.device, reserve)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())

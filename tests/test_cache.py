@@ -186,6 +186,69 @@ def test_select_reorders_rows_and_sets_capacity(tiny_model):
         cache.select([0], capacity=4)  # row 0 holds 5 entries
 
 
+def three_rows(model: Transformer, reserve: int = 0) -> KVCache:
+    """Rows of 5, 2 and 4 entries in a cache of capacity 16."""
+    cache = model.new_cache(3, 16, reserve=reserve)
+    prompts = torch.stack([rand_tokens(5, seed=s) for s in (30, 31, 32)])  # (3, 5)
+    model(prompts, torch.arange(5).expand(3, -1), cache, n_new=[5, 2, 4])
+    return cache
+
+
+def test_retain_moves_the_last_rows_into_dropped_places_in_place(tiny_model):
+    cache, ref = three_rows(tiny_model), three_rows(tiny_model)
+    storage = cache.k[0].data_ptr()
+    order = cache.retain([1, 2])  # row 0 leaves: row 2 takes its place, row 1 stays
+    assert order == [2, 1] and cache.lengths == [4, 2] and cache.batch_size == 2
+    assert cache.k[0].data_ptr() == storage and cache.reserved_rows == 3  # no reallocation
+    for new, old in enumerate(order):
+        entries_equal(cache, new, ref, old, 0, ref.lengths[old])
+    assert cache.retain([]) == [] and cache.batch_size == 0
+
+
+def test_grow_takes_spare_rows_in_place_then_reallocates_keeping_entries(tiny_model):
+    cache, ref = three_rows(tiny_model, reserve=4), three_rows(tiny_model)
+    storage = cache.k[0].data_ptr()
+    cache.retain([0, 2])
+    cache.grow(2, capacity=16)  # 2 rows in use + 2 spare: fits
+    assert cache.k[0].data_ptr() == storage and cache.lengths == [5, 4, 0, 0]
+    cache.grow(1, capacity=24, reserve=6)  # out of rows and capacity: a bigger storage
+    assert cache.reserved_rows == 6 and cache.capacity == 24 and cache.lengths == [5, 4, 0, 0, 0]
+    entries_equal(cache, 0, ref, 0, 0, 5)
+    entries_equal(cache, 1, ref, 2, 0, 4)
+
+
+def test_rows_joining_spare_storage_decode_like_a_fresh_cache(tiny_model):
+    """A row that takes a freed row's storage (stale entries beyond its length) computes
+    what it computes in a new cache: stale entries are never attended to."""
+    cache = three_rows(tiny_model, reserve=3)
+    cache.retain([1])
+    cache.grow(1, capacity=16)
+    prompt = rand_tokens(6, seed=33)
+    tokens = torch.stack([torch.cat([rand_tokens(1, seed=34), torch.zeros(5, dtype=torch.long)]), prompt])
+    positions = torch.stack([torch.tensor([2, 0, 0, 0, 0, 0]), torch.arange(6)])
+    out = tiny_model(tokens, positions, cache, n_new=[1, 6])
+    fresh = prefilled(tiny_model, prompt, torch.arange(6), capacity=16)
+    torch.testing.assert_close(out[1], tiny_model.lm_head(tiny_model.hidden(prompt[None], torch.arange(6)[None]))[0])
+    for layer in range(len(cache.k)):
+        torch.testing.assert_close(cache.k[layer][1, :, :6], fresh.k[layer][0, :, :6])
+    query = rand_tokens(1, seed=35)[None]
+    q_pos = torch.tensor([[6]])
+    both = tiny_model(torch.cat([torch.zeros(1, 1, dtype=torch.long), query]), torch.cat([torch.tensor([[3]]), q_pos]), cache)
+    torch.testing.assert_close(both[1], tiny_model(query, q_pos, fresh)[0])
+
+
+def test_select_into_a_scratch_cache_reuses_its_storage(tiny_model):
+    cache = three_rows(tiny_model)
+    scratch = cache.select([0, 0, 1, 2], capacity=12)
+    storage = scratch.k[0].data_ptr()
+    again = cache.select([2, 1], capacity=10, out=scratch)  # fits: same storage, new rows
+    assert again is scratch and scratch.k[0].data_ptr() == storage and scratch.lengths == [4, 2]
+    entries_equal(scratch, 0, cache, 2, 0, 4)
+    entries_equal(scratch, 1, cache, 1, 0, 2)
+    bigger = cache.select([0, 1, 2, 0, 1], capacity=12, out=scratch)  # more rows than it holds
+    assert bigger is not scratch and bigger.lengths == [5, 2, 4, 5, 2]
+
+
 def test_append_from_copies_segments_in_order(tiny_model):
     """Infill pattern: fork the committed row, feed one slot per row in one batch, then
     append both slots to the committed row in position order."""

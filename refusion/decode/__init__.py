@@ -155,9 +155,9 @@ def generate(
             decode_mdm(fwd, progress, sampler, cfg, [ids[i] for i in rids], rids, mask_id, eos_ids)
     else:
         if cfg.method == "refusion":
-            decoder: ARDecoder | ReFusionDecoder = ReFusionDecoder(fwd, progress, sampler, cfg, mask_id, eos_ids)
+            decoder: ARDecoder | ReFusionDecoder = ReFusionDecoder(fwd, progress, sampler, cfg, mask_id, eos_ids, max_rows=bs)
         else:
-            decoder = ARDecoder(fwd, progress, sampler, cfg, eos_ids)
+            decoder = ARDecoder(fwd, progress, sampler, cfg, eos_ids, max_rows=bs)
         max_len = max(longest, longest_that_fits(model, cfg, bs))
         _decode_continuous(decoder, ids, deque(order), bs, max_len, progress, sampler, admit)
     return [_output(i, ids[i], progress, tokenizer, eos_ids) for i in range(len(ids))]

@@ -13,8 +13,10 @@ class ARDecoder:
     leaves (its cache row is dropped) and new rows may join between steps: a joining row's
     prompt is prefilled in the same forward as the others' next token (continuous batching)."""
 
-    def __init__(self, fwd: Forward, progress: Progress, sampler: Sampler, cfg: DecodeConfig, eos_ids: set[int]) -> None:
+    def __init__(self, fwd: Forward, progress: Progress, sampler: Sampler, cfg: DecodeConfig, eos_ids: set[int],
+                 max_rows: int = 0) -> None:
         self.fwd, self.progress, self.sampler, self.cfg, self.eos_ids = fwd, progress, sampler, cfg, eos_ids
+        self.max_rows = max_rows  # rows in flight at most: the cache reserves storage for them
         self.rids: list[int] = []  # prompt index of each cache row
         self.prompt_len: list[int] = []
         self.done: list[int] = []  # tokens generated per row
@@ -30,10 +32,10 @@ class ARDecoder:
             self.progress.start(rid, self.cfg.gen_length)
         longest = max(len(p) for p in prompts)
         if self.cache is None:  # every row starts empty: a row and its prefill fit
-            self.cache = self.fwd.model.new_cache(len(prompts), longest + self.cfg.gen_length)
+            self.cache = self.fwd.model.new_cache(len(prompts), longest + self.cfg.gen_length, reserve=self.max_rows)
         else:  # a ragged step writes every row from the longest row's end: room for a prefill there
             longest = max([longest] + self.prompt_len)
-            self.cache = self.cache.add_rows(len(prompts), 2 * longest + self.cfg.gen_length)
+            self.cache.grow(len(prompts), 2 * longest + self.cfg.gen_length, reserve=self.max_rows)
         self.rids += rids
         self.prompt_len += [len(p) for p in prompts]
         self.done += [0] * len(prompts)
@@ -56,9 +58,9 @@ class ARDecoder:
                 self.fwd.finish(rid)
             else:
                 keep.append(b)
-        if len(keep) < self.active:
-            self.rids, self.prompt_len, self.done, self.feed = ([xs[b] for b in keep] for xs in (self.rids, self.prompt_len, self.done, self.feed))
-            self.cache = self.cache.select(keep) if keep else None
+        if len(keep) < self.active:  # finished rows leave; their storage stays for rows that join
+            order = self.cache.retain(keep)
+            self.rids, self.prompt_len, self.done, self.feed = ([xs[b] for b in order] for xs in (self.rids, self.prompt_len, self.done, self.feed))
 
     def _positions(self, b: int, n: int) -> list[int]:
         """A joining row feeds its prompt at 0..P-1; a running row its last token at P+done-1."""

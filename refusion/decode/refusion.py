@@ -80,12 +80,15 @@ class Fork:
 
 
 class ReFusionDecoder:
-    def __init__(self, fwd: Forward, progress: Progress, sampler: Sampler, cfg: DecodeConfig, mask_id: int, eos_ids: set[int]) -> None:
+    def __init__(self, fwd: Forward, progress: Progress, sampler: Sampler, cfg: DecodeConfig, mask_id: int, eos_ids: set[int],
+                 max_rows: int = 0) -> None:
         self.fwd, self.progress, self.sampler, self.cfg = fwd, progress, sampler, cfg
+        self.max_rows = max_rows  # rows in flight at most: the cache reserves storage for them
         self.mask_id, self.eos_ids = mask_id, eos_ids
         self.s = cfg.slot_size
         self.rows: list[Row] = []  # one per cache row
         self.cache: KVCache | None = None
+        self.forks: KVCache | None = None  # scratch for infilling, reused step after step
 
     # ------------------------------------------------------------------ driver
     @property
@@ -109,10 +112,10 @@ class ReFusionDecoder:
         block_len = cfg.padded_length // cfg.serial_blocks
         longest = max(len(p) for p in prompts)
         if self.cache is None:  # every row starts empty: a row and its widest step fit
-            self.cache = self.fwd.model.new_cache(len(new), longest + cfg.padded_length + block_len)
+            self.cache = self.fwd.model.new_cache(len(new), longest + cfg.padded_length + block_len, reserve=self.max_rows)
         else:  # a ragged step writes every row from the longest row's end: room for a prefill there
             longest = max([longest] + [len(r.prompt) for r in self.rows])
-            self.cache = self.cache.add_rows(len(new), 2 * longest + cfg.padded_length + block_len)
+            self.cache.grow(len(new), 2 * longest + cfg.padded_length + block_len, reserve=self.max_rows)
         self.rows += new
 
     def step(self) -> None:
@@ -131,9 +134,8 @@ class ReFusionDecoder:
             if row.done:
                 self.fwd.finish(row.rid)
         keep = [i for i, row in enumerate(rows) if not row.done]
-        if len(keep) < len(rows):
-            self.rows = [rows[i] for i in keep]
-            self.cache = cache.select(keep) if keep else None
+        if len(keep) < len(rows):  # finished rows leave; their storage stays for rows that join
+            self.rows = [rows[i] for i in cache.retain(keep)]
 
     # ------------------------------------------------------------------ step 1
     def plan(self, rows: list[Row], cache: KVCache) -> list[Plan]:
@@ -215,7 +217,8 @@ class ReFusionDecoder:
             base = cache.lengths[index[id(row)]]
             forks += [Fork(row, j, list(d), a, base) for j, d, a in zip(slots, drafts, per_slot)]
         src_rows = [index[id(f.row)] for f in forks]
-        fcache = cache.select(src_rows, capacity=cache.used() + 2 * self.s)  # rows grow by < s, feeds are <= s
+        # rows grow by < s, feeds are <= s; the scratch storage of the last step is reused
+        fcache = self.forks = cache.select(src_rows, capacity=cache.used() + 2 * self.s, out=self.forks)
         while any(not f.complete for f in forks):
             self._infill_draft(forks, fcache)
             self._infill_verify(forks, fcache)

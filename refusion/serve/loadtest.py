@@ -116,12 +116,16 @@ async def run_phase(args: argparse.Namespace, model: str, clients: int) -> Phase
         t0 = time.perf_counter()
 
         async def worker(k: int) -> None:
+            # every client cycles through all prompts (from its own offset), so each phase
+            # decodes the same mix whatever the client count: stepping by the client count
+            # would pin client k to prompt k % len(PROMPTS), and the prompts with short
+            # answers, finished sooner, would then be asked more often
             i = k
             while time.perf_counter() < end:
                 body = {"model": model, "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "max_tokens": args.max_tokens,
                         "stream": True, "stream_options": {"include_usage": True}, **args.extra}
                 await one_request(client, args.url, body, phase)
-                i += clients
+                i += 1
 
         await asyncio.gather(*(worker(k) for k in range(clients)))
         phase.wall = time.perf_counter() - t0
