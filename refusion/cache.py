@@ -119,6 +119,15 @@ class KVCache:
             v[slots.rows, :, slots.cols] = v_new.transpose(1, 2)
         return k[:, :, : slots.end], v[:, :, : slots.end]
 
+    def write_packed(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, slots: "WriteSlots", packing) -> tuple[torch.Tensor, torch.Tensor]:
+        """`write` for a packed forward: keys/values (N, H_kv, D) of the real tokens only,
+        each stored at its row's end (padding is neither computed nor stored)."""
+        rows, cols = slots.packed_index(packing)
+        k, v = self.k[layer], self.v[layer]
+        k[rows, :, cols] = k_new
+        v[rows, :, cols] = v_new
+        return k[:, :, : slots.end], v[:, :, : slots.end]
+
     def begin_write(self, tokens: torch.Tensor, positions: torch.Tensor) -> "WriteSlots":
         """Record the tokens/positions of a forward pass and say where each row writes."""
         B, T = tokens.shape
@@ -288,12 +297,49 @@ class WriteSlots:
         first = self.starts[0] if self.starts else 0
         self.uniform_start = first if all(s == first for s in self.starts) else None
         self.device = device
+        self.segments: list[tuple[int, int, int, int]] | None = None  # see split_rows
+        self._packed: tuple[torch.Tensor, torch.Tensor] | None = None  # see packed_index
+
+    def split_rows(self, lengths: Sequence[int], worth: float = 0.6) -> None:
+        """Plan attention in two runs of rows when that saves work: `segments` becomes
+        [(first row, end row, queries, keys), ...], each run attending with only as many
+        query and key columns as its own rows need. The common case is a join: rows that
+        decode one token each beside a new row that prefills its prompt, which would
+        otherwise make every row pay for the prompt's width. `lengths[b]` is the number
+        of real tokens row b feeds. Kept only if it costs under `worth` x one run."""
+        B = len(self.starts)
+        if B < 2 or (self.uniform_start is not None and self.T == 1):
+            return
+        t = [max(1, min(int(n), self.T)) for n in lengths]  # a row that feeds nothing still has a query
+        e = [s + n for s, n in zip(self.starts, t)]  # keys a row's real queries can see
+        pre_t, pre_e, mt, me = [], [], 0, 0
+        for tb, eb in zip(t, e):
+            mt, me = max(mt, tb), max(me, eb)
+            pre_t.append(mt)
+            pre_e.append(me)
+        full, best, at = B * mt * me, B * mt * me, 0
+        st = se = 0
+        for a in range(B - 1, 0, -1):  # rows [0, a) and [a, B)
+            st, se = max(st, t[a]), max(se, e[a])
+            cost = a * pre_t[a - 1] * pre_e[a - 1] + (B - a) * st * se
+            if cost < best:
+                best, at, suffix = cost, a, (st, se)
+        if at and best < worth * full:
+            self.segments = [(0, at, pre_t[at - 1], pre_e[at - 1]), (at, B, *suffix)]
 
     @cached_property
     def cols(self) -> torch.Tensor:
         """(B, T) physical column of each new entry; built only when a step needs it."""
         start_t = torch.tensor(self.starts, device=self.device, dtype=torch.long)  # (B,)
         return start_t[:, None] + torch.arange(self.T, device=self.device)[None, :]
+
+    def packed_index(self, packing) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, cols), each (N,): where each real token of a packed forward is stored."""
+        if self._packed is None:
+            rows = torch.div(packing.idx, self.T, rounding_mode="floor")
+            start_t = torch.tensor(self.starts, device=self.device, dtype=torch.long)
+            self._packed = (rows, start_t[rows] + packing.idx % self.T)
+        return self._packed
 
     @cached_property
     def rows(self) -> torch.Tensor:

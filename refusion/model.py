@@ -108,8 +108,8 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # (B, T, hidden), or (N, hidden) when packed
-        cos: torch.Tensor,  # (B, 1, T, head_dim)
-        sin: torch.Tensor,  # (B, 1, T, head_dim), first half negated (see apply_rope)
+        cos: torch.Tensor,  # (B, 1, T, head_dim), or (N, 1, head_dim) when packed with a cache
+        sin: torch.Tensor,  # the same shape, first half negated (see apply_rope)
         cache: KVCache | None,
         slots: WriteSlots | None,
         mask: torch.Tensor | None,  # (B, 1, T, S) bool, or None
@@ -120,18 +120,30 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.unflatten(-1, (H, D))).flatten(-2)
             k = self.k_norm(k.unflatten(-1, (H_kv, D))).flatten(-2)
-        if packing is not None:  # attention runs on the padded layout
-            q, k, v = packing.unpack_split(torch.cat((q, k, v), dim=-1), (H * D, H_kv * D, H_kv * D))
-        B, T = cos.shape[0], cos.shape[2]
-        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(B, T, H_kv, D).transpose(1, 2)  # (B, H_kv, T, D)
-        v = v.view(B, T, H_kv, D).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.write(self.layer, k, v, slots)  # (B, H_kv, S, D)
+        if packing is not None and cache is not None:
+            # rotate and store only the real tokens; queries alone go to the padded layout
+            N, B, T = q.shape[0], packing.B, packing.T
+            q, k = apply_rope(q.view(N, H, D), cos, sin), apply_rope(k.view(N, H_kv, D), cos, sin)  # cos (N, 1, D)
+            k, v = cache.write_packed(self.layer, k, v.view(N, H_kv, D), slots, packing)  # (B, H_kv, S, D)
+            q = packing.unpack_split(q.flatten(1), (H * D,))[0].view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        else:
+            if packing is not None:  # no cache: attention runs on the padded layout
+                q, k, v = packing.unpack_split(torch.cat((q, k, v), dim=-1), (H * D, H_kv * D, H_kv * D))
+            B, T = cos.shape[0], cos.shape[2]
+            q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+            k = k.view(B, T, H_kv, D).transpose(1, 2)  # (B, H_kv, T, D)
+            v = v.view(B, T, H_kv, D).transpose(1, 2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if cache is not None:
+                k, v = cache.write(self.layer, k, v, slots)  # (B, H_kv, S, D)
         gqa = self.n_kv != self.n_heads
         if mask is None and cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif slots is not None and slots.segments:
+            out = q.new_zeros(q.shape)  # (B, H, T, D): each run of rows fills its own part
+            for a, b, t, e in slots.segments:
+                m = None if mask is None else mask[a:b, :, :t, :e]
+                out[a:b, :, :t] = F.scaled_dot_product_attention(q[a:b, :, :t], k[a:b, :, :e], v[a:b, :, :e], attn_mask=m, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(B, T, H * D)
@@ -225,11 +237,16 @@ class Transformer(nn.Module):
             x = self.model.embed_tokens(packing.pack(tokens[..., None]).flatten())  # (N, hidden)
         else:
             x = self.model.embed_tokens(tokens)  # (B, T, hidden)
-        cos, sin = self.rope(positions, x.dtype)
+        if packing is not None and cache is not None:  # rotations for the real tokens only
+            cos, sin = (c[0, 0, :, None] for c in self.rope(packing.pack(positions[..., None]).T, x.dtype))  # (N, 1, D)
+        else:
+            cos, sin = self.rope(positions, x.dtype)
         slots = mask = None
         if cache is not None:
             slots = cache.begin_write(tokens, positions)
             mask = slots.attention_mask()
+            if lengths is not None:
+                slots.split_rows(lengths)
         for block in self.model.layers:
             if self.gradient_checkpointing and self.training and cache is None:
                 x = checkpoint(block, x, cos, sin, None, None, None, packing, use_reentrant=False)

@@ -109,6 +109,51 @@ def test_packed_ragged_rows_equal_padded_rows(tiny_model):
         torch.testing.assert_close(outs[1][b, :n], outs[0][b, :n])
 
 
+def test_split_rows_plans_a_join_as_two_runs_and_keeps_one_run_otherwise():
+    from refusion.cache import WriteSlots
+
+    join = WriteSlots([6, 3, 5, 4, 0], 8, torch.device("cpu"))
+    join.split_rows([1, 1, 1, 1, 8])  # four rows decode one token, a new row prefills 8
+    assert join.segments == [(0, 4, 1, 7), (4, 5, 8, 8)]
+    even = WriteSlots([6, 3, 5, 4], 3, torch.device("cpu"))
+    even.split_rows([3, 2, 3, 3])  # no run of rows is much narrower: one run
+    assert even.segments is None
+
+
+def test_a_join_step_in_two_runs_equals_the_padded_step_and_each_row_alone(tiny_model):
+    """Rows at different lengths decode one token each while a new row prefills its
+    prompt in the same forward: attention then runs per run of rows (`split_rows`) on
+    packed keys; outputs and stored entries equal the padded forward and each row alone."""
+    prompts = [rand_tokens(n, seed=40 + n) for n in (6, 3, 5, 4)]
+    new_prompt = rand_tokens(8, seed=50)
+    caches = []
+    for _ in range(2):
+        cache = tiny_model.new_cache(4, 32, reserve=5)
+        T = max(len(p) for p in prompts)
+        tokens = torch.stack([torch.cat([p, torch.zeros(T - len(p), dtype=torch.long)]) for p in prompts])
+        tiny_model.hidden(tokens, torch.arange(T).expand(4, -1), cache, n_new=[len(p) for p in prompts])
+        cache.grow(1, 32)
+        caches.append(cache)
+    nxt = rand_tokens(4, seed=51)
+    tokens = torch.zeros(5, 8, dtype=torch.long)
+    positions = torch.zeros(5, 8, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        tokens[b, 0], positions[b, 0] = nxt[b], len(p)
+    tokens[4], positions[4] = new_prompt, torch.arange(8)
+    lengths = [1, 1, 1, 1, 8]
+    padded = tiny_model.hidden(tokens, positions, caches[0], n_new=lengths)
+    split = tiny_model.hidden(tokens, positions, caches[1], n_new=lengths, lengths=lengths)
+    for b, n in enumerate(lengths):
+        torch.testing.assert_close(split[b, :n], padded[b, :n])
+        L = caches[0].lengths[b]
+        for layer in range(len(caches[0].k)):
+            torch.testing.assert_close(caches[1].k[layer][b, :, :L], caches[0].k[layer][b, :, :L])
+            torch.testing.assert_close(caches[1].v[layer][b, :, :L], caches[0].v[layer][b, :, :L])
+    alone = tiny_model.hidden(torch.cat([prompts[1], nxt[1:2]])[None], torch.arange(4)[None])
+    torch.testing.assert_close(split[1, :1], alone[0, 3:])
+    torch.testing.assert_close(split[4], tiny_model.hidden(new_prompt[None], torch.arange(8)[None])[0])
+
+
 def test_ragged_rows_via_truncate_equal_each_row_alone(tiny_model):
     """Both rows prefilled to 6; row 1 rolled back to 3; the next step sees only what is left."""
     prompts = torch.stack([rand_tokens(6, seed=5), rand_tokens(6, seed=6)])
