@@ -413,6 +413,18 @@ def test_loadtest_script_reports(server, capsys):
     assert phase["incomplete"] == 0 and not phase["errors"] and report["rss_kib_after"]["VmRSS"] > 0
 
 
+def test_loadtest_compare_interleaves_rounds_and_reports_the_median(server, capsys):
+    from refusion.serve.loadtest import PROMPTS, main as loadtest
+
+    code = loadtest(["--url", server.url, "--compare", "1,2", "--rounds", "2", "--seconds", "0.4", "--max-tokens", "4", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and [ph["clients"] for ph in report["phases"]] == [1, 2]
+    for ph in report["phases"]:
+        assert len(ph["rounds_tokens_per_s"]) == 2 and ph["tokens_per_s"] == sorted(ph["rounds_tokens_per_s"])[0]
+    assert report["tokens_per_s_ratio"] == round(report["phases"][1]["tokens_per_s"] / report["phases"][0]["tokens_per_s"], 2)
+    assert len(PROMPTS) > 2  # each client cycles through them all (see run_phase)
+
+
 def test_cli_wires_flags_to_the_server(model_dirs, monkeypatch):
     import refusion.serve as serve_pkg
 

@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None, help="the model id clients use (default: the model directory's name)")
     g.add_argument("--api-key", default=os.environ.get("REFUSION_API_KEY"), help="require 'Authorization: Bearer KEY' (default: $REFUSION_API_KEY; none = no auth)")
     g.add_argument("--max-queue", type=int, default=256, help="completions that may wait for a batch; more get 429 (default: 256)")
-    g.add_argument("--batch-window-ms", type=float, default=10.0, help="how long the first waiting request waits for others to batch with (default: 10)")
+    g.add_argument("--batch-window-ms", type=float, default=10.0, help="mdm only: how long the first waiting request waits for others to batch with "
+                   "(default: 10); ar and refusion requests start at once and later ones join at the next step")
     g.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on shutdown (default: 30)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_decode_arguments(parser)

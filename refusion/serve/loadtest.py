@@ -8,7 +8,8 @@ fixed list, so runs compare) until the time is up; requests in flight then finis
 reports requests/s, completion tokens/s (from the usage the server streams), latency and
 time-to-first-token percentiles, errors by kind, responses that ended without a
 finish_reason or `[DONE]`, and with --pid the server's resident memory before and after.
---compare runs one phase per client count, same prompts, and prints the tokens/s ratio.
+--compare runs one phase per client count, same prompts, and prints the tokens/s ratio;
+--rounds N repeats the phases interleaved and reports each count's median round.
 """
 
 from __future__ import annotations
@@ -132,6 +133,15 @@ async def run_phase(args: argparse.Namespace, model: str, clients: int) -> Phase
     return phase
 
 
+def median_phase(rounds: list[dict]) -> dict:
+    """The round with the median tokens/s (the lower middle one for an even count), with
+    every round's tokens/s listed: the machine is shared, so one round can be an outlier."""
+    ordered = sorted(rounds, key=lambda ph: ph["tokens_per_s"])
+    mid = dict(ordered[(len(ordered) - 1) // 2])
+    mid["rounds_tokens_per_s"] = [ph["tokens_per_s"] for ph in rounds]
+    return mid
+
+
 def rss_kib(pid: int | None) -> dict[str, int] | None:
     if pid is None:
         return None
@@ -149,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=32, help="concurrent streaming clients")
     p.add_argument("--seconds", type=float, default=60.0, help="how long clients start new requests")
     p.add_argument("--compare", default=None, metavar="A,B", help="run one phase per client count (e.g. 1,16) and compare tokens/s")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --compare: repeat the phases this many times, interleaved (A, B, A, B, ...); "
+                        "each count's figures are from its median round (tokens/s)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--extra", type=json.loads, default={}, help='extra body fields as JSON, e.g. \'{"method": "ar"}\'')
     p.add_argument("--pid", type=int, default=None, help="server process id: report its RSS before and after")
@@ -163,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     model = httpx.get(args.url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
     counts = [int(c) for c in args.compare.split(",")] if args.compare else [args.clients]
     before = rss_kib(args.pid)
-    phases = [asyncio.run(run_phase(args, model, n)).summary() for n in counts]
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    runs = [[asyncio.run(run_phase(args, model, n)).summary() for n in counts] for _ in range(args.rounds if args.compare else 1)]
+    phases = [median_phase([r[i] for r in runs]) for i in range(len(counts))]
     after = rss_kib(args.pid)
     report = {"url": args.url, "model": model, "max_tokens": args.max_tokens, "phases": phases, "rss_kib_before": before, "rss_kib_after": after}
     if len(phases) > 1 and phases[0]["tokens_per_s"]:
@@ -177,12 +193,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"clients {ph['clients']:>3}: {ph['requests_ok']} ok in {ph['seconds']} s = {ph['requests_per_s']} req/s, "
                 f"{ph['tokens_per_s']} tokens/s; latency p50 {ph['latency_p50_s']} s p95 {ph['latency_p95_s']} s; "
                 f"TTFT p50 {ph['ttft_p50_s']} s p95 {ph['ttft_p95_s']} s; incomplete {ph['incomplete']}; errors {ph['errors'] or 0}"
+                + (f"; tokens/s by round {ph['rounds_tokens_per_s']}" if len(runs) > 1 else "")
             )
         if "tokens_per_s_ratio" in report:
             print(f"tokens/s ratio, {counts[-1]} clients vs {counts[0]}: {report['tokens_per_s_ratio']}x")
         if before:
             print(f"server RSS before {before['VmRSS'] / 1024:.1f} MiB, after {after['VmRSS'] / 1024:.1f} MiB (peak {after['VmHWM'] / 1024:.1f} MiB)")
-    failed = sum(ph["incomplete"] + sum(ph["errors"].values()) for ph in phases)
+    failed = sum(ph["incomplete"] + sum(ph["errors"].values()) for r in runs for ph in r)
     return 1 if failed else 0
 
 

@@ -1,7 +1,8 @@
 """The batching scheduler: one worker thread owns the model and runs `generate` on batches.
 
-Requests that arrive together (within `batch_window` seconds of the oldest waiting one)
-and whose `DecodeConfig`s are equal are decoded in one `generate` call; a request with a
+Requests that arrive together and whose `DecodeConfig`s are equal are decoded in one
+`generate` call (for `mdm`, whose batches nothing can join, "together" means within
+`batch_window` seconds of the oldest waiting one; `ar` and `refusion` start at once); a request with a
 different config waits for a later batch (configs decide the plan, the slot layout and
 the sampler, so only equal ones can share a call and still decode exactly what each
 would decode alone). Batching is continuous for the `ar` and `refusion` methods: a
@@ -33,6 +34,8 @@ from ..errors import ReFusionError
 from .metrics import Metrics
 
 log = logging.getLogger("refusion.serve")
+
+JOINABLE = ("ar", "refusion")  # methods whose running batch takes new rows between steps
 
 # ("text", str) | ("done", finish_reason, completion_tokens) | ("error", exception)
 Event = tuple
@@ -245,7 +248,10 @@ class Scheduler:
                 self._cv.wait()
             if not self._queue:
                 return None
-            deadline = self._queue[0].submitted + self.batch_window
+            # only a batch that nothing can join later waits for company: ar and refusion
+            # requests that arrive after it starts join at its next step, so they start at once
+            window = 0.0 if self._queue[0].cfg.method in JOINABLE else self.batch_window
+            deadline = self._queue[0].submitted + window
             while not self._closing and len(self._queue) < self._queue[0].cfg.max_batch_size:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -305,7 +311,7 @@ class Scheduler:
         for j in batch:
             self.metrics.queue_wait.observe(t0 - j.submitted)
         self.metrics.batch_size.observe(len(batch))
-        joinable = batch[0].cfg.method in ("ar", "refusion")
+        joinable = batch[0].cfg.method in JOINABLE
         try:
             outs = self.generate_fn(
                 self.model,
