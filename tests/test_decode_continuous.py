@@ -118,3 +118,19 @@ def test_joining_prompts_are_bounded_by_the_memory_budget(tiny):
     with pytest.raises(ValueError, match="at most"):
         generate(tiny, None, [first], cfg, admit=admit)
     assert seen == [bound]
+
+
+@pytest.mark.parametrize("method", ["ar", "refusion"])
+def test_cache_storage_is_reserved_for_the_rows_that_can_be_in_flight(tiny, method, monkeypatch):
+    """A fixed set of prompts reserves cache rows for at most that many prompts (not for
+    max_batch_size); a caller with an `admit` queue reserves the whole batch up front, so
+    rows that join later take spare storage instead of reallocating the cache."""
+    cfg = golden_config(CASES[0], method=method, max_batch_size=8)
+    reserved: list[int] = []
+    new_cache = tiny.new_cache
+    monkeypatch.setattr(tiny, "new_cache", lambda b, cap, reserve=0: reserved.append(reserve) or new_cache(b, cap, reserve))
+    prompts = [c["prompt_ids"] for c in CASES[:3]]
+    generate(tiny, None, prompts, cfg)
+    queue = [c["prompt_ids"] for c in CASES[3:5]]
+    outs = generate(tiny, None, prompts[:1], cfg, admit=lambda room, max_len: [queue.pop()] if queue else [])
+    assert reserved == [3, 8] and len(outs) == 3

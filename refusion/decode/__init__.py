@@ -154,10 +154,13 @@ def generate(
             rids = order[start : start + bs]
             decode_mdm(fwd, progress, sampler, cfg, [ids[i] for i in rids], rids, mask_id, eos_ids)
     else:
+        # rows in flight at most: the cache reserves storage for them up front (a server's
+        # batch may fill to bs; a fixed set of prompts never needs more rows than it has)
+        rows = bs if admit is not None else min(bs, len(ids))
         if cfg.method == "refusion":
-            decoder: ARDecoder | ReFusionDecoder = ReFusionDecoder(fwd, progress, sampler, cfg, mask_id, eos_ids, max_rows=bs)
+            decoder: ARDecoder | ReFusionDecoder = ReFusionDecoder(fwd, progress, sampler, cfg, mask_id, eos_ids, max_rows=rows)
         else:
-            decoder = ARDecoder(fwd, progress, sampler, cfg, eos_ids, max_rows=bs)
+            decoder = ARDecoder(fwd, progress, sampler, cfg, eos_ids, max_rows=rows)
         max_len = max(longest, longest_that_fits(model, cfg, bs))
         _decode_continuous(decoder, ids, deque(order), bs, max_len, progress, sampler, admit)
     return [_output(i, ids[i], progress, tokenizer, eos_ids) for i in range(len(ids))]
