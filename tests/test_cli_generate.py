@@ -93,3 +93,6 @@ def test_bench_decode_prints_the_table(model_dir, capsys):
     for method in ("ar", "refusion", "mdm"):
         assert re.search(rf"^{method}\s+\d+\s+\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+x", out, re.M)
     assert "batch-size sweep" in out
+    for method in ("ar", "refusion", "mdm"):  # what each asks of the machine
+        assert re.search(rf"^{method}\s+fed/token\s+[\d.]+\s+GFLOP/s(\s+[\d.]+){{2}}$", out, re.M)
+    assert re.search(r"a matmul of the model's shapes reaches [\d.]+ GFLOP/s", out)

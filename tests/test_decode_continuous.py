@@ -134,3 +134,12 @@ def test_cache_storage_is_reserved_for_the_rows_that_can_be_in_flight(tiny, meth
     queue = [c["prompt_ids"] for c in CASES[3:5]]
     outs = generate(tiny, None, prompts[:1], cfg, admit=lambda room, max_len: [queue.pop()] if queue else [])
     assert reserved == [3, 8] and len(outs) == 3
+
+
+def test_stats_count_the_tokens_fed_and_the_logits_asked_for(tiny):
+    """AR feeds the prompt, then every generated token but the last, and asks for one
+    row of logits per token: the counts `bench decode` turns into GFLOP/s."""
+    c = CASES[0]
+    out = generate(tiny, None, [c["prompt_ids"]], golden_config(c, method="ar"))[0]
+    n = len(out.token_ids)
+    assert out.stats.fed == len(c["prompt_ids"]) + n - 1 and out.stats.logit_rows == n

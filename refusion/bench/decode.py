@@ -69,7 +69,34 @@ def timed(model, tokenizer, prompts, cfg: DecodeConfig) -> dict[str, Any]:
     # share of the time outside forward passes: the decoder's own per-step overhead (exact
     # at batch size 1, where each prompt's forward time is its own)
     overhead = 1.0 - sum(o.stats.forward_time for o in outs) / wall
-    return {"tokens": tokens, "nfe": nfe, "tpf": tokens / max(nfe, 1), "wall": wall, "tps": tokens / wall, "overhead": overhead}
+    fed = sum(o.stats.fed for o in outs)
+    flops = linear_flops(model, fed, sum(o.stats.logit_rows for o in outs))
+    return {"tokens": tokens, "nfe": nfe, "tpf": tokens / max(nfe, 1), "wall": wall, "tps": tokens / wall, "overhead": overhead,
+            "fed_per_token": fed / max(tokens, 1), "gflops": flops / wall / 1e9}
+
+
+def linear_flops(model, fed: int, logit_rows: int) -> float:
+    """FLOPs of the linear layers for `fed` tokens through the body and `logit_rows` through
+    the vocabulary projection (attention left out: small next to them at these lengths)."""
+    body = sum(m.weight.numel() for m in model.model.modules() if isinstance(m, torch.nn.Linear))
+    return 2.0 * (body * fed + model.lm_head.weight.numel() * logit_rows)
+
+
+def matmul_peak(model, rows: int = 512) -> float:
+    """GFLOP/s of one matmul of the model's own shapes (rows x hidden by hidden x
+    intermediate), best of a few: what a batch's linear layers could reach at most."""
+    c = model.config
+    x = torch.randn(rows, c.hidden_size, device=model.device, dtype=model.dtype)
+    w = torch.randn(c.intermediate_size, c.hidden_size, device=model.device, dtype=model.dtype)
+    best = float("inf")
+    for _ in range(5):
+        sync(model.device)
+        t0 = time.perf_counter()
+        for _ in range(10):
+            torch.nn.functional.linear(x, w)
+        sync(model.device)
+        best = min(best, (time.perf_counter() - t0) / 10)
+    return 2.0 * rows * c.hidden_size * c.intermediate_size / best / 1e9
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,26 +119,36 @@ def run(args: argparse.Namespace) -> int:
         print(f"{m:10} {r['tokens']:7.0f} {r['nfe']:6.0f} {r['tpf']:6.2f} {r['tps']:8.1f} {ratio:>6} {r['overhead']:8.1%}")
     print("overhead: share of decode time spent outside forward passes (decoder logic, sampling, bookkeeping)")
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    sweep, n_sweep = batch_sweep(model, tokenizer, base, methods, sizes, args.sweep_prompts or 4 * max(sizes), args.rounds)
+    full, n_sweep = batch_sweep(model, tokenizer, base, methods, sizes, args.sweep_prompts or 4 * max(sizes), args.rounds)
+    sweep = {m: {b: r["tps"] for b, r in per.items()} for m, per in full.items()}
     print(f"\nbatch-size sweep: {n_sweep} prompts, at most b rows in flight (refilled as rows finish), "
           f"tokens/s of the whole set, median of {args.rounds} interleaved rounds")
     print(f"{'method':10} " + " ".join(f"{'b=' + str(b):>9}" for b in sizes) + f" {'max/b1':>7}")
     for m in methods:
         print(f"{m:10} " + " ".join(f"{sweep[m][b]:9.1f}" for b in sizes) + f" {max(sweep[m].values()) / sweep[m][sizes[0]]:6.2f}x")
+    peak = statistics.median(r["peak_gflops"] for per in full.values() for r in per.values())
+    print(f"\nwhat the sweep asks of the machine: tokens fed per token committed, and the linear layers' GFLOP/s; "
+          f"a matmul of the model's shapes reaches {peak:.1f} GFLOP/s in this run")
+    for m in methods:
+        print(f"{m:10} fed/token {full[m][sizes[0]]['fed_per_token']:5.2f}   GFLOP/s " + " ".join(f"{full[m][b]['gflops']:9.1f}" for b in sizes))
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"config": base.__dict__, "prompts": len(prompts), "table": table, "sweep_prompts": n_sweep, "sweep": sweep}, f, indent=2)
+            json.dump({"config": base.__dict__, "prompts": len(prompts), "table": table, "sweep_prompts": n_sweep, "sweep": sweep,
+                       "sweep_detail": full, "matmul_peak_gflops": peak}, f, indent=2)
     return 0
 
 
 def batch_sweep(model, tokenizer, base: DecodeConfig, methods: list[str], sizes: list[int], n: int,
-                rounds: int) -> tuple[dict[str, dict[int, float]], int]:
-    """Median tokens/s of n prompts per (method, batch size), sizes and methods interleaved
-    within each round."""
+                rounds: int) -> tuple[dict[str, dict[int, dict[str, float]]], int]:
+    """Per (method, batch size), the figures of `timed` for n prompts (median over rounds of
+    each), sizes and methods interleaved within each round; `peak_gflops` is the model-shape
+    matmul rate measured next to each run."""
     prompts = bench_prompts(n)
-    tps: dict[str, dict[int, list[float]]] = {m: {b: [] for b in sizes} for m in methods}
+    runs: dict[str, dict[int, list[dict[str, float]]]] = {m: {b: [] for b in sizes} for m in methods}
     for _ in range(rounds):
         for m in methods:
             for b in sizes:
-                tps[m][b].append(timed(model, tokenizer, prompts, base.replace(method=m, max_batch_size=b))["tps"])
-    return {m: {b: statistics.median(v) for b, v in per.items()} for m, per in tps.items()}, len(prompts)
+                r = timed(model, tokenizer, prompts, base.replace(method=m, max_batch_size=b))
+                runs[m][b].append({**r, "peak_gflops": matmul_peak(model)})
+    med = lambda rs: {k: statistics.median(r[k] for r in rs) for k in rs[0]}  # noqa: E731
+    return {m: {b: med(rs) for b, rs in per.items()} for m, per in runs.items()}, len(prompts)

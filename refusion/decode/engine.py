@@ -29,6 +29,8 @@ class DecodeStats:
     # seconds inside the forward passes this prompt took part in (model + logits); the rest
     # of wall_time is the decoder's own per-step overhead (exact at batch size 1)
     forward_time: float = 0.0
+    fed: int = 0  # real tokens this prompt fed to the model (padding excluded)
+    logit_rows: int = 0  # positions whose logits it asked for
 
     @property
     def tpf(self) -> float:
@@ -40,7 +42,7 @@ class DecodeStats:
 
     def as_dict(self) -> dict[str, float]:
         return {"tokens": self.tokens, "nfe": self.nfe, "tpf": self.tpf, "wall_time": self.wall_time, "tps": self.tps,
-                "forward_time": self.forward_time}
+                "forward_time": self.forward_time, "fed": self.fed, "logit_rows": self.logit_rows}
 
 
 @dataclass
@@ -186,6 +188,9 @@ class Forward:
         for rid in set(row_ids):
             self.progress.stats[rid].nfe += 1
             self.progress.stats[rid].forward_time += seconds
+        for rid, t, (a, e) in zip(row_ids, tokens, want):
+            self.progress.stats[rid].fed += len(t)
+            self.progress.stats[rid].logit_rows += e - a
         return list(logits.split([e - a for a, e in want]))
 
     def finish(self, rid: int) -> None:
