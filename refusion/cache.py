@@ -231,11 +231,6 @@ class KVCache:
         self._view()
         return order
 
-    def add_rows(self, n: int, capacity: int | None = None) -> "KVCache":
-        """A new cache: these rows then n empty rows, with at least `capacity` entries per
-        row (this cache is left as it is; `grow` adds rows in place)."""
-        return self.select(range(self.batch_size), max(self.capacity, capacity or 0), empty=n)
-
     def fork(self, repeats: Sequence[int], capacity: int | None = None) -> "KVCache":
         """Row b repeated repeats[b] times, in order (one copy of the committed cache per slot)."""
         rows = [b for b, r in enumerate(repeats) for _ in range(int(r))]
