@@ -121,33 +121,50 @@ class Attention(nn.Module):
             q = self.q_norm(q.unflatten(-1, (H, D))).flatten(-2)
             k = self.k_norm(k.unflatten(-1, (H_kv, D))).flatten(-2)
         if packing is not None and cache is not None:
-            # rotate and store only the real tokens; queries alone go to the padded layout
-            N, B, T = q.shape[0], packing.B, packing.T
-            q, k = apply_rope(q.view(N, H, D), cos, sin), apply_rope(k.view(N, H_kv, D), cos, sin)  # cos (N, 1, D)
-            k, v = cache.write_packed(self.layer, k, v.view(N, H_kv, D), slots, packing)  # (B, H_kv, S, D)
-            q = packing.unpack_split(q.flatten(1), (H * D,))[0].view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+            q, k, v = self._store_packed(q, k, v, cos, sin, cache, slots, packing)
         else:
-            if packing is not None:  # no cache: attention runs on the padded layout
-                q, k, v = packing.unpack_split(torch.cat((q, k, v), dim=-1), (H * D, H_kv * D, H_kv * D))
-            B, T = cos.shape[0], cos.shape[2]
-            q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-            k = k.view(B, T, H_kv, D).transpose(1, 2)  # (B, H_kv, T, D)
-            v = v.view(B, T, H_kv, D).transpose(1, 2)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            if cache is not None:
-                k, v = cache.write(self.layer, k, v, slots)  # (B, H_kv, S, D)
-        gqa = self.n_kv != self.n_heads
-        if mask is None and cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        elif slots is not None and slots.segments:
-            out = q.new_zeros(q.shape)  # (B, H, T, D): each run of rows fills its own part
-            for a, b, t, e in slots.segments:
-                m = None if mask is None else mask[a:b, :, :t, :e]
-                out[a:b, :, :t] = F.scaled_dot_product_attention(q[a:b, :, :t], k[a:b, :, :e], v[a:b, :, :e], attn_mask=m, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            q, k, v = self._store_padded(q, k, v, cos, sin, cache, slots, packing)
+        out = self._attend(q, k, v, cache, slots, mask)  # (B, H, T, D)
+        B, T = q.shape[0], q.shape[2]
         out = out.transpose(1, 2).reshape(B, T, H * D)
         return self.o_proj(packing.pack(out) if packing is not None else out)
+
+
+    def _store_packed(self, q, k, v, cos, sin, cache: KVCache, slots: WriteSlots, packing: "Packing"):
+        """Rotate and store only the real tokens (N of them); queries alone go to the padded
+        layout. Returns q (B, H, T, D) and the readable keys/values (B, H_kv, S, D)."""
+        H, H_kv, D, N = self.n_heads, self.n_kv, self.head_dim, q.shape[0]
+        q, k = apply_rope(q.view(N, H, D), cos, sin), apply_rope(k.view(N, H_kv, D), cos, sin)  # cos (N, 1, D)
+        k, v = cache.write_packed(self.layer, k, v.view(N, H_kv, D), slots, packing)
+        q = packing.unpack_split(q.flatten(1), (H * D,))[0].view(packing.B, packing.T, H, D).transpose(1, 2)
+        return q, k, v
+
+    def _store_padded(self, q, k, v, cos, sin, cache: KVCache | None, slots: WriteSlots | None, packing: "Packing | None"):
+        """Rotate (and store, with a cache) every position of the padded (B, T) layout."""
+        H, H_kv, D = self.n_heads, self.n_kv, self.head_dim
+        if packing is not None:  # no cache: attention runs on the padded layout
+            q, k, v = packing.unpack_split(torch.cat((q, k, v), dim=-1), (H * D, H_kv * D, H_kv * D))
+        B, T = cos.shape[0], cos.shape[2]
+        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, H_kv, D).transpose(1, 2)  # (B, H_kv, T, D)
+        v = v.view(B, T, H_kv, D).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.write(self.layer, k, v, slots)  # (B, H_kv, S, D)
+        return q, k, v
+
+    def _attend(self, q, k, v, cache: KVCache | None, slots: WriteSlots | None, mask: torch.Tensor | None) -> torch.Tensor:
+        """SDPA (B, H, T, D); per run of rows when `split_rows` planned runs."""
+        gqa = self.n_kv != self.n_heads
+        if mask is None and cache is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if slots is None or not slots.segments:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        out = q.new_zeros(q.shape)  # each run of rows fills its own part
+        for a, b, t, e in slots.segments:
+            m = None if mask is None else mask[a:b, :, :t, :e]
+            out[a:b, :, :t] = F.scaled_dot_product_attention(q[a:b, :, :t], k[a:b, :, :e], v[a:b, :, :e], attn_mask=m, enable_gqa=gqa)
+        return out
 
 
 class MLP(nn.Module):
