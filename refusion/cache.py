@@ -13,11 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 
 from .config import ModelConfig
 from .errors import ContextLengthError
+
+if TYPE_CHECKING:
+    from .model import Packing
 
 
 class KVCache:
@@ -119,7 +123,8 @@ class KVCache:
             v[slots.rows, :, slots.cols] = v_new.transpose(1, 2)
         return k[:, :, : slots.end], v[:, :, : slots.end]
 
-    def write_packed(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, slots: "WriteSlots", packing) -> tuple[torch.Tensor, torch.Tensor]:
+    def write_packed(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, slots: "WriteSlots",
+                     packing: "Packing") -> tuple[torch.Tensor, torch.Tensor]:
         """`write` for a packed forward: keys/values (N, H_kv, D) of the real tokens only,
         each stored at its row's end (padding is neither computed nor stored)."""
         rows, cols = slots.packed_index(packing)
@@ -328,12 +333,11 @@ class WriteSlots:
         start_t = torch.tensor(self.starts, device=self.device, dtype=torch.long)  # (B,)
         return start_t[:, None] + torch.arange(self.T, device=self.device)[None, :]
 
-    def packed_index(self, packing) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, cols), each (N,): where each real token of a packed forward is stored."""
+    def packed_index(self, packing: "Packing") -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, cols), each (N,): where each real token of a packed forward is stored
+        (`rows` and `cols` at the packing's flat indices)."""
         if self._packed is None:
-            rows = torch.div(packing.idx, self.T, rounding_mode="floor")
-            start_t = torch.tensor(self.starts, device=self.device, dtype=torch.long)
-            self._packed = (rows, start_t[rows] + packing.idx % self.T)
+            self._packed = (torch.div(packing.idx, self.T, rounding_mode="floor"), self.cols.flatten()[packing.idx])
         return self._packed
 
     @cached_property

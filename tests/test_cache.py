@@ -263,21 +263,22 @@ def test_grow_takes_spare_rows_in_place_then_reallocates_keeping_entries(tiny_mo
 
 
 def test_rows_joining_spare_storage_decode_like_a_fresh_cache(tiny_model):
-    """A row that takes a freed row's storage (stale entries beyond its length) computes
-    what it computes in a new cache: stale entries are never attended to."""
-    cache = three_rows(tiny_model, reserve=3)
-    cache.retain([1])
+    """A row that takes a freed row's storage computes what it computes in a new cache:
+    the freed row's stale entries beyond the new row's length lie inside the step's key
+    span (the other row is longer) and are never attended to."""
+    cache = three_rows(tiny_model, reserve=3)  # every row's storage holds 5 written columns
+    cache.retain([1])  # row 1 (2 entries) moves to row 0; rows 1 and 2 become spare, stale
     cache.grow(1, capacity=16)
-    prompt = rand_tokens(6, seed=33)
-    tokens = torch.stack([torch.cat([rand_tokens(1, seed=34), torch.zeros(5, dtype=torch.long)]), prompt])
-    positions = torch.stack([torch.tensor([2, 0, 0, 0, 0, 0]), torch.arange(6)])
-    out = tiny_model(tokens, positions, cache, n_new=[1, 6])
-    fresh = prefilled(tiny_model, prompt, torch.arange(6), capacity=16)
-    torch.testing.assert_close(out[1], tiny_model.lm_head(tiny_model.hidden(prompt[None], torch.arange(6)[None]))[0])
+    prompt = rand_tokens(3, seed=33)  # writes columns 0..2: stale columns 3, 4 stay
+    tokens = torch.stack([torch.cat([rand_tokens(1, seed=34), torch.zeros(2, dtype=torch.long)]), prompt])
+    positions = torch.stack([torch.tensor([2, 0, 0]), torch.arange(3)])
+    out = tiny_model(tokens, positions, cache, n_new=[1, 3])  # keys span columns 0..4
+    assert cache.positions[1, 3:5].tolist() == [3, 4]  # the stale entries are still there
+    fresh = prefilled(tiny_model, prompt, torch.arange(3), capacity=16)
+    torch.testing.assert_close(out[1], tiny_model.lm_head(tiny_model.hidden(prompt[None], torch.arange(3)[None]))[0])
     for layer in range(len(cache.k)):
-        torch.testing.assert_close(cache.k[layer][1, :, :6], fresh.k[layer][0, :, :6])
-    query = rand_tokens(1, seed=35)[None]
-    q_pos = torch.tensor([[6]])
+        torch.testing.assert_close(cache.k[layer][1, :, :3], fresh.k[layer][0, :, :3])
+    query, q_pos = rand_tokens(1, seed=35)[None], torch.tensor([[3]])
     both = tiny_model(torch.cat([torch.zeros(1, 1, dtype=torch.long), query]), torch.cat([torch.tensor([[3]]), q_pos]), cache)
     torch.testing.assert_close(both[1], tiny_model(query, q_pos, fresh)[0])
 

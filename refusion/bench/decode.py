@@ -85,18 +85,13 @@ def linear_flops(model, fed: int, logit_rows: int) -> float:
 def matmul_peak(model, rows: int = 512) -> float:
     """GFLOP/s of one matmul of the model's own shapes (rows x hidden by hidden x
     intermediate), best of a few: what a batch's linear layers could reach at most."""
+    from .speed import time_ms  # speed imports this module
+
     c = model.config
     x = torch.randn(rows, c.hidden_size, device=model.device, dtype=model.dtype)
     w = torch.randn(c.intermediate_size, c.hidden_size, device=model.device, dtype=model.dtype)
-    best = float("inf")
-    for _ in range(5):
-        sync(model.device)
-        t0 = time.perf_counter()
-        for _ in range(10):
-            torch.nn.functional.linear(x, w)
-        sync(model.device)
-        best = min(best, (time.perf_counter() - t0) / 10)
-    return 2.0 * rows * c.hidden_size * c.intermediate_size / best / 1e9
+    best_ms = min(time_ms(lambda: torch.nn.functional.linear(x, w), model.device, 10) for _ in range(5))
+    return 2.0 * rows * c.hidden_size * c.intermediate_size / best_ms / 1e6
 
 
 def run(args: argparse.Namespace) -> int:

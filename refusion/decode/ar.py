@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..cache import KVCache
 from .config import DecodeConfig
-from .engine import Forward, Progress
+from .engine import Forward, Progress, make_room
 from .sampling import Sampler
 
 
@@ -30,12 +30,7 @@ class ARDecoder:
     def admit(self, prompts: list[list[int]], rids: list[int]) -> None:
         for rid in rids:
             self.progress.start(rid, self.cfg.gen_length)
-        longest = max(len(p) for p in prompts)
-        if self.cache is None:  # every row starts empty: a row and its prefill fit
-            self.cache = self.fwd.model.new_cache(len(prompts), longest + self.cfg.gen_length, reserve=self.max_rows)
-        else:  # a ragged step writes every row from the longest row's end: room for a prefill there
-            longest = max([longest] + self.prompt_len)
-            self.cache.grow(len(prompts), 2 * longest + self.cfg.gen_length, reserve=self.max_rows)
+        self.cache = make_room(self.fwd.model, self.cache, prompts, max(self.prompt_len, default=0), self.cfg.gen_length, self.max_rows)
         self.rids += rids
         self.prompt_len += [len(p) for p in prompts]
         self.done += [0] * len(prompts)

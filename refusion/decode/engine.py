@@ -66,6 +66,20 @@ class GenerationOutput:
     trace: list[TraceEvent] | None = None
 
 
+def make_room(model: Transformer, cache: KVCache | None, prompts: Sequence[Sequence[int]], running_longest: int,
+              extra: int, reserve: int) -> KVCache:
+    """The decoder's cache with one new empty row per prompt (rows joining, or the first
+    batch), storage reserved for `reserve` rows. A new cache holds a row and its widest
+    step (the longest prompt + `extra`). A ragged step writes every row from the longest
+    row's end, so a running cache needs room for a prefill there: 2 x the longest prompt,
+    running or new, + `extra`."""
+    longest = max(len(p) for p in prompts)
+    if cache is None:
+        return model.new_cache(len(prompts), longest + extra, reserve=reserve)
+    cache.grow(len(prompts), 2 * max(longest, running_longest) + extra, reserve=reserve)
+    return cache
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -17,7 +17,7 @@ import torch
 
 from ..cache import KVCache
 from .config import DecodeConfig
-from .engine import Forward, Progress
+from .engine import Forward, Progress, make_room
 from .sampling import Sampler, token_probs
 
 
@@ -109,13 +109,9 @@ class ReFusionDecoder:
         new = [Row(rid, p, n_slots // cfg.serial_blocks, cfg.serial_blocks) for rid, p in zip(rids, prompts)]
         for row in new:
             self.progress.start(row.rid, cfg.padded_length)
-        block_len = cfg.padded_length // cfg.serial_blocks
-        longest = max(len(p) for p in prompts)
-        if self.cache is None:  # every row starts empty: a row and its widest step fit
-            self.cache = self.fwd.model.new_cache(len(new), longest + cfg.padded_length + block_len, reserve=self.max_rows)
-        else:  # a ragged step writes every row from the longest row's end: room for a prefill there
-            longest = max([longest] + [len(r.prompt) for r in self.rows])
-            self.cache.grow(len(new), 2 * longest + cfg.padded_length + block_len, reserve=self.max_rows)
+        widest = cfg.padded_length + cfg.padded_length // cfg.serial_blocks  # the region, and a block of MASKs
+        running = max((len(r.prompt) for r in self.rows), default=0)
+        self.cache = make_room(self.fwd.model, self.cache, prompts, running, widest, self.max_rows)
         self.rows += new
 
     def step(self) -> None:
