@@ -54,6 +54,23 @@ def test_forward_cost_counts_by_hand():
     assert four.weight_bytes == tied.weight_bytes
 
 
+def test_decode_ceiling_counts_each_shape_at_its_rate():
+    # the hand model's shapes: q/o 32x32 (2 per layer), k/v 16x32 (2), gate/up 64x32 (2), down 32x64 (1);
+    # lm_head 64x32 on logit rows only. Rates in GFLOP/s per shape.
+    from refusion.bench.decode import ceiling_tps, linear_shapes
+
+    model = _hand_model(tied=True)
+    shapes = linear_shapes(model)
+    assert shapes == {(32, 32): (4, 0), (16, 32): (4, 0), (64, 32): (4, 1), (32, 64): (2, 0)}
+    rates = {(32, 32): 1.0, (16, 32): 2.0, (64, 32): 4.0, (32, 64): 8.0}
+    fed, logit_rows = 3.0, 2.0  # per committed token
+    seconds = (2 * 32 * 32 * 4 * fed / 1.0 + 2 * 16 * 32 * 4 * fed / 2.0 + 2 * 64 * 32 * (4 * fed + logit_rows) / 4.0
+               + 2 * 32 * 64 * 2 * fed / 8.0) / 1e9
+    assert ceiling_tps(model, rates, 1.0, fed, logit_rows) == pytest.approx(1.0 / seconds)
+    # twice the work per token: half the ceiling
+    assert ceiling_tps(model, rates, 1.0, 2 * fed, 2 * logit_rows) == pytest.approx(0.5 / seconds)
+
+
 def test_random_qwen3_shape_is_the_real_one():
     """Qwen3-0.6B has 596,049,920 parameters (tied embeddings); built on meta, no memory used."""
     model = random_model("qwen3-0.6b", "meta", torch.float32)

@@ -96,3 +96,5 @@ def test_bench_decode_prints_the_table(model_dir, capsys):
     for method in ("ar", "refusion", "mdm"):  # what each asks of the machine
         assert re.search(rf"^{method}\s+fed/token\s+[\d.]+\s+GFLOP/s(\s+[\d.]+){{2}}$", out, re.M)
     assert re.search(r"a matmul of the model's shapes reaches [\d.]+ GFLOP/s", out)
+    for method in ("ar", "refusion", "mdm"):  # the linear layers' ceiling, against b=1 and the best batch
+        assert re.search(rf"^{method}\s+[\d.]+\s+[\d.]+x\s+[\d.]+\s+[\d.]+%$", out, re.M)

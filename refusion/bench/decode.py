@@ -69,10 +69,11 @@ def timed(model, tokenizer, prompts, cfg: DecodeConfig) -> dict[str, Any]:
     # share of the time outside forward passes: the decoder's own per-step overhead (exact
     # at batch size 1, where each prompt's forward time is its own)
     overhead = 1.0 - sum(o.stats.forward_time for o in outs) / wall
-    fed = sum(o.stats.fed for o in outs)
-    flops = linear_flops(model, fed, sum(o.stats.logit_rows for o in outs))
+    fed, logit_rows = sum(o.stats.fed for o in outs), sum(o.stats.logit_rows for o in outs)
+    flops = linear_flops(model, fed, logit_rows)
     return {"tokens": tokens, "nfe": nfe, "tpf": tokens / max(nfe, 1), "wall": wall, "tps": tokens / wall, "overhead": overhead,
-            "fed_per_token": fed / max(tokens, 1), "gflops": flops / wall / 1e9}
+            "fed_per_token": fed / max(tokens, 1), "logit_rows_per_token": logit_rows / max(tokens, 1),
+            "gflops": flops / wall / 1e9}
 
 
 def linear_flops(model, fed: int, logit_rows: int) -> float:
@@ -92,6 +93,43 @@ def matmul_peak(model, rows: int = 512) -> float:
     w = torch.randn(c.intermediate_size, c.hidden_size, device=model.device, dtype=model.dtype)
     best_ms = min(time_ms(lambda: torch.nn.functional.linear(x, w), model.device, 10) for _ in range(5))
     return 2.0 * rows * c.hidden_size * c.intermediate_size / best_ms / 1e6
+
+
+def linear_shapes(model) -> dict[tuple[int, int], tuple[int, int]]:
+    """(out, in) of each distinct linear shape -> (layers of that shape in the body, in the
+    vocabulary projection): the weights one fed token, or one logit row, goes through."""
+    shapes: dict[tuple[int, int], tuple[int, int]] = {}
+    for m in model.model.modules():
+        if isinstance(m, torch.nn.Linear):
+            body, head = shapes.get(tuple(m.weight.shape), (0, 0))
+            shapes[tuple(m.weight.shape)] = (body + 1, head)
+    body, head = shapes.get(tuple(model.lm_head.weight.shape), (0, 0))
+    shapes[tuple(model.lm_head.weight.shape)] = (body, head + 1)
+    return shapes
+
+
+def shape_rates(model, rows: int = 512) -> dict[tuple[int, int], float]:
+    """GFLOP/s of each linear shape with `rows` input rows, best of a few (an upper bound
+    on what a batch's forwards get from that shape)."""
+    from .speed import time_ms  # speed imports this module
+
+    rates = {}
+    for out_f, in_f in linear_shapes(model):
+        x = torch.randn(rows, in_f, device=model.device, dtype=model.dtype)
+        w = torch.randn(out_f, in_f, device=model.device, dtype=model.dtype)
+        best_ms = min(time_ms(lambda: torch.nn.functional.linear(x, w), model.device, 5) for _ in range(5))
+        rates[(out_f, in_f)] = 2.0 * rows * in_f * out_f / best_ms / 1e6
+    return rates
+
+
+def ceiling_tps(model, rates: dict[tuple[int, int], float], tokens: float, fed: float, logit_rows: float) -> float:
+    """Tokens/s if every linear layer ran at its shape's best rate and nothing else (attention,
+    norms, sampling, bookkeeping) took any time: what no batch size can beat on this machine
+    for this many fed tokens and logit rows per committed token."""
+    seconds = 0.0
+    for (out_f, in_f), (body, head) in linear_shapes(model).items():
+        seconds += 2.0 * out_f * in_f * (body * fed + head * logit_rows) / (rates[(out_f, in_f)] * 1e9)
+    return tokens / seconds if seconds > 0 else float("inf")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,11 +164,31 @@ def run(args: argparse.Namespace) -> int:
           f"a matmul of the model's shapes reaches {peak:.1f} GFLOP/s in this run")
     for m in methods:
         print(f"{m:10} fed/token {full[m][sizes[0]]['fed_per_token']:5.2f}   GFLOP/s " + " ".join(f"{full[m][b]['gflops']:9.1f}" for b in sizes))
+    ceilings = print_ceilings(model, full, methods, sizes)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"config": base.__dict__, "prompts": len(prompts), "table": table, "sweep_prompts": n_sweep, "sweep": sweep,
-                       "sweep_detail": full, "matmul_peak_gflops": peak}, f, indent=2)
+                       "sweep_detail": full, "matmul_peak_gflops": peak, "ceiling": ceilings}, f, indent=2)
     return 0
+
+
+def print_ceilings(model, full: dict[str, dict[int, dict[str, float]]], methods: list[str], sizes: list[int]) -> dict[str, Any]:
+    """The most any batch size could reach: each method's fed tokens and logit rows per
+    committed token (at the largest batch) through linear layers at their shapes' best
+    measured rates, everything else free. Printed next to the sweep's b=1 and best figures."""
+    rates = shape_rates(model)
+    out: dict[str, Any] = {"shape_gflops": {f"{o}x{i}": r for (o, i), r in rates.items()}}
+    print("\nceiling: tokens/s if every linear layer ran at its shape's best rate here (512 rows) and attention, norms,\n"
+          "sampling and bookkeeping took no time; no batch size can beat it for this many tokens fed per token committed")
+    print(f"{'method':10} {'ceiling':>9} {'/ b=1':>7} {'best b':>7} {'share':>6}")
+    for m in methods:
+        big = full[m][sizes[-1]]
+        ceil = ceiling_tps(model, rates, 1.0, big["fed_per_token"], big["logit_rows_per_token"])
+        best = max(r["tps"] for r in full[m].values())
+        b1 = full[m][sizes[0]]["tps"]
+        out[m] = {"ceiling_tps": ceil, "ceiling_vs_b1": ceil / b1, "best_share_of_ceiling": best / ceil}
+        print(f"{m:10} {ceil:9.1f} {ceil / b1:6.2f}x {best:7.1f} {best / ceil:6.1%}")
+    return out
 
 
 def batch_sweep(model, tokenizer, base: DecodeConfig, methods: list[str], sizes: list[int], n: int,
