@@ -129,6 +129,21 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(B, T, H * D)
         return self.o_proj(packing.pack(out) if packing is not None else out)
 
+    def fixed_step(self, x, cos, sin, rows, lengths, k_cache, v_cache, mask) -> torch.Tensor:
+        """`Transformer.fixed_step` for one layer: x (B, 1, hidden); the new key and value
+        go to column lengths[b] of row b; attention over every column under `mask`."""
+        H, H_kv, D = self.n_heads, self.n_kv, self.head_dim
+        B = x.shape[0]
+        q = self.q_proj(x).view(B, 1, H, D).transpose(1, 2)  # (B, H, 1, D)
+        k = self.k_proj(x).view(B, 1, H_kv, D).transpose(1, 2)
+        v = self.v_proj(x).view(B, 1, H_kv, D).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache[rows, :, lengths] = k[:, :, 0]
+        v_cache[rows, :, lengths] = v[:, :, 0]
+        out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=H_kv != H)
+        return self.o_proj(out.transpose(1, 2).reshape(B, 1, H * D))
 
     def _store_packed(self, q, k, v, cos, sin, cache: KVCache, slots: WriteSlots, packing: "Packing"):
         """Rotate and store only the real tokens (N of them); queries alone go to the padded
@@ -283,6 +298,34 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Logits (B, T, vocab). See `hidden` for the cache contract."""
         return self.lm_head(self.hidden(tokens, positions, cache, n_new))
+
+    def fixed_step(
+        self,
+        tokens: torch.Tensor,  # (B, 1) int64
+        positions: torch.Tensor,  # (B, 1) int64
+        lengths: torch.Tensor,  # (B,) int64: each row's entry count, where its new entry goes
+        k: list[torch.Tensor],  # per layer (B, H_kv, capacity, D): the cache's storage, written in place
+        v: list[torch.Tensor],
+        cache_tokens: torch.Tensor,  # (B, capacity) int64, written in place
+        cache_positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """One token per row against the whole cache: logits (B, vocab). Every shape is fixed
+        by (B, capacity), whatever the rows' lengths, and the rows' ends come in as a tensor,
+        so `torch.compile` builds it once and reuses it step after step (an AR decode step;
+        see `decode.engine.CompiledStep`). Attention reads all `capacity` columns under a
+        mask; the caller advances the cache's lengths."""
+        B = tokens.shape[0]
+        rows = torch.arange(B, device=tokens.device)
+        cache_tokens[rows, lengths] = tokens[:, 0]
+        cache_positions[rows, lengths] = positions[:, 0]
+        cols = torch.arange(cache_tokens.shape[1], device=tokens.device)
+        mask = (cols[None, :] <= lengths[:, None])[:, None, None, :]  # (B, 1, 1, capacity)
+        x = self.model.embed_tokens(tokens)  # (B, 1, hidden)
+        cos, sin = self.rope(positions, x.dtype)  # (B, 1, 1, D)
+        for block, k_l, v_l in zip(self.model.layers, k, v):
+            x = x + block.self_attn.fixed_step(block.input_layernorm(x), cos, sin, rows, lengths, k_l, v_l, mask)
+            x = x + block.mlp(block.post_attention_layernorm(x))
+        return self.lm_head(self.model.norm(x))[:, 0]
 
     def new_cache(self, batch_size: int, capacity: int, reserve: int = 0) -> KVCache:
         """An empty cache for this model's shapes, dtype and device (storage for `reserve`

@@ -2,7 +2,8 @@
 # The device check, prepared to run unattended on a machine with a GPU and no network
 # (the venv set up by `scripts/setup.sh "dev,gguf"` or scripts/test.sh):
 #   1. the model-parity and decode tests, with their models and inputs on the device;
-#   2. `refusion bench speed` on SmolLM2-135M (float32, the issue #8 targets; bfloat16 too on cuda);
+#   2. `refusion bench speed` on SmolLM2-135M (float32, the issue #8 targets; bfloat16 too on cuda),
+#      then its 1-token step and AR decode compiled (--compile);
 #   3. AR vs ReFusion vs MDM at batch 1 and 16 on the bundled model and on a randomly
 #      initialised Qwen3-0.6B-shaped model (bfloat16 on cuda), printed as one table.
 # Usage: scripts/gpu_check.sh [--device cpu|cuda] [--small]
@@ -42,6 +43,12 @@ else
   for dtype in float32 bfloat16; do
     "$py" -m refusion.cli bench speed "$gguf" --device "$device" --dtype "$dtype" --json "${OUT:-/tmp}/speed_smollm2_$dtype.json" || status=1
   done
+fi
+
+step "2b. the compiled AR step (--compile) on SmolLM2-135M-Instruct"
+if [ -n "$gguf" ]; then
+  "$py" -m refusion.cli bench speed "$gguf" --device "$device" --dtype float32 --compile --sizes 1 --repeats 3 \
+    --decode-rounds 1 --json "${OUT:-/tmp}/speed_smollm2_compiled.json" || status=1
 fi
 
 step "3. AR vs ReFusion vs MDM, batch 1 and 16"

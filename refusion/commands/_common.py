@@ -39,6 +39,8 @@ def add_decode_arguments(parser: argparse.ArgumentParser, default_method: str = 
     g.add_argument("--preset", choices=PRESETS, default=None, help="the authors' settings for a benchmark")
     for name, (typ, help_text) in _DECODE_FLAGS.items():
         g.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help=help_text)
+    g.add_argument("--compile", action="store_true", default=None,
+                   help="AR: compile the one-token step with torch.compile (about a minute, once; needs a C++ compiler on CPU)")
     g.add_argument("--eos-id", type=int, default=None, help="override the tokenizer's EOS id")
     g.add_argument("--mask-id", type=int, default=None, help="override the model's MASK id")
     parser.set_defaults(_default_method=default_method)
@@ -53,7 +55,7 @@ def decode_config_from_args(args: argparse.Namespace, base: DecodeConfig | None 
     changes: dict[str, Any] = {k: getattr(args, k) for k in _DECODE_FLAGS if getattr(args, k) is not None}
     if args.method:
         changes["method"] = args.method
-    for k in ("eos_id", "mask_id"):
+    for k in ("eos_id", "mask_id", "compile"):
         if getattr(args, k) is not None:
             changes[k] = getattr(args, k)
     return dataclasses.replace(cfg, **changes)

@@ -9,6 +9,7 @@ counts NFE for the batch and for each row that took part, and reports commits to
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -78,6 +79,46 @@ def make_room(model: Transformer, cache: KVCache | None, prompts: Sequence[Seque
         return model.new_cache(len(prompts), longest + extra, reserve=reserve)
     cache.grow(len(prompts), 2 * max(longest, running_longest) + extra, reserve=reserve)
     return cache
+
+
+class CompiledStep:
+    """`Transformer.fixed_step` under `torch.compile`: the AR decode step as one compiled
+    graph (norms, rotations and the cache write fused; no per-op Python), for a small model
+    on a CPU about a fifth less time per token. Its shapes are fixed by the batch size and
+    the cache capacity, so a decode compiles once per (rows, capacity) pair; the first
+    compile takes a minute or so on a laptop CPU, and later processes reuse inductor's
+    on-disk cache. It needs a C++ compiler on CPU (inductor writes C++)."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+        self.fn = torch.compile(model.fixed_step, fullgraph=True, dynamic=False)
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """tokens, positions (B, 1); writes each row's entry at its end and advances it.
+        The step runs on all of the cache's storage rows (its reserved rows), not just the B
+        in use, so rows leaving and joining a continuous batch keep the shapes, and the
+        graph, as they are; spare rows compute on a pad token at their column 0, which
+        nothing reads."""
+        B, R = cache.batch_size, cache.reserved_rows
+        cache.check_room(1)
+        pad = R - B
+        lengths = torch.tensor(cache.lengths + [0] * pad, dtype=torch.long, device=tokens.device)
+        if pad:
+            tokens = torch.cat((tokens, tokens.new_zeros(pad, 1)))
+            positions = torch.cat((positions, positions.new_zeros(pad, 1)))
+        logits = self.fn(tokens, positions, lengths, *cache.storage())
+        cache.advance(1)
+        return logits[:B]
+
+
+_COMPILED: "weakref.WeakKeyDictionary[Transformer, CompiledStep]" = weakref.WeakKeyDictionary()
+
+
+def compiled_step(model: Transformer) -> CompiledStep:
+    """The model's compiled step, made once per model (generate is called again and again)."""
+    if model not in _COMPILED:
+        _COMPILED[model] = CompiledStep(model)
+    return _COMPILED[model]
 
 
 def sync(device: torch.device) -> None:
@@ -173,6 +214,7 @@ class Forward:
     model: Transformer
     progress: Progress
     pad_id: int
+    compiled: "CompiledStep | None" = None  # the fixed-shape one-token step, when asked for
 
     def run(
         self,
@@ -206,6 +248,22 @@ class Forward:
             self.progress.stats[rid].fed += len(t)
             self.progress.stats[rid].logit_rows += e - a
         return list(logits.split([e - a for a, e in want]))
+
+    def step(self, row_ids: Sequence[int], tokens: Sequence[int], positions: Sequence[int], cache: KVCache) -> torch.Tensor:
+        """One token per row through `compiled` (the fixed-shape step), counted like `run`;
+        each row's entry is written and made valid. Logits (B, vocab) in float32."""
+        device = self.model.device
+        tok = torch.tensor(tokens, dtype=torch.long, device=device)[:, None]
+        pos = torch.tensor(positions, dtype=torch.long, device=device)[:, None]
+        t0 = time.perf_counter()
+        logits = self.compiled(tok, pos, cache).float()
+        sync(device)
+        seconds = time.perf_counter() - t0
+        for rid in row_ids:
+            stats = self.progress.stats[rid]
+            stats.nfe, stats.forward_time, stats.fed, stats.logit_rows = (
+                stats.nfe + 1, stats.forward_time + seconds, stats.fed + 1, stats.logit_rows + 1)
+        return logits
 
     def finish(self, rid: int) -> None:
         """Stamp a prompt's wall time (from when it started decoding)."""
