@@ -69,7 +69,7 @@ def test_compiled_ar_decodes_what_eager_decodes(monkeypatch):
     eager = generate(model, None, prompts, cfg)
     steps = []
     call = engine.CompiledStep.__call__
-    monkeypatch.setattr(engine.CompiledStep, "__call__", lambda self, *a: steps.append(a[0].shape[0]) or call(self, *a))
+    monkeypatch.setattr(engine.CompiledStep, "__call__", lambda self, *a: steps.append(a[1].shape[0]) or call(self, *a))
     compiled = generate(model, None, prompts, cfg.replace(compile=True))
     assert len(steps) > 20 and set(steps) == {1, 2}  # the compiled step ran, on one row and on two
     assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
@@ -84,3 +84,17 @@ def test_compile_flag_reaches_the_config():
     add_decode_arguments(parser)
     assert decode_config_from_args(parser.parse_args(["--compile"])).compile is True
     assert decode_config_from_args(parser.parse_args([])).compile is False
+
+
+def test_compiled_caches_come_in_powers_of_two(tiny_model):
+    """With the compiled step, cache capacities are powers of two (new caches and grown
+    ones), so prompts of many lengths share a few graphs."""
+    from refusion.decode.engine import make_room, pow2
+
+    assert [pow2(n) for n in (1, 64, 65, 128, 129, 1000)] == [64, 64, 128, 128, 256, 1024]
+    cache = make_room(tiny_model, None, [[1] * 70], 0, 30, reserve=2, bucket=True)
+    assert cache.capacity == 128
+    make_room(tiny_model, cache, [[1] * 90], 70, 30, reserve=2, bucket=True)  # needs 2 x 90 + 30 = 210
+    assert cache.capacity == 256 and cache.batch_size == 2
+    plain = make_room(tiny_model, None, [[1] * 70], 0, 30, reserve=2)
+    assert plain.capacity == 100

@@ -231,7 +231,7 @@ class CompiledForward(OurForward):
     """Our one-token step as the compiled fixed-shape graph (`--compile`)."""
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # (1, 1) each
-        logits = compiled_step(self.model)(tokens, positions, self.cache)
+        logits = compiled_step()(self.model, tokens, positions, self.cache)
         self.cache.truncate([self.C])
         return logits
 

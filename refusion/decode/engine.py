@@ -9,7 +9,6 @@ counts NFE for the batch and for each row that took part, and reports commits to
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -68,17 +67,24 @@ class GenerationOutput:
 
 
 def make_room(model: Transformer, cache: KVCache | None, prompts: Sequence[Sequence[int]], running_longest: int,
-              extra: int, reserve: int) -> KVCache:
+              extra: int, reserve: int, bucket: bool = False) -> KVCache:
     """The decoder's cache with one new empty row per prompt (rows joining, or the first
     batch), storage reserved for `reserve` rows. A new cache holds a row and its widest
     step (the longest prompt + `extra`). A ragged step writes every row from the longest
     row's end, so a running cache needs room for a prefill there: 2 x the longest prompt,
-    running or new, + `extra`."""
+    running or new, + `extra`. `bucket`: capacities are powers of two, so a compiled step
+    (whose graph is fixed by the capacity) sees a few shapes, not one per prompt length."""
     longest = max(len(p) for p in prompts)
     if cache is None:
-        return model.new_cache(len(prompts), longest + extra, reserve=reserve)
-    cache.grow(len(prompts), 2 * max(longest, running_longest) + extra, reserve=reserve)
+        capacity = longest + extra
+        return model.new_cache(len(prompts), pow2(capacity) if bucket else capacity, reserve=reserve)
+    cache.grow(len(prompts), 2 * max(longest, running_longest) + extra, reserve=reserve, round_up=pow2 if bucket else None)
     return cache
+
+
+def pow2(n: int) -> int:
+    """The least power of two >= n (at least 64)."""
+    return max(64, 1 << (max(n, 1) - 1).bit_length())
 
 
 class CompiledStep:
@@ -89,11 +95,10 @@ class CompiledStep:
     compile takes a minute or so on a laptop CPU, and later processes reuse inductor's
     on-disk cache. It needs a C++ compiler on CPU (inductor writes C++)."""
 
-    def __init__(self, model: Transformer) -> None:
-        self.model = model
-        self.fn = torch.compile(model.fixed_step, fullgraph=True, dynamic=False)
+    def __init__(self) -> None:
+        self.fn = torch.compile(Transformer.fixed_step, fullgraph=True, dynamic=False)
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def __call__(self, model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """tokens, positions (B, 1); writes each row's entry at its end and advances it.
         The step runs on all of the cache's storage rows (its reserved rows), not just the B
         in use, so rows leaving and joining a continuous batch keep the shapes, and the
@@ -106,19 +111,20 @@ class CompiledStep:
         if pad:
             tokens = torch.cat((tokens, tokens.new_zeros(pad, 1)))
             positions = torch.cat((positions, positions.new_zeros(pad, 1)))
-        logits = self.fn(tokens, positions, lengths, *cache.storage())
+        logits = self.fn(model, tokens, positions, lengths, *cache.storage())
         cache.advance(1)
         return logits[:B]
 
 
-_COMPILED: "weakref.WeakKeyDictionary[Transformer, CompiledStep]" = weakref.WeakKeyDictionary()
+_COMPILED: list[CompiledStep] = []
 
 
-def compiled_step(model: Transformer) -> CompiledStep:
-    """The model's compiled step, made once per model (generate is called again and again)."""
-    if model not in _COMPILED:
-        _COMPILED[model] = CompiledStep(model)
-    return _COMPILED[model]
+def compiled_step() -> CompiledStep:
+    """The compiled step, made once per process (generate is called again and again); it
+    takes the model as an argument, so it keeps no model alive."""
+    if not _COMPILED:
+        _COMPILED.append(CompiledStep())
+    return _COMPILED[0]
 
 
 def sync(device: torch.device) -> None:
@@ -256,7 +262,7 @@ class Forward:
         tok = torch.tensor(tokens, dtype=torch.long, device=device)[:, None]
         pos = torch.tensor(positions, dtype=torch.long, device=device)[:, None]
         t0 = time.perf_counter()
-        logits = self.compiled(tok, pos, cache).float()
+        logits = self.compiled(self.model, tok, pos, cache).float()
         sync(device)
         seconds = time.perf_counter() - t0
         for rid in row_ids:
