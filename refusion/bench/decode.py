@@ -79,20 +79,25 @@ def timed(model, tokenizer, prompts, cfg: DecodeConfig) -> dict[str, Any]:
 def linear_flops(model, fed: int, logit_rows: int) -> float:
     """FLOPs of the linear layers for `fed` tokens through the body and `logit_rows` through
     the vocabulary projection (attention left out: small next to them at these lengths)."""
-    body = sum(m.weight.numel() for m in model.model.modules() if isinstance(m, torch.nn.Linear))
-    return 2.0 * (body * fed + model.lm_head.weight.numel() * logit_rows)
+    return sum(2.0 * o * i * (body * fed + head * logit_rows) for (o, i), (body, head) in linear_shapes(model).items())
+
+
+def linear_rate(model, out_f: int, in_f: int, rows: int, inner: int) -> float:
+    """GFLOP/s of a (rows x in_f) by (in_f -> out_f) matmul in the model's dtype and device,
+    best of 5 samples of `inner` calls."""
+    from .speed import time_ms  # speed imports this module
+
+    x = torch.randn(rows, in_f, device=model.device, dtype=model.dtype)
+    w = torch.randn(out_f, in_f, device=model.device, dtype=model.dtype)
+    best_ms = min(time_ms(lambda: torch.nn.functional.linear(x, w), model.device, inner) for _ in range(5))
+    return 2.0 * rows * in_f * out_f / best_ms / 1e6
 
 
 def matmul_peak(model, rows: int = 512) -> float:
     """GFLOP/s of one matmul of the model's own shapes (rows x hidden by hidden x
     intermediate), best of a few: what a batch's linear layers could reach at most."""
-    from .speed import time_ms  # speed imports this module
-
     c = model.config
-    x = torch.randn(rows, c.hidden_size, device=model.device, dtype=model.dtype)
-    w = torch.randn(c.intermediate_size, c.hidden_size, device=model.device, dtype=model.dtype)
-    best_ms = min(time_ms(lambda: torch.nn.functional.linear(x, w), model.device, 10) for _ in range(5))
-    return 2.0 * rows * c.hidden_size * c.intermediate_size / best_ms / 1e6
+    return linear_rate(model, c.intermediate_size, c.hidden_size, rows, 10)
 
 
 def linear_shapes(model) -> dict[tuple[int, int], tuple[int, int]]:
@@ -111,15 +116,7 @@ def linear_shapes(model) -> dict[tuple[int, int], tuple[int, int]]:
 def shape_rates(model, rows: int = 512) -> dict[tuple[int, int], float]:
     """GFLOP/s of each linear shape with `rows` input rows, best of a few (an upper bound
     on what a batch's forwards get from that shape)."""
-    from .speed import time_ms  # speed imports this module
-
-    rates = {}
-    for out_f, in_f in linear_shapes(model):
-        x = torch.randn(rows, in_f, device=model.device, dtype=model.dtype)
-        w = torch.randn(out_f, in_f, device=model.device, dtype=model.dtype)
-        best_ms = min(time_ms(lambda: torch.nn.functional.linear(x, w), model.device, 5) for _ in range(5))
-        rates[(out_f, in_f)] = 2.0 * rows * in_f * out_f / best_ms / 1e6
-    return rates
+    return {(out_f, in_f): linear_rate(model, out_f, in_f, rows, 5) for out_f, in_f in linear_shapes(model)}
 
 
 def ceiling_tps(model, rates: dict[tuple[int, int], float], tokens: float, fed: float, logit_rows: float) -> float:
