@@ -11,7 +11,7 @@ are never attended to: the model masks them out.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -205,17 +205,16 @@ class KVCache:
         k, v, tokens, positions = self._store
         return KVCache([zeros(t) for t in k], [zeros(t) for t in v], zeros(tokens), zeros(positions), [0] * rows)
 
-    def grow(self, n: int, capacity: int = 0, reserve: int = 0, round_up: Callable[[int], int] | None = None) -> None:
+    def grow(self, n: int, capacity: int = 0, reserve: int = 0) -> None:
         """Add n empty rows in place (rows joining a running batch), each able to hold at
         least `capacity` entries. Spare rows are taken as they are; only when rows or
         capacity run out is the storage reallocated (for `reserve` rows in all, if more)
-        and the used region copied, to a capacity `round_up(capacity)` if given."""
+        and the used region copied."""
         B = self.batch_size
         if B + n > self.reserved_rows or capacity > self.capacity:
             # capacity grows by half at least: rows joining one after another (each a little
             # longer, say) then reallocate a few times, not at every join
             cap = max(capacity, self.capacity + self.capacity // 2) if capacity > self.capacity else self.capacity
-            cap = round_up(cap) if round_up is not None and cap > self.capacity else cap
             bigger = self.select(range(B), cap, empty=max(n, reserve - B))
             self._store = bigger._store
         self.lengths += [0] * n

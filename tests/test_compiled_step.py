@@ -86,15 +86,46 @@ def test_compile_flag_reaches_the_config():
     assert decode_config_from_args(parser.parse_args([])).compile is False
 
 
-def test_compiled_caches_come_in_powers_of_two(tiny_model):
-    """With the compiled step, cache capacities are powers of two (new caches and grown
-    ones), so prompts of many lengths share a few graphs."""
-    from refusion.decode.engine import make_room, pow2
+def _steps(step, model: Transformer, shapes: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One step through `step` on caches of each (rows, capacity), each row holding a few
+    entries; returns (logits, the same step by eager `fixed_step` on a copy) per shape."""
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for rows, capacity in shapes:
+        cache = model.new_cache(rows, capacity)
+        n = torch.randint(1, 6, (rows,), generator=gen).tolist()
+        model.hidden(torch.randint(2, 64, (rows, max(n)), generator=gen), torch.arange(max(n)).expand(rows, -1), cache, n_new=n, lengths=n)
+        twin = cache.select(range(rows), capacity)
+        toks, pos = torch.randint(2, 64, (rows, 1), generator=gen), torch.tensor(n)[:, None]
+        ref = model.fixed_step(toks, pos, torch.tensor(n), *twin.storage())
+        out.append((step(model, toks, pos, cache), ref))
+        assert cache.lengths == [m + 1 for m in n]
+    return out
 
-    assert [pow2(n) for n in (1, 64, 65, 128, 129, 1000)] == [64, 64, 128, 128, 256, 1024]
-    cache = make_room(tiny_model, None, [[1] * 70], 0, 30, reserve=2, bucket=True)
-    assert cache.capacity == 128
-    make_room(tiny_model, cache, [[1] * 90], 70, 30, reserve=2, bucket=True)  # needs 2 x 90 + 30 = 210
-    assert cache.capacity == 256 and cache.batch_size == 2
-    plain = make_room(tiny_model, None, [[1] * 70], 0, 30, reserve=2)
-    assert plain.capacity == 100
+
+@torch.inference_mode()
+def test_one_graph_serves_every_capacity():
+    """Dynamic shapes: ten capacities and two row counts, more shapes than dynamo's
+    recompile limit, all through the compiled graph (no eager fallback, whose warning
+    would fail this test), each equal to the eager step."""
+    import warnings
+
+    model = _model("llama")
+    shapes = [(1, 40 + 37 * i) for i in range(10)] + [(3, 50), (3, 333), (5, 64)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for got, ref in _steps(engine.CompiledStep(), model, shapes):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_past_the_recompile_limit_steps_run_eagerly():
+    """At dynamo's recompile limit a fullgraph compile fails hard; the step warns once and
+    runs `fixed_step` eagerly instead: the same logits, the cache advanced once."""
+    model = _model("qwen2")
+    step = engine.CompiledStep()
+    with torch._dynamo.config.patch(recompile_limit=1), pytest.warns(RuntimeWarning, match="recompile_limit"):
+        results = _steps(step, model, [(1, 30), (4, 30), (2, 90)])
+    assert step.warned
+    for got, ref in results:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

@@ -30,8 +30,7 @@ class ARDecoder:
     def admit(self, prompts: list[list[int]], rids: list[int]) -> None:
         for rid in rids:
             self.progress.start(rid, self.cfg.gen_length)
-        self.cache = make_room(self.fwd.model, self.cache, prompts, max(self.prompt_len, default=0), self.cfg.gen_length, self.max_rows,
-                               bucket=self.fwd.compiled is not None)
+        self.cache = make_room(self.fwd.model, self.cache, prompts, max(self.prompt_len, default=0), self.cfg.gen_length, self.max_rows)
         self.rids += rids
         self.prompt_len += [len(p) for p in prompts]
         self.done += [0] * len(prompts)

@@ -50,9 +50,9 @@ class DecodeConfig:
     max_batch_size: int = 16  # prompts decoded together at most
     memory_budget_gb: float = 4.0  # KV-cache budget that bounds the batch size further
     # --- engine
-    # AR: run the one-token steps as one fixed-shape graph under torch.compile (the first
-    # use compiles for about a minute; pays off on long generations and servers). The
-    # other methods' forwards are ragged and run eagerly whatever this says.
+    # AR: run the one-token steps as one graph under torch.compile (the first use compiles
+    # for a minute or so, twice per model at most; pays off on long generations and
+    # servers). The other methods' forwards are ragged and run eagerly whatever this says.
     compile: bool = False
 
     def __post_init__(self) -> None:

@@ -9,6 +9,7 @@ counts NFE for the batch and for each row that took part, and reports commits to
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -67,36 +68,32 @@ class GenerationOutput:
 
 
 def make_room(model: Transformer, cache: KVCache | None, prompts: Sequence[Sequence[int]], running_longest: int,
-              extra: int, reserve: int, bucket: bool = False) -> KVCache:
+              extra: int, reserve: int) -> KVCache:
     """The decoder's cache with one new empty row per prompt (rows joining, or the first
     batch), storage reserved for `reserve` rows. A new cache holds a row and its widest
     step (the longest prompt + `extra`). A ragged step writes every row from the longest
     row's end, so a running cache needs room for a prefill there: 2 x the longest prompt,
-    running or new, + `extra`. `bucket`: capacities are powers of two, so a compiled step
-    (whose graph is fixed by the capacity) sees a few shapes, not one per prompt length."""
+    running or new, + `extra`."""
     longest = max(len(p) for p in prompts)
     if cache is None:
-        capacity = longest + extra
-        return model.new_cache(len(prompts), pow2(capacity) if bucket else capacity, reserve=reserve)
-    cache.grow(len(prompts), 2 * max(longest, running_longest) + extra, reserve=reserve, round_up=pow2 if bucket else None)
+        return model.new_cache(len(prompts), longest + extra, reserve=reserve)
+    cache.grow(len(prompts), 2 * max(longest, running_longest) + extra, reserve=reserve)
     return cache
-
-
-def pow2(n: int) -> int:
-    """The least power of two >= n (at least 64)."""
-    return max(64, 1 << (max(n, 1) - 1).bit_length())
 
 
 class CompiledStep:
     """`Transformer.fixed_step` under `torch.compile`: the AR decode step as one compiled
     graph (norms, rotations and the cache write fused; no per-op Python), for a small model
-    on a CPU about a fifth less time per token. Its shapes are fixed by the batch size and
-    the cache capacity, so a decode compiles once per (rows, capacity) pair; the first
-    compile takes a minute or so on a laptop CPU, and later processes reuse inductor's
-    on-disk cache. It needs a C++ compiler on CPU (inductor writes C++)."""
+    on a CPU about a fifth less time per token. Shapes are dynamic (rows, capacity), so a
+    model compiles twice at most (one row, several rows), however long its prompts and
+    caches: the first use takes a minute or so on a laptop CPU, and later processes reuse
+    inductor's on-disk cache. It needs a C++ compiler on CPU (inductor writes C++). Past
+    dynamo's recompile limit (many models in one process), steps run `fixed_step` eagerly:
+    the same numbers, a warning, no crash."""
 
     def __init__(self) -> None:
-        self.fn = torch.compile(Transformer.fixed_step, fullgraph=True, dynamic=False)
+        self.fn = torch.compile(Transformer.fixed_step, fullgraph=True, dynamic=True)
+        self.warned = False
 
     def __call__(self, model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """tokens, positions (B, 1); writes each row's entry at its end and advances it.
@@ -111,9 +108,21 @@ class CompiledStep:
         if pad:
             tokens = torch.cat((tokens, tokens.new_zeros(pad, 1)))
             positions = torch.cat((positions, positions.new_zeros(pad, 1)))
-        logits = self.fn(model, tokens, positions, lengths, *cache.storage())
+        try:
+            logits = self.fn(model, tokens, positions, lengths, *cache.storage())
+        except torch._dynamo.exc.FailOnRecompileLimitHit:  # raised before any write: run it eagerly
+            self._warn_limit()
+            logits = model.fixed_step(tokens, positions, lengths, *cache.storage())
         cache.advance(1)
         return logits[:B]
+
+    def _warn_limit(self) -> None:
+        if not self.warned:
+            self.warned = True
+            limit = torch._dynamo.config.recompile_limit
+            warnings.warn(f"torch.compile holds its limit of {limit} graphs for the AR step in this process; "
+                          "steps of new shapes or models run eagerly (same results, slower). "
+                          "Raise torch._dynamo.config.recompile_limit to compile more.", RuntimeWarning, stacklevel=3)
 
 
 _COMPILED: list[CompiledStep] = []
