@@ -50,13 +50,6 @@ class KVCache:
         self.k, self.v = [t[:B] for t in k], [t[:B] for t in v]
         self.tokens, self.positions = tokens[:B], positions[:B]  # (B, capacity) int64 each
 
-    def storage(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
-        """All storage rows (reserved_rows of them, spare rows included): per layer keys and
-        values (R, H_kv, capacity, D), then tokens and positions (R, capacity). For a step
-        whose shapes must not change as rows come and go (`Transformer.fixed_step`)."""
-        k, v, tokens, positions = self._store
-        return list(k), list(v), tokens, positions
-
     def _tensors(self) -> list[torch.Tensor]:
         """Every storage tensor, rows first: keys and values of each layer, tokens, positions."""
         k, v, tokens, positions = self._store

@@ -129,21 +129,22 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(B, T, H * D)
         return self.o_proj(packing.pack(out) if packing is not None else out)
 
-    def fixed_step(self, x, cos, sin, rows, lengths, k_cache, v_cache, mask) -> torch.Tensor:
-        """`Transformer.fixed_step` for one layer: x (B, 1, hidden); the new key and value
-        go to column lengths[b] of row b; attention over every column under `mask`."""
-        H, H_kv, D = self.n_heads, self.n_kv, self.head_dim
-        B = x.shape[0]
-        q = self.q_proj(x).view(B, 1, H, D).transpose(1, 2)  # (B, H, 1, D)
-        k = self.k_proj(x).view(B, 1, H_kv, D).transpose(1, 2)
-        v = self.v_proj(x).view(B, 1, H_kv, D).transpose(1, 2)
+    def packed_step(self, x, cos, sin, where, rows, cols, k_cache, v_cache, mask) -> torch.Tensor:
+        """`Transformer.packed_hidden` for one layer: x (N, hidden) real tokens only; keys and
+        values go to (rows[n], cols[n]) of the cache; queries are scattered to the (B, T)
+        layout (zeros where a row has no token: they attend, nothing reads them) for one
+        attention over every cache column under `mask`. Returns (N, hidden)."""
+        H, H_kv, D, N = self.n_heads, self.n_kv, self.head_dim, x.shape[0]
+        B, T = mask.shape[0], mask.shape[2]
+        q, k, v = self.q_proj(x).view(N, H, D), self.k_proj(x).view(N, H_kv, D), self.v_proj(x).view(N, H_kv, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache[rows, :, lengths] = k[:, :, 0]
-        v_cache[rows, :, lengths] = v[:, :, 0]
-        out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=H_kv != H)
-        return self.o_proj(out.transpose(1, 2).reshape(B, 1, H * D))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # cos (N, 1, D)
+        k_cache[rows, :, cols] = k
+        v_cache[rows, :, cols] = v
+        q_bt = q.new_zeros(B * T, H * D).index_copy(0, where, q.flatten(1)).view(B, T, H, D).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q_bt, k_cache, v_cache, attn_mask=mask, enable_gqa=H_kv != H)  # (B, H, T, D)
+        return self.o_proj(out.transpose(1, 2).reshape(B * T, H * D).index_select(0, where))
 
     def _store_packed(self, q, k, v, cos, sin, cache: KVCache, slots: WriteSlots, packing: "Packing"):
         """Rotate and store only the real tokens (N of them); queries alone go to the padded
@@ -299,33 +300,35 @@ class Transformer(nn.Module):
         """Logits (B, T, vocab). See `hidden` for the cache contract."""
         return self.lm_head(self.hidden(tokens, positions, cache, n_new))
 
-    def fixed_step(
+    def packed_hidden(
         self,
-        tokens: torch.Tensor,  # (B, 1) int64
-        positions: torch.Tensor,  # (B, 1) int64
-        lengths: torch.Tensor,  # (B,) int64: each row's entry count, where its new entry goes
-        k: list[torch.Tensor],  # per layer (B, H_kv, capacity, D): the cache's storage, written in place
+        tokens: torch.Tensor,  # (N,) int64: every row's real tokens, row after row
+        positions: torch.Tensor,  # (N,) int64
+        where: torch.Tensor,  # (N,) int64: each token's place b * T + t in the rows' (B, T) layout
+        query_cols: torch.Tensor,  # (B, T) int64: the cache column of row b's t-th token (its length + t)
+        k: list[torch.Tensor],  # per layer (B, H_kv, capacity, D): the cache's keys, written in place
         v: list[torch.Tensor],
         cache_tokens: torch.Tensor,  # (B, capacity) int64, written in place
         cache_positions: torch.Tensor,
     ) -> torch.Tensor:
-        """One token per row against the whole cache: logits (B, vocab). Every shape is fixed
-        by (B, capacity), whatever the rows' lengths, and the rows' ends come in as a tensor,
-        so `torch.compile` builds it once and reuses it step after step (an AR decode step;
-        see `decode.engine.CompiledStep`). Attention reads all `capacity` columns under a
-        mask; the caller advances the cache's lengths."""
-        B = tokens.shape[0]
-        rows = torch.arange(B, device=tokens.device)
-        cache_tokens[rows, lengths] = tokens[:, 0]
-        cache_positions[rows, lengths] = positions[:, 0]
-        cols = torch.arange(cache_tokens.shape[1], device=tokens.device)
-        mask = (cols[None, :] <= lengths[:, None])[:, None, None, :]  # (B, 1, 1, capacity)
-        x = self.model.embed_tokens(tokens)  # (B, 1, hidden)
-        cos, sin = self.rope(positions, x.dtype)  # (B, 1, 1, D)
+        """Final hidden states (N, hidden) of a ragged forward whose every input is a tensor:
+        no cache object, no Python that depends on the rows' lengths. `torch.compile(dynamic=
+        True)` therefore captures it as one graph that serves every batch, prompt length and
+        cache size (see `decode.engine.CompiledStep`). Its numbers are `hidden`'s with a
+        cache: the new entries are written at each row's end (the caller advances the
+        cache's lengths) and query t of row b sees columns <= query_cols[b, t]."""
+        T = query_cols.shape[1]
+        rows, cols = where // T, query_cols.flatten().index_select(0, where)  # (N,) each
+        cache_tokens[rows, cols] = tokens
+        cache_positions[rows, cols] = positions
+        capacity = cache_tokens.shape[1]
+        mask = (torch.arange(capacity, device=tokens.device) <= query_cols[:, :, None])[:, None]  # (B, 1, T, capacity)
+        x = self.model.embed_tokens(tokens)  # (N, hidden)
+        cos, sin = (c[0, 0, :, None] for c in self.rope(positions[None], x.dtype))  # (N, 1, D)
         for block, k_l, v_l in zip(self.model.layers, k, v):
-            x = x + block.self_attn.fixed_step(block.input_layernorm(x), cos, sin, rows, lengths, k_l, v_l, mask)
+            x = x + block.self_attn.packed_step(block.input_layernorm(x), cos, sin, where, rows, cols, k_l, v_l, mask)
             x = x + block.mlp(block.post_attention_layernorm(x))
-        return self.lm_head(self.model.norm(x))[:, 0]
+        return self.model.norm(x)
 
     def new_cache(self, batch_size: int, capacity: int, reserve: int = 0) -> KVCache:
         """An empty cache for this model's shapes, dtype and device (storage for `reserve`

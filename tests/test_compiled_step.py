@@ -1,14 +1,20 @@
-"""The fixed-shape one-token step (`Transformer.fixed_step`) and its compiled form
-(`DecodeConfig.compile`): the same logits and cache entries as the ragged forward, and
-the same AR decodings, token for token."""
+"""The tensor-only forward (`Transformer.packed_hidden`) and its compiled form
+(`DecodeConfig.compile`): the same hidden states and cache entries as the ragged forward,
+and the same AR and ReFusion decodings, token for token."""
+
+import collections
+import json
+import warnings
 
 import pytest
 import torch
 from conftest import randomise_
+from golden_data import CASES, load_tiny
 
 from refusion import ModelConfig, Transformer
 from refusion.commands._common import add_decode_arguments, decode_config_from_args
 from refusion.decode import DecodeConfig, engine, generate
+from refusion.decode.engine import CompiledStep
 
 
 def _model(kind: str) -> Transformer:
@@ -21,60 +27,85 @@ def _model(kind: str) -> Transformer:
     return model.eval()
 
 
+def _filled(model: Transformer, lengths: list[int], capacity: int, seed: int = 0):
+    """A cache whose rows hold `lengths` entries of random tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = model.new_cache(len(lengths), capacity)
+    T = max(lengths)
+    model.hidden(torch.randint(2, 64, (len(lengths), T), generator=gen), torch.arange(T).expand(len(lengths), -1), cache,
+                 n_new=lengths, lengths=lengths)
+    return cache
+
+
+def _feeds(lengths: list[int], n_new: list[int], seed: int = 1) -> tuple[list[list[int]], list[list[int]]]:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(2, 64, (n,), generator=gen).tolist() for n in n_new]
+    return tokens, [list(range(L, L + n)) for L, n in zip(lengths, n_new)]
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 @torch.inference_mode()
-def test_fixed_step_equals_the_ragged_forward(kind):
-    """Three rows of different lengths in a cache with spare storage rows: one token per
-    row through `fixed_step` on all storage rows gives each row's logits and KV entry as
-    the ragged forward does; the spare rows' garbage is read by no real row."""
+def test_packed_hidden_equals_the_ragged_forward(kind):
+    """Four rows of different lengths feeding 3, 0, 1 and 5 tokens: `packed_hidden` (eager)
+    gives every real token's hidden state and cache entry as the ragged `hidden` does,
+    and neither advances the rows."""
     model = _model(kind)
-    gen = torch.Generator().manual_seed(0)
-    lengths = [5, 9, 2]
-    cache = model.new_cache(3, 24, reserve=5)
-    prompts = [torch.randint(2, 64, (n,), generator=gen).tolist() for n in lengths]
-    for b, p in enumerate(prompts):  # fill row b alone (a one-row view of the same storage)
-        single = model.new_cache(1, 24)
-        model.hidden(torch.tensor([p]), torch.arange(len(p))[None], single)
-        for layer in range(model.config.num_hidden_layers):
-            cache.k[layer][b] = single.k[layer][0]
-            cache.v[layer][b] = single.v[layer][0]
-    cache.lengths = list(lengths)
-    k_store, v_store, _, _ = cache.storage()
-    for t in k_store + v_store:
-        t[3:] = 1e3  # spare rows hold garbage
-    ref_cache = cache.select(range(3), capacity=24)  # the ragged forward's copy
-    new = [7, 11, 13]
-    logits_ref = model(torch.tensor(new)[:, None], torch.tensor(lengths)[:, None], ref_cache, n_new=1)[:, 0]
-
-    R = cache.reserved_rows
-    toks = torch.tensor(new + [0] * (R - 3))[:, None]
-    pos = torch.tensor(lengths + [0] * (R - 3))[:, None]
-    logits = model.fixed_step(toks, pos, torch.tensor(lengths + [0] * (R - 3)), *cache.storage())[:3]
-    torch.testing.assert_close(logits, logits_ref, rtol=1e-5, atol=1e-5)
+    lengths, n_new = [5, 9, 2, 7], [3, 0, 1, 5]
+    cache, twin = _filled(model, lengths, 24), _filled(model, lengths, 24)
+    tokens, positions = _feeds(lengths, n_new)
+    T = max(n_new)
+    pad = lambda xs: torch.tensor([x + [0] * (T - len(x)) for x in xs])  # noqa: E731
+    ref = model.hidden(pad(tokens), pad(positions), twin, n_new=0, lengths=n_new)  # (B, T, hidden)
+    ref = torch.cat([ref[b, :n] for b, n in enumerate(n_new)])
+    where = torch.tensor([b * T + i for b, n in enumerate(n_new) for i in range(n)])
+    query_cols = torch.tensor(lengths)[:, None] + torch.arange(T)
+    flat = lambda xs: torch.tensor([x for row in xs for x in row])  # noqa: E731
+    got = model.packed_hidden(flat(tokens), flat(positions), where, query_cols, cache.k, cache.v, cache.tokens, cache.positions)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert cache.lengths == twin.lengths == lengths
     for layer in range(model.config.num_hidden_layers):
-        for b, n in enumerate(lengths):
-            torch.testing.assert_close(cache.k[layer][b, :, : n + 1], ref_cache.k[layer][b, :, : n + 1])
-            torch.testing.assert_close(cache.v[layer][b, :, : n + 1], ref_cache.v[layer][b, :, : n + 1])
-    for b, (n, t) in enumerate(zip(lengths, new)):
-        assert cache.tokens[b, n] == t and cache.positions[b, n] == n
+        for b, (L, n) in enumerate(zip(lengths, n_new)):
+            torch.testing.assert_close(cache.k[layer][b, :, : L + n], twin.k[layer][b, :, : L + n])
+            torch.testing.assert_close(cache.v[layer][b, :, : L + n], twin.v[layer][b, :, : L + n])
+    for b, (L, t) in enumerate(zip(lengths, tokens)):
+        assert cache.tokens[b, L : L + len(t)].tolist() == t and cache.positions[b, L : L + len(t)].tolist() == positions[b]
 
 
 def test_compiled_ar_decodes_what_eager_decodes(monkeypatch):
-    """AR with the compiled step, five prompts of different lengths through two places
-    (rows leave and join; joins prefill eagerly): the same tokens as eager AR, and the
-    same forward counts."""
+    """AR with the compiled forward, five prompts of different lengths through two places
+    (rows leave and join: a join prefills in the same forward as the others' next token):
+    the same tokens as eager AR, and the same forward counts."""
     model = _model("qwen3")
     prompts = [[5, 6, 7], [9] * 11, [3, 4], list(range(10, 30)), [40, 41, 42, 43]]
     cfg = DecodeConfig(method="ar", gen_length=12, max_batch_size=2, eos_id=1)
     eager = generate(model, None, prompts, cfg)
-    steps = []
-    call = engine.CompiledStep.__call__
-    monkeypatch.setattr(engine.CompiledStep, "__call__", lambda self, *a: steps.append(a[1].shape[0]) or call(self, *a))
+    fed = []
+    call = CompiledStep.__call__
+    monkeypatch.setattr(CompiledStep, "__call__", lambda self, m, t, p, c: fed.append(tuple(map(len, t))) or call(self, m, t, p, c))
     compiled = generate(model, None, prompts, cfg.replace(compile=True))
-    assert len(steps) > 20 and set(steps) == {1, 2}  # the compiled step ran, on one row and on two
+    assert len(fed) > 20 and {(1,), (1, 1)} <= set(fed) and any(max(f) > 1 and len(f) == 2 for f in fed)  # steps and joins
     assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
     assert [o.stats.nfe for o in compiled] == [o.stats.nfe for o in eager]
     assert [o.stats.fed for o in compiled] == [o.stats.fed for o in eager]
+
+
+def _case_config(c: dict) -> DecodeConfig:
+    return DecodeConfig(method="refusion", gen_length=c["gen_length"], slot_size=c["slot_size"], serial_blocks=c["serial_blocks"],
+                        slot_threshold=c["slot_threshold"], token_threshold=c["token_threshold"], eos_id=c["eos_id"],
+                        mask_id=c["mask_id"], compile=True)
+
+
+def test_compiled_refusion_reproduces_the_golden_decodings():
+    """ReFusion with every forward compiled (plan, verify, infill forks), the golden cases
+    batched by config (prompts of different lengths, up to 4 rows, joins): the authors'
+    reference decodings, token for token."""
+    tiny = load_tiny()
+    groups = collections.defaultdict(list)
+    for c in CASES:
+        groups[json.dumps(_case_config(c).__dict__, sort_keys=True, default=str)].append(c)
+    for cs in groups.values():
+        outs = generate(tiny, None, [c["prompt_ids"] for c in cs], _case_config(cs[0]).replace(max_batch_size=4))
+        assert [o.token_ids for o in outs] == [c["expected_ids"] for c in cs]
 
 
 def test_compile_flag_reaches_the_config():
@@ -86,46 +117,57 @@ def test_compile_flag_reaches_the_config():
     assert decode_config_from_args(parser.parse_args([])).compile is False
 
 
-def _steps(step, model: Transformer, shapes: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One step through `step` on caches of each (rows, capacity), each row holding a few
-    entries; returns (logits, the same step by eager `fixed_step` on a copy) per shape."""
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for rows, capacity in shapes:
-        cache = model.new_cache(rows, capacity)
-        n = torch.randint(1, 6, (rows,), generator=gen).tolist()
-        model.hidden(torch.randint(2, 64, (rows, max(n)), generator=gen), torch.arange(max(n)).expand(rows, -1), cache, n_new=n, lengths=n)
-        twin = cache.select(range(rows), capacity)
-        toks, pos = torch.randint(2, 64, (rows, 1), generator=gen), torch.tensor(n)[:, None]
-        ref = model.fixed_step(toks, pos, torch.tensor(n), *twin.storage())
-        out.append((step(model, toks, pos, cache), ref))
-        assert cache.lengths == [m + 1 for m in n]
-    return out
+def _forwards(step: CompiledStep, model: Transformer, shapes: list[tuple[list[int], list[int], int]]):
+    """For each (row lengths, tokens fed per row, capacity): `step` on a filled cache, and
+    eager `packed_hidden` on a copy of it; yields the two hidden-state tensors."""
+    for i, (lengths, n_new, capacity) in enumerate(shapes):
+        cache = _filled(model, lengths, capacity, seed=i)
+        twin = cache.select(range(len(lengths)), capacity)
+        tokens, positions = _feeds(lengths, n_new, seed=i)
+        T = max(n_new)
+        flat = lambda xs: torch.tensor([x for row in xs for x in row])  # noqa: E731
+        where = torch.tensor([b * T + j for b, n in enumerate(n_new) for j in range(n)])
+        ref = model.packed_hidden(flat(tokens), flat(positions), where, torch.tensor(lengths)[:, None] + torch.arange(T),
+                                  twin.k, twin.v, twin.tokens, twin.positions)
+        yield step(model, tokens, positions, cache), ref
+
+
+SHAPES = [([3], [1], 20), ([5, 2, 7], [1, 1, 1], 20), ([4], [6], 20), ([2, 6], [3, 5], 20)]  # one row or several; one token or several
 
 
 @torch.inference_mode()
-def test_one_graph_serves_every_capacity():
-    """Dynamic shapes: ten capacities and two row counts, more shapes than dynamo's
-    recompile limit, all through the compiled graph (no eager fallback, whose warning
-    would fail this test), each equal to the eager step."""
-    import warnings
+def test_a_few_graphs_serve_every_shape():
+    """Dynamic shapes: after one forward of each kind (one row or several, one token or
+    several), twenty more of new lengths, token counts and capacities (more shapes than
+    dynamo's default recompile limit) compile nothing new; each equals the eager forward."""
+    from torch._dynamo.utils import counters
 
     model = _model("llama")
-    shapes = [(1, 40 + 37 * i) for i in range(10)] + [(3, 50), (3, 333), (5, 64)]
+    step = CompiledStep()
+    graphs = counters["stats"]["unique_graphs"]
     with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        for got, ref in _steps(engine.CompiledStep(), model, shapes):
+        warnings.simplefilter("error", RuntimeWarning)  # an eager fallback would fail here
+        for got, ref in _forwards(step, model, SHAPES):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert 1 <= counters["stats"]["unique_graphs"] - graphs <= len(SHAPES)  # they did compile
+    graphs = counters["stats"]["unique_graphs"]
+    more = [([3 + i], [1], 30 + 17 * i) for i in range(5)] + [([1 + i, 9, 4], [1, 1, 1], 40 + 9 * i) for i in range(5)]
+    more += [([2 + i], [2 + i], 25 + 11 * i) for i in range(5)] + [([i + 1, 3, 8, 2][: i % 3 + 2], [4, i + 2, 1, 7][: i % 3 + 2], 64) for i in range(5)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # an eager fallback would fail here
+        for got, ref in _forwards(step, model, more):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 @torch.inference_mode()
-def test_past_the_recompile_limit_steps_run_eagerly():
-    """At dynamo's recompile limit a fullgraph compile fails hard; the step warns once and
-    runs `fixed_step` eagerly instead: the same logits, the cache advanced once."""
+def test_past_the_recompile_limit_forwards_run_eagerly():
+    """At dynamo's recompile limit a fullgraph compile fails hard; the forward warns once
+    and runs `packed_hidden` eagerly instead: the same hidden states."""
     model = _model("qwen2")
-    step = engine.CompiledStep()
-    with torch._dynamo.config.patch(recompile_limit=1), pytest.warns(RuntimeWarning, match="recompile_limit"):
-        results = _steps(step, model, [(1, 30), (4, 30), (2, 90)])
+    step = CompiledStep(graph_limit=1)
+    with pytest.warns(RuntimeWarning, match="recompile_limit"):
+        results = list(_forwards(step, model, SHAPES))
     assert step.warned
     for got, ref in results:
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

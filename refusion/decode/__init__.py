@@ -148,7 +148,7 @@ def generate(
     longest = max(len(p) for p in ids)
     bs = batch_size_for(model, cfg, longest)
     pad_id = mask_id if mask_id is not None else next(iter(eos_ids), 0)
-    fwd = Forward(model, progress, pad_id, compiled_step() if cfg.compile and cfg.method == "ar" else None)
+    fwd = Forward(model, progress, pad_id, compiled_step() if cfg.compile else None)
     if cfg.method == "mdm":  # no KV cache, rows step through blocks together: batch by batch
         for start in range(0, len(order), bs):
             rids = order[start : start + bs]

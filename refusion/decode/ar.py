@@ -40,11 +40,8 @@ class ARDecoder:
         """One forward for every row, then one token per row."""
         n_fed = [len(f) for f in self.feed]
         positions = [self._positions(b, n) for b, n in enumerate(n_fed)]
-        if self.fwd.compiled is not None and all(n == 1 for n in n_fed):  # the fixed-shape step (cfg.compile)
-            logits = list(self.fwd.step(self.rids, [f[0] for f in self.feed], [p[0] for p in positions], self.cache)[:, None])
-        else:  # prompts to prefill (or no compiled step): one ragged forward
-            logits = self.fwd.run(self.rids, self.feed, positions, self.cache, [(n - 1, n) for n in n_fed])
-            self.cache.advance(n_fed)
+        logits = self.fwd.run(self.rids, self.feed, positions, self.cache, [(n - 1, n) for n in n_fed])
+        self.cache.advance(n_fed)
         keep = []
         for b, lg in enumerate(logits):
             tok = int(self.sampler.pick(lg[None], [self.rids[b]])[0, 0])

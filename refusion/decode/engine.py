@@ -82,47 +82,51 @@ def make_room(model: Transformer, cache: KVCache | None, prompts: Sequence[Seque
 
 
 class CompiledStep:
-    """`Transformer.fixed_step` under `torch.compile`: the AR decode step as one compiled
-    graph (norms, rotations and the cache write fused; no per-op Python), for a small model
-    on a CPU about a fifth less time per token. Shapes are dynamic (rows, capacity), so a
-    model compiles twice at most (one row, several rows), however long its prompts and
-    caches: the first use takes a minute or so on a laptop CPU, and later processes reuse
-    inductor's on-disk cache. It needs a C++ compiler on CPU (inductor writes C++). Past
-    dynamo's recompile limit (many models in one process), steps run `fixed_step` eagerly:
-    the same numbers, a warning, no crash."""
+    """`Transformer.packed_hidden` under `torch.compile`: a forward over ragged rows as one
+    graph (norms, rotations, the cache writes fused; no per-op Python). Shapes are dynamic
+    (rows, tokens per row, cache capacity), so a model compiles a few graphs at most
+    (dynamo specialises sizes of one: one row, one token), whatever its prompts, caches and
+    batches. The first uses compile for a minute or so on a laptop CPU; later processes
+    reuse inductor's on-disk cache. It needs a C++ compiler on CPU (inductor writes C++).
+    Dynamo counts the graphs of every model in the process against one limit, which the
+    step raises to `graph_limit` while it runs (a few models' worth); past it, forwards run
+    `packed_hidden` eagerly: the same numbers, a warning, no crash."""
 
-    def __init__(self) -> None:
-        self.fn = torch.compile(Transformer.fixed_step, fullgraph=True, dynamic=True)
+    def __init__(self, graph_limit: int = 64) -> None:
+        self.fn = torch.compile(Transformer.packed_hidden, fullgraph=True, dynamic=True)
+        self.graph_limit = graph_limit
         self.warned = False
 
-    def __call__(self, model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """tokens, positions (B, 1); writes each row's entry at its end and advances it.
-        The step runs on all of the cache's storage rows (its reserved rows), not just the B
-        in use, so rows leaving and joining a continuous batch keep the shapes, and the
-        graph, as they are; spare rows compute on a pad token at their column 0, which
-        nothing reads."""
-        B, R = cache.batch_size, cache.reserved_rows
-        cache.check_room(1)
-        pad = R - B
-        lengths = torch.tensor(cache.lengths + [0] * pad, dtype=torch.long, device=tokens.device)
-        if pad:
-            tokens = torch.cat((tokens, tokens.new_zeros(pad, 1)))
-            positions = torch.cat((positions, positions.new_zeros(pad, 1)))
+    def __call__(self, model: Transformer, tokens: Sequence[Sequence[int]], positions: Sequence[Sequence[int]],
+                 cache: KVCache) -> torch.Tensor:
+        """Row b's tokens (any number, none included) are written at its end, not advanced
+        (the caller keeps what it wants with `cache.advance`). Returns the final hidden
+        states of the real tokens, row after row: (sum of lengths, hidden)."""
+        dev = cache.device
+        T = max(1, max(len(t) for t in tokens))
+        cache.check_room(T)
+
+        def flat(xs: Sequence[Sequence[int]]) -> torch.Tensor:
+            return torch.tensor([x for row in xs for x in row], dtype=torch.long, device=dev)
+
+        where = flat([range(b * T, b * T + len(t)) for b, t in enumerate(tokens)])
+        query_cols = torch.tensor(cache.lengths, dtype=torch.long, device=dev)[:, None] + torch.arange(T, device=dev)
+        args = (flat(tokens), flat(positions), where, query_cols, cache.k, cache.v, cache.tokens, cache.positions)
+        if where.numel() == 0:  # nothing fed: no graph for an empty batch
+            return model.packed_hidden(*args)
         try:
-            logits = self.fn(model, tokens, positions, lengths, *cache.storage())
+            with torch._dynamo.config.patch(recompile_limit=self.graph_limit):
+                return self.fn(model, *args)
         except torch._dynamo.exc.FailOnRecompileLimitHit:  # raised before any write: run it eagerly
             self._warn_limit()
-            logits = model.fixed_step(tokens, positions, lengths, *cache.storage())
-        cache.advance(1)
-        return logits[:B]
+            return model.packed_hidden(*args)
 
     def _warn_limit(self) -> None:
         if not self.warned:
             self.warned = True
-            limit = torch._dynamo.config.recompile_limit
-            warnings.warn(f"torch.compile holds its limit of {limit} graphs for the AR step in this process; "
-                          "steps of new shapes or models run eagerly (same results, slower). "
-                          "Raise torch._dynamo.config.recompile_limit to compile more.", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"torch.compile holds its limit of {self.graph_limit} graphs for the forward in this process "
+                          "(recompile_limit); forwards of new shapes or models run eagerly (same results, slower). "
+                          "Make the step with a larger graph_limit to compile more.", RuntimeWarning, stacklevel=3)
 
 
 _COMPILED: list[CompiledStep] = []
@@ -229,7 +233,7 @@ class Forward:
     model: Transformer
     progress: Progress
     pad_id: int
-    compiled: "CompiledStep | None" = None  # the fixed-shape one-token step, when asked for
+    compiled: "CompiledStep | None" = None  # the compiled forward (DecodeConfig.compile), for forwards with a cache
 
     def run(
         self,
@@ -240,20 +244,17 @@ class Forward:
         want: Sequence[tuple[int, int]],  # per row: logits for entries [a, b)
     ) -> list[torch.Tensor]:
         device = self.model.device
-        T = max(1, max(len(t) for t in tokens))  # a row may feed nothing this step
-        tok = torch.full((len(tokens), T), self.pad_id, dtype=torch.long)
-        pos = torch.zeros((len(tokens), T), dtype=torch.long)
-        for b, (t, p) in enumerate(zip(tokens, positions)):
-            tok[b, : len(t)] = torch.as_tensor(t, dtype=torch.long)
-            pos[b, : len(p)] = torch.as_tensor(p, dtype=torch.long)
-        lengths = [len(t) for t in tokens]
         t0 = time.perf_counter()
-        hidden = self.model.hidden(tok.to(device), pos.to(device), cache, n_new=0 if cache is not None else None, lengths=lengths)
-        rows = [b for b, (a, e) in enumerate(want) for _ in range(e - a)]
-        cols = [i for a, e in want for i in range(a, e)]
-        idx = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
-        picked = hidden[idx(rows), idx(cols)]  # (N, hidden)
-        logits = self.model.lm_head(picked).float()  # (N, V)
+        if self.compiled is not None and cache is not None:
+            hidden = self.compiled(self.model, tokens, positions, cache)  # (N, hidden), row after row
+            start = [0]
+            for t in tokens[:-1]:
+                start.append(start[-1] + len(t))
+            index = [start[b] + i for b, (a, e) in enumerate(want) for i in range(a, e)]
+            picked = hidden[torch.tensor(index, dtype=torch.long, device=device)]  # (n_logits, hidden)
+        else:
+            picked = self._ragged(tokens, positions, cache, want)
+        logits = self.model.lm_head(picked).float()  # (n_logits, V)
         sync(device)
         seconds = time.perf_counter() - t0
         for rid in set(row_ids):
@@ -264,21 +265,22 @@ class Forward:
             self.progress.stats[rid].logit_rows += e - a
         return list(logits.split([e - a for a, e in want]))
 
-    def step(self, row_ids: Sequence[int], tokens: Sequence[int], positions: Sequence[int], cache: KVCache) -> torch.Tensor:
-        """One token per row through `compiled` (the fixed-shape step), counted like `run`;
-        each row's entry is written and made valid. Logits (B, vocab) in float32."""
+    def _ragged(self, tokens: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], cache: KVCache | None,
+                want: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """The eager forward over right-padded rows; the hidden states at the wanted entries."""
         device = self.model.device
-        tok = torch.tensor(tokens, dtype=torch.long, device=device)[:, None]
-        pos = torch.tensor(positions, dtype=torch.long, device=device)[:, None]
-        t0 = time.perf_counter()
-        logits = self.compiled(self.model, tok, pos, cache).float()
-        sync(device)
-        seconds = time.perf_counter() - t0
-        for rid in row_ids:
-            stats = self.progress.stats[rid]
-            stats.nfe, stats.forward_time, stats.fed, stats.logit_rows = (
-                stats.nfe + 1, stats.forward_time + seconds, stats.fed + 1, stats.logit_rows + 1)
-        return logits
+        T = max(1, max(len(t) for t in tokens))  # a row may feed nothing this step
+        tok = torch.full((len(tokens), T), self.pad_id, dtype=torch.long)
+        pos = torch.zeros((len(tokens), T), dtype=torch.long)
+        for b, (t, p) in enumerate(zip(tokens, positions)):
+            tok[b, : len(t)] = torch.as_tensor(t, dtype=torch.long)
+            pos[b, : len(p)] = torch.as_tensor(p, dtype=torch.long)
+        lengths = [len(t) for t in tokens]
+        hidden = self.model.hidden(tok.to(device), pos.to(device), cache, n_new=0 if cache is not None else None, lengths=lengths)
+        rows = [b for b, (a, e) in enumerate(want) for _ in range(e - a)]
+        cols = [i for a, e in want for i in range(a, e)]
+        idx = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+        return hidden[idx(rows), idx(cols)]  # (N, hidden)
 
     def finish(self, rid: int) -> None:
         """Stamp a prompt's wall time (from when it started decoding)."""
