@@ -3,7 +3,7 @@
 # (the venv set up by `scripts/setup.sh "dev,gguf"` or scripts/test.sh):
 #   1. the model-parity and decode tests, with their models and inputs on the device;
 #   2. `refusion bench speed` on SmolLM2-135M (float32, the issue #8 targets; bfloat16 too on cuda),
-#      then its 1-token step and AR decode compiled (--compile);
+#      then its forwards and AR decode compiled (--compile);
 #   3. AR vs ReFusion vs MDM at batch 1 and 16 on the bundled model and on a randomly
 #      initialised Qwen3-0.6B-shaped model (bfloat16 on cuda), printed as one table.
 # Usage: scripts/gpu_check.sh [--device cpu|cuda] [--small]
@@ -45,9 +45,9 @@ else
   done
 fi
 
-step "2b. the compiled AR step (--compile) on SmolLM2-135M-Instruct"
+step "2b. the compiled forward (--compile) on SmolLM2-135M-Instruct"
 if [ -n "$gguf" ]; then
-  "$py" -m refusion.cli bench speed "$gguf" --device "$device" --dtype float32 --compile --sizes 1 --repeats 3 \
+  "$py" -m refusion.cli bench speed "$gguf" --device "$device" --dtype float32 --compile --sizes 1,8 --repeats 3 \
     --decode-rounds 1 --json "${OUT:-/tmp}/speed_smollm2_compiled.json" || status=1
 fi
 
@@ -57,7 +57,8 @@ shape=qwen3-0.6b; gen=128
 "$py" - "$device" "$shape" "$gen" <<'EOF' || status=1
 """One table per model and method (16 suite prompts): TPF, ms per forward at batch 1 (the
 engine's cost, whatever the TPF), tokens/s at batch 1 and 16, and at batch 1 the share of
-time spent outside forward passes (the decoder's own overhead)."""
+time spent outside forward passes (the decoder's own overhead). Methods marked +c run
+with --compile (graphs compiled beforehand, outside the timings)."""
 import sys
 
 from refusion.bench.decode import timed
@@ -74,10 +75,15 @@ for spec in (None, f"random:{shape}"):
     model, tok = load_model(spec, device, None)
     prompts = suite_prompt_ids(tok, 16)
     timed(model, tok, prompts[:2], cfg.replace(method="ar", gen_length=8))  # warm-up: kernels, allocator
-    for method in ("ar", "refusion", "mdm"):
-        b1 = timed(model, tok, prompts, cfg.replace(method=method, max_batch_size=1))
-        b16 = timed(model, tok, prompts, cfg.replace(method=method, max_batch_size=16))
+    for method, compiled in (("ar", False), ("refusion", False), ("mdm", False), ("ar", True), ("refusion", True)):
+        run = cfg.replace(method=method, compile=compiled)
+        if compiled:  # warm-up: the compiled graphs (one row or several, one token or several)
+            for bs, n in ((1, 1), (16, 4)):
+                timed(model, tok, prompts[:n], run.replace(gen_length=16, max_batch_size=bs))
+        b1 = timed(model, tok, prompts, run.replace(max_batch_size=1))
+        b16 = timed(model, tok, prompts, run.replace(max_batch_size=16))
         name, dtype = spec or "bundled", str(model.dtype).removeprefix("torch.")
+        method += "+c" if compiled else ""
         ms_fwd = 1e3 * b1["wall"] / b1["nfe"]
         print(f"{name:18} {dtype:9} {method:9} {b1['tpf']:6.2f} {ms_fwd:11.2f} {b1['tps']:10.1f} {b16['tps']:11.1f} {b16['tps'] / b1['tps']:6.2f}x {b1.get('overhead', float('nan')):9.1%}", flush=True)
     del model

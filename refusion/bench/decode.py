@@ -21,6 +21,7 @@ import torch
 from ..commands._common import add_decode_arguments, add_model_arguments, decode_config_from_args, load_from_args
 from ..decode import DecodeConfig, generate
 from ..decode.engine import sync
+from ..errors import ConfigError
 
 DEFAULT_PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -40,11 +41,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_decode_arguments(parser)
     parser.add_argument("--prompts", type=int, default=8, help="how many prompts (from the bundled suite if present)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved repeats; the median is reported")
-    parser.add_argument("--methods", default="ar,refusion,mdm")
+    parser.add_argument("--methods", default="ar,refusion,mdm",
+                        help="comma-separated; a +c suffix (ar+c, refusion+c) runs that method with --compile, so "
+                             "compiled and eager decoding compare in one run")
     parser.add_argument("--batch-sizes", default="1,4,16")
     parser.add_argument("--sweep-prompts", type=int, default=0,
                         help="prompts in the batch-size sweep (default: 4 x the largest batch size)")
     parser.add_argument("--json", dest="json_out", default=None, help="also write the figures to this JSON file")
+
+
+def method_config(base: DecodeConfig, name: str) -> DecodeConfig:
+    """The config of a method name: `refusion`, or `refusion+c` for the same with compile."""
+    method, plus, flag = name.partition("+")
+    if plus and flag != "c":
+        raise ConfigError(f"method {name!r}: the only suffix is +c (compiled), as in {method}+c")
+    return base.replace(method=method, compile=True) if plus else base.replace(method=method)
+
+
+def warm_up(model, tokenizer, base: DecodeConfig, methods: list[str], sizes: list[int]) -> None:
+    """Compile the graphs of the compiled methods before any timing (one row and several,
+    one token and several): compile time is a one-off, not decoding speed."""
+    for m in methods:
+        cfg = method_config(base, m)
+        if cfg.compile and cfg.method != "mdm":
+            print(f"warm-up: compiling {m}'s graphs (a minute or so at first use)", flush=True)
+            for b in sorted({1, max(sizes)}):
+                generate(model, tokenizer, bench_prompts(min(b, 4)), cfg.replace(max_batch_size=b, gen_length=min(cfg.gen_length, 32)))
 
 
 def bench_prompts(n: int) -> list[str]:
@@ -135,10 +157,14 @@ def run(args: argparse.Namespace) -> int:
     base = decode_config_from_args(args)
     prompts = bench_prompts(args.prompts)
     methods = args.methods.split(",")
+    for m in methods:
+        method_config(base, m).validate()  # a bad name fails before any timing
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    warm_up(model, tokenizer, base, methods, sizes)
     rows: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     for _ in range(args.rounds):
         for m in methods:
-            rows[m].append(timed(model, tokenizer, prompts, base.replace(method=m, max_batch_size=1)))
+            rows[m].append(timed(model, tokenizer, prompts, method_config(base, m).replace(max_batch_size=1)))
     table = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in rows.items()}
     ar_tps = table.get("ar", {}).get("tps")
     threads = f", {torch.get_num_threads()} CPU threads" if model.device.type == "cpu" else ""
@@ -148,7 +174,6 @@ def run(args: argparse.Namespace) -> int:
         ratio = f"{r['tps'] / ar_tps:.2f}x" if ar_tps else "-"
         print(f"{m:10} {r['tokens']:7.0f} {r['nfe']:6.0f} {r['tpf']:6.2f} {r['tps']:8.1f} {ratio:>6} {r['overhead']:8.1%}")
     print("overhead: share of decode time spent outside forward passes (decoder logic, sampling, bookkeeping)")
-    sizes = [int(b) for b in args.batch_sizes.split(",")]
     full, n_sweep = batch_sweep(model, tokenizer, base, methods, sizes, args.sweep_prompts or 4 * max(sizes), args.rounds)
     sweep = {m: {b: r["tps"] for b, r in per.items()} for m, per in full.items()}
     print(f"\nbatch-size sweep: {n_sweep} prompts, at most b rows in flight (refilled as rows finish), "
@@ -198,7 +223,7 @@ def batch_sweep(model, tokenizer, base: DecodeConfig, methods: list[str], sizes:
     for _ in range(rounds):
         for m in methods:
             for b in sizes:
-                r = timed(model, tokenizer, prompts, base.replace(method=m, max_batch_size=b))
+                r = timed(model, tokenizer, prompts, method_config(base, m).replace(max_batch_size=b))
                 runs[m][b].append({**r, "peak_gflops": matmul_peak(model)})
     med = lambda rs: {k: statistics.median(r[k] for r in rs) for k in rs[0]}  # noqa: E731
     return {m: {b: med(rs) for b, rs in per.items()} for m, per in runs.items()}, len(prompts)

@@ -40,7 +40,7 @@ def add_decode_arguments(parser: argparse.ArgumentParser, default_method: str = 
     for name, (typ, help_text) in _DECODE_FLAGS.items():
         g.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help=help_text)
     g.add_argument("--compile", action="store_true", default=None,
-                   help="AR: compile the one-token step with torch.compile (about a minute, once; needs a C++ compiler on CPU)")
+                   help="AR and ReFusion: run forwards as one torch.compile graph (a minute or so at first use; needs a C++ compiler on CPU)")
     g.add_argument("--eos-id", type=int, default=None, help="override the tokenizer's EOS id")
     g.add_argument("--mask-id", type=int, default=None, help="override the model's MASK id")
     parser.set_defaults(_default_method=default_method)

@@ -50,9 +50,10 @@ class DecodeConfig:
     max_batch_size: int = 16  # prompts decoded together at most
     memory_budget_gb: float = 4.0  # KV-cache budget that bounds the batch size further
     # --- engine
-    # AR: run the one-token steps as one graph under torch.compile (the first use compiles
-    # for a minute or so, twice per model at most; pays off on long generations and
-    # servers). The other methods' forwards are ragged and run eagerly whatever this says.
+    # AR and ReFusion: run every forward with a KV cache as one torch.compile graph
+    # (decode.engine.CompiledStep; the first uses compile for a minute or so, a few graphs
+    # per model; pays off on long generations and servers). MDM has no cache: it runs
+    # eagerly whatever this says.
     compile: bool = False
 
     def __post_init__(self) -> None:
