@@ -25,5 +25,10 @@ class MissingMaskTokenError(ConfigError):
     """A diffusion method was asked of a model that has no MASK token."""
 
 
+class CompileError(ReFusionError):
+    """torch.compile could not build a graph (a missing C++ compiler, say): the machine's
+    fault, not the request's."""
+
+
 class MissingExtraError(ReFusionError):
     """An optional dependency (an extra of the package, e.g. `refusion[plot]`) is not installed."""

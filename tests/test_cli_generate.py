@@ -98,3 +98,25 @@ def test_bench_decode_prints_the_table(model_dir, capsys):
     assert re.search(r"a matmul of the model's shapes reaches [\d.]+ GFLOP/s", out)
     for method in ("ar", "refusion", "mdm"):  # the linear layers' ceiling, against b=1 and the best batch
         assert re.search(rf"^{method}\s+[\d.]+\s+[\d.]+x\s+[\d.]+\s+[\d.]+%$", out, re.M)
+
+
+def test_bench_decode_compares_compiled_and_eager(model_dir, capsys, tmp_path):
+    """`+c` methods run with --compile in the same run as the eager ones, after a warm-up
+    that compiles their graphs; they decode the same tokens (the same counts, NFE and fed)."""
+    path = tmp_path / "decode.json"
+    args = ["bench", "decode", str(model_dir), "--prompts", "2", "--rounds", "1", "--gen-length", "8", "--slot-size", "4",
+            "--batch-sizes", "1,2", "--methods", "ar,refusion,ar+c,refusion+c", "--json", str(path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "warm-up: compiling ar+c" in out and "warm-up: compiling refusion+c" in out
+    fig = json.loads(path.read_text())
+    for m in ("ar", "refusion"):
+        assert re.search(rf"^{re.escape(m + '+c')}\s+\d+\s+\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+x", out, re.M)
+        for key in ("tokens", "nfe"):
+            assert fig["table"][m + "+c"][key] == fig["table"][m][key]
+        assert fig["sweep_detail"][m + "+c"]["2"]["fed_per_token"] == fig["sweep_detail"][m]["2"]["fed_per_token"]
+
+
+def test_bench_decode_rejects_an_unknown_suffix(model_dir, capsys):
+    assert main(["bench", "decode", str(model_dir), "--methods", "ar+x", "--prompts", "1"]) == 2
+    assert "the only suffix is +c" in capsys.readouterr().err

@@ -171,3 +171,21 @@ def test_past_the_recompile_limit_forwards_run_eagerly():
     assert step.warned
     for got, ref in results:
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_failed_compile_says_what_to_do(monkeypatch):
+    """Inductor failing to build the graph (no C++ compiler, say) is a clear error that
+    names the way out, not a compiler traceback."""
+    from refusion.errors import CompileError
+
+    model = _model("llama")
+    step = CompiledStep()
+
+    def fail(*args):
+        raise torch._dynamo.exc.BackendCompilerFailed("inductor", RuntimeError("no working C++ compiler found"), None)
+
+    monkeypatch.setattr(step, "fn", fail)
+    cache = _filled(model, [3], 10)
+    with pytest.raises(CompileError, match="no working C.. compiler found.*Run without --compile"):
+        step(model, [[4]], [[3]], cache)
+    assert cache.lengths == [3]

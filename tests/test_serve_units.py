@@ -231,3 +231,17 @@ def test_admit_takes_what_fits_and_lets_no_job_overtake_a_long_one(tiny_tokenize
     sched._queue.clear()
     sched._queue.extend([make(2, a), make(2, a), make(2, a)])
     assert len(sched._admit(running, room=2, max_len=6)) == 2 and sched.queue_length == 1
+
+
+def test_library_errors_map_to_statuses():
+    """A request's own fault (context, config) is a 400; the server's (a compile that the
+    machine cannot do, a crash) is a 500; shutting down is a 503."""
+    from refusion.errors import CompileError, ContextLengthError
+    from refusion.serve.app import library_error
+
+    cases = [(ContextLengthError("too long"), 400, "context_length_exceeded"), (ConfigError("bad"), 400, "invalid_config"),
+             (CompileError("no C++ compiler"), 500, "compile_failed"), (RuntimeError("boom"), 500, "internal_error"),
+             (ShuttingDown("bye"), 503, "shutting_down")]
+    for err, status, code in cases:
+        e = library_error(err)
+        assert (e.status, e.code) == (status, code)

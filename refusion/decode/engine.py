@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import KVCache
+from ..errors import CompileError
 from ..model import Transformer
 
 
@@ -111,7 +112,9 @@ class CompiledStep:
 
         where = flat([range(b * T, b * T + len(t)) for b, t in enumerate(tokens)])
         query_cols = torch.tensor(cache.lengths, dtype=torch.long, device=dev)[:, None] + torch.arange(T, device=dev)
-        args = (flat(tokens), flat(positions), where, query_cols, cache.k, cache.v, cache.tokens, cache.positions)
+        end = cache.used() + T  # columns past it are never seen: attention reads only the window before it
+        k, v = [t[:, :, :end] for t in cache.k], [t[:, :, :end] for t in cache.v]
+        args = (flat(tokens), flat(positions), where, query_cols, k, v, cache.tokens[:, :end], cache.positions[:, :end])
         if where.numel() == 0:  # nothing fed: no graph for an empty batch
             return model.packed_hidden(*args)
         try:
@@ -120,6 +123,10 @@ class CompiledStep:
         except torch._dynamo.exc.FailOnRecompileLimitHit:  # raised before any write: run it eagerly
             self._warn_limit()
             return model.packed_hidden(*args)
+        except torch._dynamo.exc.BackendCompilerFailed as e:  # inductor could not build it (no C++ compiler, say)
+            raise CompileError(f"torch.compile could not build the forward ({type(e.inner_exception).__name__}: "
+                              f"{str(e.inner_exception).splitlines()[0][:200]}). Run without --compile (compile=False), "
+                              "or install a C++ compiler (inductor needs one on CPU).") from e
 
     def _warn_limit(self) -> None:
         if not self.warned:

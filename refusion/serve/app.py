@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from ..decode import DecodeConfig, generate, resolve_ids
-from ..errors import ContextLengthError, MissingMaskTokenError, ReFusionError
+from ..errors import CompileError, ContextLengthError, MissingMaskTokenError, ReFusionError
 from .metrics import Metrics
 from .protocol import APIError, CompletionRequest, bad, chunk_body, fit_length, new_id, parse_request, request_config, response_body, usage, usage_chunk
 from .scheduler import Job, QueueFull, Scheduler, ShuttingDown
@@ -121,6 +121,8 @@ def library_error(e: BaseException) -> APIError:
     request's fault (400); anything else is ours (500)."""
     if isinstance(e, ShuttingDown):
         return APIError(503, str(e), type="server_error", code="shutting_down")
+    if isinstance(e, CompileError):  # the server's setup (--compile on a machine that cannot), not the request
+        return APIError(500, str(e), type="server_error", code="compile_failed")
     if isinstance(e, ReFusionError):
         code = "context_length_exceeded" if isinstance(e, ContextLengthError) else "missing_mask_token" if isinstance(e, MissingMaskTokenError) else "invalid_config"
         return bad(str(e), None, code)
