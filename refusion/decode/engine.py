@@ -112,7 +112,10 @@ class CompiledStep:
 
         where = flat([range(b * T, b * T + len(t)) for b, t in enumerate(tokens)])
         query_cols = torch.tensor(cache.lengths, dtype=torch.long, device=dev)[:, None] + torch.arange(T, device=dev)
-        end = cache.used() + T  # columns past it are never seen: attention reads only the window before it
+        # columns past used + T are never seen: a forward of several tokens per row reads only the
+        # window before them (a plan's cache is often half empty); a one-token step reads the
+        # whole, contiguous cache, which measured faster than a strided window of most of it
+        end = cache.used() + T if T > 1 else cache.capacity
         k, v = [t[:, :, :end] for t in cache.k], [t[:, :, :end] for t in cache.v]
         args = (flat(tokens), flat(positions), where, query_cols, k, v, cache.tokens[:, :end], cache.positions[:, :end])
         if where.numel() == 0:  # nothing fed: no graph for an empty batch
