@@ -70,7 +70,7 @@ budget = 32.0 if device.startswith("cuda") else 4.0  # KV-cache GB: enough that 
 cfg = DecodeConfig(gen_length=gen, slot_size=8, slot_threshold=0.7, token_threshold=0.3, mdm_block_length=min(32, gen),
                    memory_budget_gb=budget)
 print(f"gen_length {gen}, 16 suite prompts; the random model has no EOS, so it always runs gen_length")
-print(f"{'model':18} {'dtype':9} {'method':9} {'TPF':>6} {'ms/fwd b=1':>11} {'tok/s b=1':>10} {'tok/s b=16':>11} {'b16/b1':>7} {'overhead':>9}")
+print(f"{'model':18} {'dtype':9} {'method':10} {'TPF':>6} {'ms/fwd b=1':>11} {'tok/s b=1':>10} {'tok/s b=16':>11} {'b16/b1':>7} {'overhead':>9}")
 for spec in (None, f"random:{shape}"):
     model, tok = load_model(spec, device, None)
     prompts = suite_prompt_ids(tok, 16)
@@ -85,7 +85,7 @@ for spec in (None, f"random:{shape}"):
         name, dtype = spec or "bundled", str(model.dtype).removeprefix("torch.")
         method += "+c" if compiled else ""
         ms_fwd = 1e3 * b1["wall"] / b1["nfe"]
-        print(f"{name:18} {dtype:9} {method:9} {b1['tpf']:6.2f} {ms_fwd:11.2f} {b1['tps']:10.1f} {b16['tps']:11.1f} {b16['tps'] / b1['tps']:6.2f}x {b1.get('overhead', float('nan')):9.1%}", flush=True)
+        print(f"{name:18} {dtype:9} {method:10} {b1['tpf']:6.2f} {ms_fwd:11.2f} {b1['tps']:10.1f} {b16['tps']:11.1f} {b16['tps'] / b1['tps']:6.2f}x {b1.get('overhead', float('nan')):9.1%}", flush=True)
     del model
 EOF
 
