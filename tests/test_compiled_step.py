@@ -189,3 +189,13 @@ def test_a_failed_compile_says_what_to_do(monkeypatch):
     with pytest.raises(CompileError, match="no working C.. compiler found.*Run without --compile"):
         step(model, [[4]], [[3]], cache)
     assert cache.lengths == [3]
+
+
+@torch.inference_mode()
+def test_a_forward_that_feeds_nothing_writes_nothing():
+    model = _model("llama")
+    cache = _filled(model, [3, 5], 12)
+    before = [t.clone() for t in cache.k]
+    out = CompiledStep()(model, [[], []], [[], []], cache)
+    assert out.shape == (0, model.config.hidden_size) and cache.lengths == [3, 5]
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.k))

@@ -14,9 +14,9 @@ what is compared is measured in the same minute):
   d. ReFusion against our AR on a few suite prompts, when the model has a MASK token.
 
 MODEL is anything `refusion.load` takes, or `random:NAME` (a randomly initialised model of
-one of RANDOM_SHAPES, for speed only). `--compile` adds the compiled AR step
-(`decode.engine.CompiledStep`) to sections b and c: its 1-token forward against the same
-floor, and its decode against `generate`, with its tokens checked against our eager decode.
+one of RANDOM_SHAPES, for speed only). `--compile` adds the compiled forward
+(`decode.engine.CompiledStep`) to sections b and c: its forwards against the same floors,
+and its AR decode against `generate`, with its tokens checked against our eager decode.
 """
 
 from __future__ import annotations

@@ -111,6 +111,8 @@ class CompiledStep:
             return torch.tensor([x for row in xs for x in row], dtype=torch.long, device=dev)
 
         where = flat([range(b * T, b * T + len(t)) for b, t in enumerate(tokens)])
+        if where.numel() == 0:  # nothing fed, nothing written: no graph for an empty batch
+            return cache.k[0].new_zeros(0, model.config.hidden_size)
         query_cols = torch.tensor(cache.lengths, dtype=torch.long, device=dev)[:, None] + torch.arange(T, device=dev)
         # columns past used + T are never seen: a forward of several tokens per row reads only the
         # window before them (a plan's cache is often half empty); a one-token step reads the
@@ -118,8 +120,6 @@ class CompiledStep:
         end = cache.used() + T if T > 1 else cache.capacity
         k, v = [t[:, :, :end] for t in cache.k], [t[:, :, :end] for t in cache.v]
         args = (flat(tokens), flat(positions), where, query_cols, k, v, cache.tokens[:, :end], cache.positions[:, :end])
-        if where.numel() == 0:  # nothing fed: no graph for an empty batch
-            return model.packed_hidden(*args)
         try:
             with torch._dynamo.config.patch(recompile_limit=self.graph_limit):
                 return self.fn(model, *args)
