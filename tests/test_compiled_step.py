@@ -95,17 +95,21 @@ def _case_config(c: dict) -> DecodeConfig:
                         mask_id=c["mask_id"], compile=True)
 
 
-def test_compiled_refusion_reproduces_the_golden_decodings():
+def test_compiled_refusion_reproduces_the_golden_decodings(monkeypatch):
     """ReFusion with every forward compiled (plan, verify, infill forks), the golden cases
     batched by config (prompts of different lengths, up to 4 rows, joins): the authors'
-    reference decodings, token for token."""
+    reference decodings, token for token; and the compiled forward did run them."""
     tiny = load_tiny()
+    fed = []
+    call = CompiledStep.__call__
+    monkeypatch.setattr(CompiledStep, "__call__", lambda self, m, t, p, c: fed.append(tuple(map(len, t))) or call(self, m, t, p, c))
     groups = collections.defaultdict(list)
     for c in CASES:
         groups[json.dumps(_case_config(c).__dict__, sort_keys=True, default=str)].append(c)
     for cs in groups.values():
         outs = generate(tiny, None, [c["prompt_ids"] for c in cs], _case_config(cs[0]).replace(max_batch_size=4))
         assert [o.token_ids for o in outs] == [c["expected_ids"] for c in cs]
+    assert len(fed) > 50 and any(len(f) > 1 for f in fed) and any(max(f) > 1 for f in fed)
 
 
 def test_compile_flag_reaches_the_config():
