@@ -24,6 +24,13 @@ if TYPE_CHECKING:
     from .model import Packing
 
 
+def storage_mask(query_cols: torch.Tensor, end: int) -> torch.Tensor:
+    """(B, 1, T, end) bool: causal in physical order, the query at column query_cols[b, t]
+    of row b sees every column j <= it (a row's own entries, in the order they were fed)."""
+    j = torch.arange(end, device=query_cols.device)
+    return (j[None, None, :] <= query_cols[:, :, None])[:, None]
+
+
 class KVCache:
     """Per layer `k`, `v`: (B, H_kv, capacity, D); per row: `lengths[b]` valid entries,
     with the `tokens` and `positions` (B, capacity) they were computed from."""
@@ -350,5 +357,4 @@ class WriteSlots:
         None when the plain full view is already right (one new token, equal lengths)."""
         if self.uniform_start is not None and self.T == 1:
             return None
-        j = torch.arange(self.end, device=self.device)
-        return (j[None, None, :] <= self.cols[:, :, None])[:, None]  # (B, 1, T, end)
+        return storage_mask(self.cols, self.end)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .cache import KVCache, WriteSlots
+from .cache import KVCache, WriteSlots, storage_mask
 from .config import ModelConfig
 
 
@@ -321,8 +321,7 @@ class Transformer(nn.Module):
         rows, cols = where // T, query_cols.flatten().index_select(0, where)  # (N,) each
         cache_tokens[rows, cols] = tokens
         cache_positions[rows, cols] = positions
-        capacity = cache_tokens.shape[1]
-        mask = (torch.arange(capacity, device=tokens.device) <= query_cols[:, :, None])[:, None]  # (B, 1, T, capacity)
+        mask = storage_mask(query_cols, cache_tokens.shape[1])  # (B, 1, T, capacity)
         x = self.model.embed_tokens(tokens)  # (N, hidden)
         cos, sin = (c[0, 0, :, None] for c in self.rope(positions[None], x.dtype))  # (N, 1, D)
         for block, k_l, v_l in zip(self.model.layers, k, v):
