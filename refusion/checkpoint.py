@@ -25,13 +25,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import ModelConfig
+from .config import DTYPE_NAMES, ModelConfig
 from .errors import CheckpointError, ConfigError
 from .model import Transformer, rope_inv_freq
+from .prompts import MASK_TOKEN, mask_id_of, tokenizer_mask_id
 
 BUNDLED_DIR = Path(__file__).parent / "bundled" / "refusion-tiny"
-MASK_TOKEN = "<|mask|>"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
@@ -211,16 +211,10 @@ def _load_tokenizer(directory: Path) -> Any:
 
 def _resolve_mask_id(config: ModelConfig, tokenizer: Any) -> None:
     """config.mask_token_id := the config's, else the tokenizer's `<|mask|>`, else None."""
-    if config.mask_token_id is None and tokenizer is not None:
-        config.mask_token_id = tokenizer_mask_id(tokenizer)
+    config.mask_token_id = mask_id_of(config, tokenizer)
     mask = config.mask_token_id
     if mask is not None and not 0 <= mask < config.vocab_size:
         raise CheckpointError(f"mask_token_id={mask} is outside the vocabulary (vocab_size={config.vocab_size})")
-
-
-def tokenizer_mask_id(tokenizer: Any) -> int | None:
-    """The id of `<|mask|>` in the tokenizer's vocabulary (added tokens included), or None."""
-    return tokenizer.get_vocab().get(MASK_TOKEN)
 
 
 # ---------------------------------------------------------------------------- weights

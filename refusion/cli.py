@@ -1,9 +1,9 @@
 """`refusion <verb>`: a thin dispatch table over the library.
 
 Each verb lives in `refusion/commands/<verb>.py` with `add_arguments(parser)` and
-`run(args) -> int`; modules are imported only when their verb runs, so `refusion info`
-does not pay for the server's imports. Library errors (`ReFusionError`) become one line
-on stderr and exit code 2.
+`run(args) -> int`. Only the verb being run has its flags built, and no module imports
+torch before its `run`, so `refusion --help` and `refusion VERB --help` answer at once.
+Library errors (`ReFusionError`) become one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -26,13 +26,21 @@ VERBS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """Every verb's name and help; the flags only of the verb that `argv` names (all of
+    them when argv is None)."""
     parser = argparse.ArgumentParser(prog="refusion", description="ReFusion: parallel autoregressive slot decoding.")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    words = [a for a in argv if not a.startswith("-")] if argv is not None else None
+    chosen = words[0] if words else None
     for verb, help_text in VERBS.items():
         p = sub.add_parser(verb, help=help_text, description=help_text)
         p.set_defaults(_module=f"refusion.commands.{verb}")
-        _command(verb).add_arguments(p)
+        if argv is None or verb == chosen:
+            if verb == "bench":
+                _command(verb).add_arguments(p, words[1] if words and len(words) > 1 else None)
+            else:
+                _command(verb).add_arguments(p)
     return parser
 
 
@@ -41,7 +49,8 @@ def _command(verb: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "verb", None):
         parser.print_help()

@@ -13,6 +13,8 @@ from typing import Any
 
 from .errors import CheckpointError, UnsupportedArchitectureError
 
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the dtypes checkpoints load and save in
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _ARCHITECTURE_NAMES = {

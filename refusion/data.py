@@ -26,14 +26,11 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from .errors import ReFusionError
+from .errors import DataError
+from .prompts import chat_text
 
 _CHUNK = 512  # records tokenised per tokenizer call
 _MAX_SHOWN = 5  # bad records quoted in the summary
-
-
-class DataError(ReFusionError):
-    """A data file is missing, unreadable, or holds no usable example."""
 
 
 @dataclass
@@ -218,10 +215,7 @@ def load_dataset(
 def _tokenise_chunk(tokenizer, chunk, eos_id: int) -> list[tuple[list[int], list[int]]]:
     if not chunk:
         return []
-    if getattr(tokenizer, "chat_template", None) is not None:
-        texts = tokenizer.apply_chat_template([p for _, p, _ in chunk], tokenize=False, add_generation_prompt=True)
-    else:
-        texts = ["\n".join(m["content"] for m in p) + "\n" for _, p, _ in chunk]
+    texts = [chat_text(tokenizer, p) for _, p, _ in chunk]
     prompts = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
     responses = tokenizer([r for _, _, r in chunk], add_special_tokens=False)["input_ids"]
     return [(list(p), list(r) + [eos_id]) for p, r in zip(prompts, responses)]

@@ -25,6 +25,10 @@ class MissingMaskTokenError(ConfigError):
     """A diffusion method was asked of a model that has no MASK token."""
 
 
+class DataError(ReFusionError):
+    """A data file is missing, unreadable, or holds no usable example."""
+
+
 class CompileError(ReFusionError):
     """torch.compile could not build a graph (a missing C++ compiler, say): the machine's
     fault, not the request's."""

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ConfigError
+from .train_config import AR_REDUCTIONS
 
 IGNORE = -100  # label of a token that carries no loss
-AR_REDUCTIONS = ("token", "example")
 
 
 @dataclass(frozen=True)

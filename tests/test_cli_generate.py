@@ -58,7 +58,8 @@ def test_generate_preset_and_overrides_reach_the_config(model_dir, capsys):
     [
         (["--slot-threshold", "1.5"], "slot_threshold"),
         (["--gen-length", "600"], "context"),
-        (["--slot-size", "3", "--gen-length", "9", "--serial-blocks", "2"], "blocks"),
+        (["--top-k", "-1"], "--top-k: top_k must be >= 0"),
+        (["--method", "mdm", "--mdm-block-length", "0"], "mdm_block_length"),
     ],
 )
 def test_generate_bad_input_is_one_line_and_exit_2(model_dir, capsys, argv, message):

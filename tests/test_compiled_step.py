@@ -1,8 +1,9 @@
 """The tensor-only forward (`Transformer.packed_hidden`) and its compiled form
-(`DecodeConfig.compile`): the same hidden states and cache entries as the ragged forward,
+(`EngineConfig.compile`): the same hidden states and cache entries as the ragged forward,
 and the same AR and ReFusion decodings, token for token."""
 
 import collections
+import dataclasses
 import json
 import warnings
 
@@ -12,9 +13,9 @@ from conftest import randomise_
 from golden_data import CASES, load_tiny
 
 from refusion import ModelConfig, Transformer
-from refusion.commands._common import add_decode_arguments, decode_config_from_args
-from refusion.decode import DecodeConfig, engine, generate
-from refusion.decode.engine import CompiledStep
+from refusion.decode import DecodeConfig, EngineConfig, generate
+from refusion.decode.forward import CompiledStep
+from refusion.flags import add_decode_arguments, engine_config_from_args
 
 
 def _model(kind: str) -> Transformer:
@@ -77,12 +78,13 @@ def test_compiled_ar_decodes_what_eager_decodes(monkeypatch):
     the same tokens as eager AR, and the same forward counts."""
     model = _model("qwen3")
     prompts = [[5, 6, 7], [9] * 11, [3, 4], list(range(10, 30)), [40, 41, 42, 43]]
-    cfg = DecodeConfig(method="ar", gen_length=12, max_batch_size=2, eos_id=1)
-    eager = generate(model, None, prompts, cfg)
+    cfg = DecodeConfig(method="ar", gen_length=12, stop_token_ids=(1,))
+    two = EngineConfig(max_batch_size=2)
+    eager = generate(model, None, prompts, cfg, engine_config=two)
     fed = []
     call = CompiledStep.__call__
     monkeypatch.setattr(CompiledStep, "__call__", lambda self, m, t, p, c: fed.append(tuple(map(len, t))) or call(self, m, t, p, c))
-    compiled = generate(model, None, prompts, cfg.replace(compile=True))
+    compiled = generate(model, None, prompts, cfg, engine_config=two.replace(compile=True))
     assert len(fed) > 20 and {(1,), (1, 1)} <= set(fed) and any(max(f) > 1 and len(f) == 2 for f in fed)  # steps and joins
     assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
     assert [o.stats.nfe for o in compiled] == [o.stats.nfe for o in eager]
@@ -91,8 +93,7 @@ def test_compiled_ar_decodes_what_eager_decodes(monkeypatch):
 
 def _case_config(c: dict) -> DecodeConfig:
     return DecodeConfig(method="refusion", gen_length=c["gen_length"], slot_size=c["slot_size"], serial_blocks=c["serial_blocks"],
-                        slot_threshold=c["slot_threshold"], token_threshold=c["token_threshold"], eos_id=c["eos_id"],
-                        mask_id=c["mask_id"], compile=True)
+                        slot_threshold=c["slot_threshold"], token_threshold=c["token_threshold"], stop_token_ids=(c["eos_id"],))
 
 
 def test_compiled_refusion_reproduces_the_golden_decodings(monkeypatch):
@@ -105,9 +106,10 @@ def test_compiled_refusion_reproduces_the_golden_decodings(monkeypatch):
     monkeypatch.setattr(CompiledStep, "__call__", lambda self, m, t, p, c: fed.append(tuple(map(len, t))) or call(self, m, t, p, c))
     groups = collections.defaultdict(list)
     for c in CASES:
-        groups[json.dumps(_case_config(c).__dict__, sort_keys=True, default=str)].append(c)
+        groups[json.dumps(dataclasses.asdict(_case_config(c)), sort_keys=True, default=str)].append(c)
     for cs in groups.values():
-        outs = generate(tiny, None, [c["prompt_ids"] for c in cs], _case_config(cs[0]).replace(max_batch_size=4))
+        outs = generate(tiny, None, [c["prompt_ids"] for c in cs], _case_config(cs[0]),
+                        engine_config=EngineConfig(max_batch_size=4, compile=True))
         assert [o.token_ids for o in outs] == [c["expected_ids"] for c in cs]
     assert len(fed) > 50 and any(len(f) > 1 for f in fed) and any(max(f) > 1 for f in fed)
 
@@ -117,8 +119,8 @@ def test_compile_flag_reaches_the_config():
 
     parser = argparse.ArgumentParser()
     add_decode_arguments(parser)
-    assert decode_config_from_args(parser.parse_args(["--compile"])).compile is True
-    assert decode_config_from_args(parser.parse_args([])).compile is False
+    assert engine_config_from_args(parser.parse_args(["--compile"])).compile is True
+    assert engine_config_from_args(parser.parse_args([])).compile is False
 
 
 def _forwards(step: CompiledStep, model: Transformer, shapes: list[tuple[list[int], list[int], int]]):

@@ -1,14 +1,16 @@
-"""Continuous batching: rows leave when done and new prompts join a running batch between
-steps (from the waiting list, or from an `admit` callback such as a server's queue).
-Each row's decisions depend only on its own logits, so every output must equal the
-prompt decoded alone, token for token."""
+"""Continuous batching: rows leave when done and new requests join a running batch between
+steps. Each row's decisions depend only on its own logits, so every output must equal the
+request decoded alone, token for token."""
 
+import dataclasses
 import json
 
 import pytest
+import torch
 from golden_data import CASES, load_tiny
 
-from refusion.decode import DecodeConfig, check_prompts, generate
+from refusion.decode import DecodeConfig, Engine, EngineConfig, generate
+from refusion.decode.engine import _rows_per_request
 from refusion.errors import ContextLengthError
 
 
@@ -20,9 +22,20 @@ def tiny():
 def golden_config(c: dict, **changes) -> DecodeConfig:
     return DecodeConfig(
         method="refusion", gen_length=c["gen_length"], slot_size=c["slot_size"], serial_blocks=c["serial_blocks"],
-        slot_threshold=c["slot_threshold"], token_threshold=c["token_threshold"], eos_id=c["eos_id"],
-        mask_id=c["mask_id"],
+        slot_threshold=c["slot_threshold"], token_threshold=c["token_threshold"], stop_token_ids=(c["eos_id"],),
     ).replace(**changes)
+
+
+def run(engine: Engine, between=None) -> dict:
+    """Step until done; `between(step_index)` runs before each step. Final outputs by id."""
+    done, k = {}, 0
+    with torch.inference_mode():
+        while engine.has_unfinished():
+            if between is not None:
+                between(k)
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+            k += 1
+    return done
 
 
 def test_golden_cases_through_one_place(tiny):
@@ -31,11 +44,11 @@ def test_golden_cases_through_one_place(tiny):
     authors' reference."""
     by_cfg: dict[str, list[dict]] = {}
     for c in CASES:
-        by_cfg.setdefault(json.dumps(golden_config(c).__dict__, sort_keys=True, default=str), []).append(c)
+        by_cfg.setdefault(json.dumps(dataclasses.asdict(golden_config(c)), sort_keys=True, default=str), []).append(c)
     groups = [cs for cs in by_cfg.values() if len(cs) >= 2]
     assert groups, "the golden set has configs shared by several prompts"
     for cs in groups:
-        outs = generate(tiny, None, [c["prompt_ids"] for c in cs], golden_config(cs[0], max_batch_size=1))
+        outs = generate(tiny, None, [c["prompt_ids"] for c in cs], golden_config(cs[0]), engine_config=EngineConfig(max_batch_size=1))
         assert [o.token_ids for o in outs] == [c["expected_ids"] for c in cs]
 
 
@@ -43,97 +56,132 @@ def test_golden_cases_through_one_place(tiny):
 def test_all_golden_prompts_through_two_places(tiny, k):
     """All 42 golden prompts under one golden config through 2 places (rows of different
     lengths joining a cache with rows mid-generation) equal each prompt decoded alone."""
-    cfg = golden_config(CASES[k * 7], max_batch_size=2)
+    cfg = golden_config(CASES[k * 7])
     prompts = [c["prompt_ids"] for c in CASES]
-    outs = generate(tiny, None, prompts, cfg)
+    outs = generate(tiny, None, prompts, cfg, engine_config=EngineConfig(max_batch_size=2))
     assert [o.token_ids for o in outs] == [generate(tiny, None, [p], cfg)[0].token_ids for p in prompts]
 
 
 @pytest.mark.parametrize("method", ["ar", "refusion"])
-def test_admitted_prompts_join_the_running_batch(tiny, method):
-    """One prompt starts; `admit` hands over two more at the first chance and one later;
-    all four equal their decodings alone, callbacks see the new indices, and `admit` is
-    never offered more room than the batch has."""
+def test_requests_added_while_others_run_join_at_the_next_step(tiny, method):
+    """One request starts; two more are added after its first step and one after its
+    third: each joins at the next step (it is running after that step, not waiting), and
+    all four equal their decodings alone; a joining row pays only for its own steps."""
     c = CASES[0]
-    cfg = golden_config(c, method=method, max_batch_size=3)
+    cfg = golden_config(c, method=method)
     first = c["prompt_ids"]
     later = [CASES[5]["prompt_ids"], CASES[9]["prompt_ids"][:7], CASES[2]["prompt_ids"] + [11, 12, 13]]
-    calls, rooms, seen = [], [], set()
+    engine = Engine(tiny, None, EngineConfig(max_batch_size=3))
+    engine.add_request(first, cfg, request_id="0")
+    running_after: dict[int, int] = {}
 
-    def admit(room: int, max_len: int):
-        assert max_len >= max(len(p) for p in later)  # the default budget fits these
-        rooms.append(room)
-        calls.append(len(calls))
-        if len(calls) == 1:
-            return later[:2]
-        if len(calls) == 2:
-            return later[2:]
-        return []
+    def between(k: int) -> None:
+        running_after[k] = engine.num_running
+        if k == 1:
+            engine.add_request(later[0], cfg, request_id="1")
+            engine.add_request(later[1], cfg, request_id="2")
+        if k == 3:
+            engine.add_request(later[2], cfg, request_id="3")
 
-    outs = generate(tiny, None, [first], cfg, admit=admit, on_prefix=lambda i, ids, done: seen.add(i))
-    assert len(outs) == 4 and seen == {0, 1, 2, 3}
-    assert all(1 <= r <= 3 for r in rooms) and rooms[0] == 2
+    outs = run(engine, between)
+    assert running_after[1] == 1 and running_after[2] == 3 and engine.num_waiting == 0
     alone = [generate(tiny, None, [p], cfg)[0] for p in [first] + later]
-    assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
-    assert outs[3].stats.nfe == alone[3].stats.nfe  # a joining row pays only for its own steps
+    assert [outs[str(i)].token_ids for i in range(4)] == [o.token_ids for o in alone]
+    assert outs["3"].stats.nfe == alone[3].stats.nfe
+
+
+def test_abort_frees_the_row_and_the_others_go_on(tiny):
+    """An aborted request leaves the batch (and its cache row) at once; the next step
+    reports it cancelled with the tokens it had; the rows beside it decode as alone."""
+    cfg = golden_config(CASES[0], method="ar", stop_token_ids=())
+    prompts = [CASES[i]["prompt_ids"] for i in range(3)]
+    engine = Engine(tiny, None, EngineConfig(max_batch_size=3))
+    for i, p in enumerate(prompts):
+        engine.add_request(p, cfg, request_id=str(i))
+    rows = {}
+
+    def between(k: int) -> None:
+        if k == 4:
+            rows["before"] = (engine.num_running, engine.cache.batch_size)
+            assert engine.abort("1") and not engine.abort("1")
+            rows["after"] = (engine.num_running, engine.cache.batch_size)
+
+    outs = run(engine, between)
+    assert rows == {"before": (3, 3), "after": (2, 2)}
+    assert outs["1"].finish_reason == "cancelled" and len(outs["1"].token_ids) == 4
+    alone = [generate(tiny, None, [p], cfg)[0].token_ids for p in prompts]
+    assert outs["1"].token_ids == alone[1][:4]
+    assert [outs["0"].token_ids, outs["2"].token_ids] == [alone[0], alone[2]]
+    assert not engine.abort("0")  # finished: nothing to abort
 
 
 def test_many_prompts_through_few_places_keep_their_order(tiny):
     """More prompts than places: outputs come back in the order given, each as alone."""
-    cfg = DecodeConfig(method="ar", gen_length=12, eos_id=CASES[0]["eos_id"], max_batch_size=2)
+    cfg = DecodeConfig(method="ar", gen_length=12, stop_token_ids=(CASES[0]["eos_id"],))
+    two = EngineConfig(max_batch_size=2)
     prompts = [c["prompt_ids"][: 3 + i] for i, c in enumerate(CASES[:5])]
-    outs = generate(tiny, None, prompts, cfg)
+    outs = generate(tiny, None, prompts, cfg, engine_config=two)
     assert [o.token_ids for o in outs] == [generate(tiny, None, [p], cfg)[0].token_ids for p in prompts]
 
 
-def test_check_prompts_raises_what_generate_would(tiny):
+def test_check_raises_what_add_request_would(tiny):
     cfg = golden_config(CASES[0])
-    check_prompts(tiny, None, cfg, [CASES[0]["prompt_ids"]])
+    engine = Engine(tiny)
+    engine.check(CASES[0]["prompt_ids"], cfg)
     too_long = [1] * tiny.config.max_position_embeddings
     with pytest.raises(ContextLengthError):
-        check_prompts(tiny, None, cfg, [too_long])
+        engine.check(too_long, cfg)
+    with pytest.raises(ContextLengthError):
+        engine.add_request(too_long, cfg)
     with pytest.raises(ContextLengthError):
         generate(tiny, None, [too_long], cfg)
+    assert not engine.has_unfinished()
 
 
-def test_joining_prompts_are_bounded_by_the_memory_budget(tiny):
-    """With a budget that fits 2 rows of at most ~20-token prompts, `admit` is told that
-    bound, and a prompt over it is refused rather than outgrowing the budget."""
-    from refusion.decode import _bytes_per_entry, batch_size_for, longest_that_fits
+def budget_for(tiny, cfg: DecodeConfig, rows: int, longest: int) -> float:
+    """The memory budget (GiB) that holds `rows` requests of cfg with prompts up to `longest`."""
+    c = tiny.config
+    per_entry = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * tiny.dtype.itemsize
+    return rows * _rows_per_request(cfg) * per_entry * (longest + 2 * cfg.region_length) / 2**30
 
-    c = CASES[0]
-    cfg = golden_config(c, max_batch_size=4)
-    two_rows_of_20 = 2 * _bytes_per_entry(tiny, cfg) * (20 + 2 * cfg.padded_length)
-    cfg = cfg.replace(memory_budget_gb=two_rows_of_20 / 2**30)
-    first = c["prompt_ids"][:10]
-    assert batch_size_for(tiny, cfg, len(first)) == 2
-    bound = longest_that_fits(tiny, cfg, 2)
-    assert 18 <= bound <= 20
-    seen: list[int] = []
 
-    def admit(room: int, max_len: int):
-        seen.append(max_len)
-        return [[5] * (max_len + 1)] if len(seen) == 1 else []
+def test_the_memory_budget_bounds_the_batch_and_a_long_prompt_is_not_overtaken(tiny):
+    """A budget that holds 2 rows of 20-token prompts: two 10-token requests run, the next
+    waits; a 40-token prompt waits at the head until the batch has drained enough, and the
+    short request queued behind it does not overtake it. Outputs equal alone."""
+    cfg = golden_config(CASES[0])
+    engine = Engine(tiny, None, EngineConfig(max_batch_size=4, memory_budget_gb=budget_for(tiny, cfg, 2, 20)))
+    short = [CASES[i]["prompt_ids"][:10] for i in range(3)]
+    long_ = (CASES[3]["prompt_ids"] * 4)[:40]
+    for i, p in enumerate([short[0], short[1], long_, short[2]]):
+        engine.add_request(p, cfg, request_id=str(i))
+    started: list[str] = []
+    running: list[int] = []
 
-    with pytest.raises(ValueError, match="at most"):
-        generate(tiny, None, [first], cfg, admit=admit)
-    assert seen == [bound]
+    def between(_k: int) -> None:
+        running.append(engine.num_running)
+        for r in engine.requests.values():
+            if r.started and r.id not in started:
+                started.append(r.id)
+
+    outs = run(engine, between)
+    assert max(running) == 2 and started.index("2") < started.index("3")
+    prompts = [short[0], short[1], long_, short[2]]
+    assert [outs[str(i)].token_ids for i in range(4)] == [generate(tiny, None, [p], cfg)[0].token_ids for p in prompts]
 
 
 @pytest.mark.parametrize("method", ["ar", "refusion"])
 def test_cache_storage_is_reserved_for_the_rows_that_can_be_in_flight(tiny, method, monkeypatch):
-    """A fixed set of prompts reserves cache rows for at most that many prompts (not for
-    max_batch_size); a caller with an `admit` queue reserves the whole batch up front, so
-    rows that join later take spare storage instead of reallocating the cache."""
-    cfg = golden_config(CASES[0], method=method, max_batch_size=8)
+    """The cache reserves rows for the requests that can be in flight (running and waiting,
+    up to max_batch_size), not for max_batch_size: rows that join later take spare
+    storage instead of reallocating the cache."""
+    cfg = golden_config(CASES[0], method=method)
     reserved: list[int] = []
     new_cache = tiny.new_cache
     monkeypatch.setattr(tiny, "new_cache", lambda b, cap, reserve=0: reserved.append(reserve) or new_cache(b, cap, reserve))
-    prompts = [c["prompt_ids"] for c in CASES[:3]]
-    generate(tiny, None, prompts, cfg)
-    queue = [c["prompt_ids"] for c in CASES[3:5]]
-    outs = generate(tiny, None, prompts[:1], cfg, admit=lambda room, max_len: [queue.pop()] if queue else [])
-    assert reserved == [3, 8] and len(outs) == 3
+    generate(tiny, None, [c["prompt_ids"] for c in CASES[:3]], cfg, engine_config=EngineConfig(max_batch_size=8))
+    generate(tiny, None, [c["prompt_ids"] for c in CASES[:12]], cfg, engine_config=EngineConfig(max_batch_size=8))
+    assert reserved == [3, 8]
 
 
 def test_stats_count_the_tokens_fed_and_the_logits_asked_for(tiny):

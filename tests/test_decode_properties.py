@@ -3,7 +3,6 @@
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
@@ -14,7 +13,6 @@ from refusion.errors import ConfigError, ContextLengthError, MissingMaskTokenErr
 from refusion.model import Transformer
 
 GOLDEN = Path(__file__).parent / "golden"
-MASK = 299
 # tokens the sharpened tiny model emits often: as EOS they make early stops frequent
 EOS_CHOICES = [298, 165, 250, 93]
 
@@ -60,20 +58,11 @@ def decode_configs(draw):
         token_threshold=draw(st.floats(0, 1)),
         mdm_block_length=draw(st.sampled_from([4, 8])),
         mdm_steps=draw(st.sampled_from([None, 4, 16])),
-        eos_id=draw(st.sampled_from(EOS_CHOICES)),
-        mask_id=MASK,
+        stop_token_ids=(draw(st.sampled_from(EOS_CHOICES)),),
     )
 
 
 prompts_st = st.lists(st.lists(st.integers(0, 297), min_size=1, max_size=24), min_size=1, max_size=4)
-
-
-def region_length(cfg: DecodeConfig) -> int:
-    if cfg.method == "refusion":
-        return cfg.padded_length
-    if cfg.method == "mdm":
-        return -(-cfg.gen_length // cfg.mdm_block_length) * cfg.mdm_block_length
-    return cfg.gen_length
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -81,16 +70,16 @@ def region_length(cfg: DecodeConfig) -> int:
 def test_every_position_filled_once_up_to_eos(tiny, cfg, prompts):
     with CountingModel(tiny) as counter:
         outs = generate(tiny, None, prompts, cfg, trace=True)
-    eos = cfg.eos_id
+    (eos,) = cfg.stop_token_ids
     for out in outs:
         ids = out.token_ids
         assert eos not in ids[:-1], "nothing may follow the first EOS"
         if ids and ids[-1] == eos:
             assert out.finish_reason == "stop"
         else:
-            assert len(ids) == region_length(cfg) and out.finish_reason == "length"
+            assert len(ids) == cfg.gen_length and out.finish_reason == "length"
         # committed spans never overlap, and cover the output contiguously from its start
-        filled = [0] * region_length(cfg)
+        filled = [0] * cfg.region_length
         for ev in out.trace:
             for start, n in ev.spans:
                 for i in range(start, start + n):
@@ -98,7 +87,7 @@ def test_every_position_filled_once_up_to_eos(tiny, cfg, prompts):
         assert all(f == 1 for f in filled[: len(ids)])
         assert max(filled, default=0) <= 1
         # the trace replays the output
-        replay = [None] * region_length(cfg)
+        replay = [None] * cfg.region_length
         for ev in out.trace:
             for (start, _), toks in zip(ev.spans, ev.tokens):
                 replay[start : start + len(toks)] = toks
@@ -121,14 +110,14 @@ def test_batched_equals_one_at_a_time(tiny, cfg, prompts):
 
 def test_refusion_plans_and_infills_in_parallel(tiny):
     """On the sharpened tiny model ReFusion commits several tokens per forward for some configs."""
-    cfg = DecodeConfig(gen_length=48, slot_size=8, slot_threshold=0.5, token_threshold=0.2, eos_id=298, mask_id=MASK)
+    cfg = DecodeConfig(gen_length=48, slot_size=8, slot_threshold=0.5, token_threshold=0.2, stop_token_ids=(298,))
     out = generate(tiny, None, [[5, 6, 7, 8, 9]], cfg)[0]
     assert out.stats.tpf > 1
 
 
 def test_finished_rows_stop_costing_compute(tiny):
     """A prompt that stops early takes part in fewer forwards than one that runs long."""
-    cfg = DecodeConfig(method="ar", gen_length=40, eos_id=191, mask_id=MASK)  # the 1st prompt emits 191 third
+    cfg = DecodeConfig(method="ar", gen_length=40, stop_token_ids=(191,))  # the 1st prompt emits 191 third
     outs = generate(tiny, None, [[99, 276, 183], [1, 2, 3, 4]], cfg)
     short, long_ = sorted(outs, key=lambda o: len(o.token_ids))
     assert short.finish_reason == "stop" and long_.stats.nfe > short.stats.nfe
@@ -136,7 +125,7 @@ def test_finished_rows_stop_costing_compute(tiny):
 
 
 def test_sampling_is_seeded_and_batch_invariant(tiny):
-    cfg = DecodeConfig(gen_length=32, slot_size=4, temperature=1.0, top_k=20, top_p=0.9, seed=7, eos_id=298, mask_id=MASK)
+    cfg = DecodeConfig(gen_length=32, slot_size=4, temperature=1.0, top_k=20, top_p=0.9, seed=7, stop_token_ids=(298,))
     a = generate(tiny, None, [[3, 4, 5], [9, 9]], cfg)
     b = generate(tiny, None, [[9, 9]], cfg)
     assert a[1].token_ids == b[0].token_ids
@@ -150,7 +139,12 @@ def test_sampling_is_seeded_and_batch_invariant(tiny):
 @pytest.mark.parametrize(
     "bad, error",
     [
-        (dict(slot_size=3, gen_length=9, serial_blocks=2), ConfigError),  # 3 slots do not split into 2 blocks
+        (dict(slot_size=0), ConfigError),
+        (dict(serial_blocks=0), ConfigError),
+        (dict(top_k=-1), ConfigError),
+        (dict(mdm_steps=0), ConfigError),
+        (dict(stop=("",)), ConfigError),
+        (dict(stop_token_ids=(-1,)), ConfigError),
         (dict(slot_threshold=1.5), ConfigError),
         (dict(token_threshold=-0.1), ConfigError),
         (dict(method="beam"), ConfigError),
@@ -166,9 +160,11 @@ def test_bad_configs_fail_before_compute(bad, error):
 def test_bad_requests_fail_before_compute(tiny):
     with CountingModel(tiny) as counter:
         with pytest.raises(ContextLengthError, match="context"):
-            generate(tiny, None, [[1] * 500], DecodeConfig(gen_length=64, mask_id=MASK))
+            generate(tiny, None, [[1] * 500], DecodeConfig(gen_length=64))
         with pytest.raises(ConfigError, match="no prompts"):
-            generate(tiny, None, [], DecodeConfig(mask_id=MASK))
+            generate(tiny, None, [], DecodeConfig())
+        with pytest.raises(ContextLengthError, match="context"):  # a bad prompt after a good one: nothing runs
+            generate(tiny, None, [[1, 2], [1] * 500], DecodeConfig(gen_length=64))
         tiny.config.mask_token_id, saved = None, tiny.config.mask_token_id
         try:
             for method in ("refusion", "mdm"):
@@ -181,16 +177,23 @@ def test_bad_requests_fail_before_compute(tiny):
 
 def test_streaming_prefixes_grow_to_the_output(tiny):
     seen = []
-    cfg = DecodeConfig(gen_length=32, slot_size=4, slot_threshold=0.5, token_threshold=0.2, eos_id=298, mask_id=MASK)
-    out = generate(tiny, None, [[7, 8, 9]], cfg, on_prefix=lambda i, ids, done: seen.append((list(ids), done)))[0]
+    cfg = DecodeConfig(gen_length=32, slot_size=4, slot_threshold=0.5, token_threshold=0.2, stop_token_ids=(298,))
+    out = generate(tiny, None, [[7, 8, 9]], cfg, on_output=lambda i, o: seen.append((list(o.token_ids), o.finished)))[0]
     assert seen[-1] == (out.token_ids, True)
     for (a, _), (b, _) in zip(seen, seen[1:]):
         assert b[: len(a)] == a  # a final prefix never changes
 
 
-def test_cancelled_row_stops(tiny):
-    cfg = DecodeConfig(method="ar", gen_length=40, eos_id=-1, mask_id=MASK)
-    outs = generate(tiny, None, [[1, 2], [3, 4]], cfg, is_cancelled=lambda i: i == 0)
-    assert outs[0].finish_reason == "cancelled" and len(outs[0].token_ids) < 40
-    assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 40
+def test_a_stream_stopped_early_stops_the_decoding(tiny, tiny_tokenizer):
+    """`stream` runs the engine in the caller's thread: a consumer that stops after the
+    first piece leaves no work running behind it."""
+    from refusion.decode import stream
 
+    cfg = DecodeConfig(method="ar", gen_length=40, stop_token_ids=())
+    with CountingModel(tiny) as counter:
+        pieces = stream(tiny, tiny_tokenizer, [1, 2, 3], cfg)
+        first = next(pieces)
+        pieces.close()
+    assert first and counter.calls < 40
+    whole = "".join(stream(tiny, tiny_tokenizer, [1, 2, 3], cfg))
+    assert whole == generate(tiny, tiny_tokenizer, [[1, 2, 3]], cfg)[0].text and whole.startswith(first)

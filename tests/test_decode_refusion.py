@@ -2,16 +2,14 @@
 one prompt at a time, and against a full recompute of its KV cache."""
 
 import collections
+import dataclasses
 import json
 
 import pytest
 import torch
 from golden_data import CASES, load_tiny
 
-from refusion.decode import DecodeConfig, generate
-from refusion.decode.engine import Forward, Progress
-from refusion.decode.refusion import ReFusionDecoder
-from refusion.decode.sampling import Sampler
+from refusion.decode import DecodeConfig, Engine, generate
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +20,19 @@ def tiny():
 def case_config(c: dict) -> DecodeConfig:
     return DecodeConfig(
         method="refusion", gen_length=c["gen_length"], slot_size=c["slot_size"], serial_blocks=c["serial_blocks"],
-        slot_threshold=c["slot_threshold"], token_threshold=c["token_threshold"], eos_id=c["eos_id"], mask_id=c["mask_id"],
+        slot_threshold=c["slot_threshold"], token_threshold=c["token_threshold"], stop_token_ids=(c["eos_id"],),
     )
+
+
+def decode_alone(engine: Engine, c: dict, cfg: DecodeConfig):
+    """One golden case through `engine` (a subclass that watches its steps)."""
+    assert c["mask_id"] == engine.mask_id  # the golden cases use the tiny model's MASK
+    engine.add_request(c["prompt_ids"], cfg, request_id="0", trace=True)
+    out = None
+    with torch.inference_mode():
+        while engine.has_unfinished():
+            out = next((o for o in engine.step() if o.finished), out)
+    return out
 
 
 @pytest.mark.parametrize("i", range(len(CASES)))
@@ -47,13 +56,21 @@ def test_golden_batched_equals_reference(tiny):
     """All cases that share a config decoded in one batch (prompts of different lengths)."""
     groups = collections.defaultdict(list)
     for c in CASES:
-        groups[json.dumps(case_config(c).__dict__, sort_keys=True, default=str)].append(c)
+        groups[json.dumps(dataclasses.asdict(case_config(c)), sort_keys=True, default=str)].append(c)
     for cs in groups.values():
         outs = generate(tiny, None, [c["prompt_ids"] for c in cs], case_config(cs[0]))
         assert [o.token_ids for o in outs] == [c["expected_ids"] for c in cs]
 
 
-class CheckingDecoder(ReFusionDecoder):
+def test_golden_cases_in_one_mixed_batch(tiny):
+    """All 42 golden cases, each with its own config (7 configs: slot sizes, blocks,
+    thresholds, EOS ids, lengths), decoded in one engine batch of 16 rows: every output
+    equals the authors' reference."""
+    outs = generate(tiny, None, [c["prompt_ids"] for c in CASES], [case_config(c) for c in CASES])
+    assert [o.token_ids for o in outs] == [c["expected_ids"] for c in CASES]
+
+
+class CheckingEngine(Engine):
     """After every commit, the new cache entries must equal a direct computation: the
     fast path's entries = the committed tokens fed on top of the cache as it was before
     verification; each infilled slot's entries = that slot fed on top of the cache as it
@@ -61,16 +78,16 @@ class CheckingDecoder(ReFusionDecoder):
 
     checks = 0
 
-    def _check_new_entries(self, before, cache, rows):
-        model = self.fwd.model
-        for b, row in enumerate(rows):
+    def _check_new_entries(self, before, path):
+        cache, model = self.cache, self.model
+        for b, row in enumerate(self.rows):
             old, new = before.lengths[b], cache.lengths[b]
             if new == old:
                 continue
             toks, pos = cache.tokens[b, old:new], cache.positions[b, old:new]
-            slot_of = (pos - len(row.prompt)) // self.s
+            slot_of = (pos - len(row.req.prompt)) // row.s
             # the fast path commits one contiguous forward; infill commits one segment per slot
-            cuts = [0, new - old] if self._last == "fast" else [0] + (slot_of.diff().nonzero().flatten() + 1).tolist() + [new - old]
+            cuts = [0, new - old] if path == "fast" else [0] + (slot_of.diff().nonzero().flatten() + 1).tolist() + [new - old]
             for a, e in zip(cuts, cuts[1:]):
                 ref = before.select([b])
                 model.hidden(toks[None, a:e], pos[None, a:e], ref)
@@ -79,74 +96,62 @@ class CheckingDecoder(ReFusionDecoder):
                     got_v = cache.v[layer][b, :, old + a : old + e]
                     torch.testing.assert_close(got_k, ref.k[layer][0, :, old : old + e - a], rtol=1e-4, atol=1e-5)
                     torch.testing.assert_close(got_v, ref.v[layer][0, :, old : old + e - a], rtol=1e-4, atol=1e-5)
-                CheckingDecoder.checks += 1
+                CheckingEngine.checks += 1
 
-    def verify(self, rows, plans, selections, cache):
-        before, self._last = cache.select(range(cache.batch_size)), "fast"
-        out = super().verify(rows, plans, selections, cache)
-        self._check_new_entries(before, cache, rows)
-        return out
+    def _verify(self):
+        before = self.cache.select(range(self.cache.batch_size))
+        super()._verify()
+        self._check_new_entries(before, "fast")
 
-    def infill(self, rows, to_infill, cache):
-        before, self._last = cache.select(range(cache.batch_size)), "infill"
-        super().infill(rows, to_infill, cache)
-        self._check_new_entries(before, cache, rows)
+    def _infill(self):
+        before = self.cache.select(range(self.cache.batch_size))
+        super()._infill()
+        self._check_new_entries(before, "infill")
 
 
-@torch.inference_mode()
 def test_kv_reuse_equals_direct_computation(tiny):
-    CheckingDecoder.checks = 0
+    CheckingEngine.checks = 0
     for c in CASES[::3]:
-        cfg = case_config(c)
-        progress = Progress(1, {c["eos_id"]})
-        fwd = Forward(tiny, progress, pad_id=c["mask_id"])
-        CheckingDecoder(fwd, progress, Sampler(cfg, 1, tiny.device), cfg, c["mask_id"], {c["eos_id"]}).decode([c["prompt_ids"]], [0])
-        assert progress.output_ids(0) == c["expected_ids"]
-    assert CheckingDecoder.checks > 20
+        out = decode_alone(CheckingEngine(tiny), c, case_config(c))
+        assert out.token_ids == c["expected_ids"]
+    assert CheckingEngine.checks > 20
 
 
-@torch.inference_mode()
 def test_fast_path_cache_equals_full_recompute(tiny):
     """With token_threshold 0 every draft passes, so every commit is a fast-path commit and
     the committed cache must equal one forward over the committed sequence in physical order."""
     c = CASES[1]
     cfg = case_config(c).replace(token_threshold=0.0, slot_threshold=0.5)
-    progress = Progress(1, {c["eos_id"]}, trace=True)
-    fwd = Forward(tiny, progress, pad_id=c["mask_id"])
     caches = []
 
-    class Spy(ReFusionDecoder):
-        def verify(self, rows, plans, selections, cache):
-            out = super().verify(rows, plans, selections, cache)
-            caches.append(cache.select([0]))
-            return out
+    class Spy(Engine):
+        def _verify(self):
+            super()._verify()
+            caches.append(self.cache.select([0]))
 
-    Spy(fwd, progress, Sampler(cfg, 1, tiny.device), cfg, c["mask_id"], {c["eos_id"]}).decode([c["prompt_ids"]], [0])
-    assert {e.path for e in progress.traces[0]} == {"fast"}
-    for cache in caches:
-        toks, pos = cache.row_entries(0)
-        fresh = tiny.new_cache(1, len(toks))
-        tiny.hidden(toks[None], pos[None], fresh)
-        for layer in range(len(cache.k)):
-            torch.testing.assert_close(cache.k[layer][0, :, : len(toks)], fresh.k[layer][0, :, : len(toks)], rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(cache.v[layer][0, :, : len(toks)], fresh.v[layer][0, :, : len(toks)], rtol=1e-4, atol=1e-5)
+    out = decode_alone(Spy(tiny), c, cfg)
+    assert {e.path for e in out.trace} == {"fast"}
+    with torch.inference_mode():
+        for cache in caches:
+            toks, pos = cache.row_entries(0)
+            fresh = tiny.new_cache(1, len(toks))
+            tiny.hidden(toks[None], pos[None], fresh)
+            for layer in range(len(cache.k)):
+                torch.testing.assert_close(cache.k[layer][0, :, : len(toks)], fresh.k[layer][0, :, : len(toks)], rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(cache.v[layer][0, :, : len(toks)], fresh.v[layer][0, :, : len(toks)], rtol=1e-4, atol=1e-5)
 
 
 def test_committed_cache_holds_output_in_generation_order(tiny):
     """The cache's committed sequence, sorted by position, is prompt + output."""
     c = CASES[5]
-    cfg = case_config(c)
-    progress = Progress(1, {c["eos_id"]})
-    fwd = Forward(tiny, progress, pad_id=c["mask_id"])
     seen = []
 
-    class Spy(ReFusionDecoder):
-        def infill(self, rows, to_infill, cache):
-            super().infill(rows, to_infill, cache)
-            seen.append(cache.row_entries(0))
+    class Spy(Engine):
+        def _infill(self):
+            super()._infill()
+            seen.append(self.cache.row_entries(0))
 
-    with torch.inference_mode():
-        Spy(fwd, progress, Sampler(cfg, 1, tiny.device), cfg, c["mask_id"], {c["eos_id"]}).decode([c["prompt_ids"]], [0])
+    decode_alone(Spy(tiny), c, case_config(c))
     toks, pos = seen[-1]
     order = pos.argsort()
     P = len(c["prompt_ids"])

@@ -88,43 +88,48 @@ def test_rolling_loglikelihood_windows(lm_parts):
     assert windowed < 0 and windowed != pytest.approx(full, abs=1e-3)  # less context, other value
 
 
-def test_generate_until_maps_gen_kwargs_and_cuts_at_stops(lm_parts, monkeypatch):
-    from refusion.decode.config import DecodeConfig
-
-    monkeypatch.setattr(refusion, "DecodeConfig", DecodeConfig, raising=False)
+def test_generate_until_gives_each_request_its_config_in_one_batch(lm_parts):
     model, tok = lm_parts
     calls = []
 
-    def fake_generate(model_, tokenizer, prompts, cfg, chat=True):
-        calls.append((list(prompts), cfg, chat))
-        return [SimpleNamespace(text=f"answer to {p}\nQ: more") for p in prompts]
+    def fake_generate(model_, tokenizer, prompts, cfgs, engine_config=None, chat=True, on_output=None):
+        calls.append((list(prompts), list(cfgs), engine_config, chat))
+        return [SimpleNamespace(text=f"answer to {p}", finished=True) for p in prompts]
 
     lm = ReFusionLM(model=model, tokenizer=tok, preset="gsm8k", batch_size=2, generate_fn=fake_generate)
     kwargs_a = {"until": ["Q:"], "max_gen_toks": 64, "do_sample": False}
     kwargs_b = {"until": "more", "temperature": 0.5}
     out = lm.generate_until([request("p1", kwargs_a), request("p2", kwargs_b), request("p3", kwargs_a)])
-    assert out == ["answer to p1\n", "answer to p2\nQ: ", "answer to p3\n"]
-    by_prompt = {tuple(p): (cfg, chat) for p, cfg, chat in calls}
-    cfg_a, chat = by_prompt[("p1", "p3")]
-    assert not chat  # lm-eval formats (and chat-templates) the context itself
-    # max_gen_toks 64 rounds up to whole slots in the preset's 4 blocks of 32-token slots
-    assert (cfg_a.gen_length, cfg_a.temperature, cfg_a.slot_size, cfg_a.serial_blocks) == (128, 0.0, 32, 4)
-    assert by_prompt[("p2",)][0].temperature == 0.5 and by_prompt[("p2",)][0].gen_length == 512
+    assert out == ["answer to p1", "answer to p2", "answer to p3"]
+    ((prompts, cfgs, engine, chat),) = calls  # one engine batch for every request, whatever its settings
+    assert prompts == ["p1", "p2", "p3"] and not chat  # lm-eval formats (and chat-templates) the context itself
+    assert engine.max_batch_size == 2
+    cfg_a, cfg_b = cfgs[0], cfgs[1]
+    # max_gen_toks 64: the output is cut at 64 tokens; the region is whole slots in the preset's 4 blocks of 32
+    assert (cfg_a.gen_length, cfg_a.region_length, cfg_a.temperature, cfg_a.slot_size, cfg_a.serial_blocks) == (64, 128, 0.0, 32, 4)
+    assert cfg_a.stop == ("Q:",) and cfgs[2] == cfg_a
+    assert (cfg_b.temperature, cfg_b.gen_length, cfg_b.stop) == (0.5, 512, ("more",))
 
 
-def test_generate_until_caps_outputs_at_max_gen_toks(lm_parts, monkeypatch):
-    from refusion.decode.config import DecodeConfig
-
-    monkeypatch.setattr(refusion, "DecodeConfig", DecodeConfig, raising=False)
+def test_generate_until_caps_outputs_at_max_gen_toks_and_stops(lm_parts):
+    """Through the real engine: max_gen_toks caps the tokens, `until` cuts the text."""
     model, tok = lm_parts
-    ids = tok.encode("The cat sat on the mat and looked at the dog.", add_special_tokens=False)
+    lm = ReFusionLM(model=model, tokenizer=tok, method="ar")
+    free, capped = lm.generate_until([request("The cat", {"until": [], "max_gen_toks": 12}),
+                                      request("The cat", {"until": [], "max_gen_toks": 3})])
+    assert len(tok.encode(capped, add_special_tokens=False)) <= 3 and free.startswith(capped)
+    stop = free[len(capped) :][:2] if len(free) > len(capped) + 2 else None
+    if stop:
+        (cut,) = lm.generate_until([request("The cat", {"until": [stop], "max_gen_toks": 12})])
+        assert cut == free[: free.index(stop)]
 
-    def fake_generate(model_, tokenizer, prompts, cfg, chat=True):
-        return [SimpleNamespace(text=tok.decode(ids), token_ids=ids) for _ in prompts]
 
-    lm = ReFusionLM(model=model, tokenizer=tok, generate_fn=fake_generate)
-    (out,) = lm.generate_until([request("p", {"until": [], "max_gen_toks": 3})])
-    assert out == tok.decode(ids[:3])
+def test_unknown_model_args_are_refused(lm_parts):
+    from refusion.errors import ConfigError
+
+    model, tok = lm_parts
+    with pytest.raises(ConfigError, match="slot_sise.*accepted.*slot_size"):
+        ReFusionLM(model=model, tokenizer=tok, slot_sise=8)
 
 
 def test_lm_eval_runs_a_tiny_local_task(lm_parts, tmp_path, monkeypatch):
@@ -152,8 +157,9 @@ def test_lm_eval_runs_a_tiny_local_task(lm_parts, tmp_path, monkeypatch):
         "metric_list:\n  - metric: exact_match\n"
     )
 
-    def oracle(model_, tokenizer, prompts, cfg, chat=True):  # answers every question right
-        return [SimpleNamespace(text=str(2 * int(p.split("What is ")[1].split(" ")[0])) + "\nand more") for p in prompts]
+    def oracle(model_, tokenizer, prompts, cfgs, engine_config=None, chat=True, on_output=None):  # answers every question right
+        texts = [str(2 * int(p.split("What is ")[1].split(" ")[0])) + "\nand more" for p in prompts]
+        return [SimpleNamespace(text=t.split(c.stop[0])[0]) for t, c in zip(texts, cfgs)]  # the engine cuts at stop strings
 
     lm = ReFusionLM(model=model, tokenizer=tok, batch_size=4, generate_fn=oracle)
     results = lm_eval.simple_evaluate(model=lm, tasks=["tiny_mc", "tiny_gen"],

@@ -249,7 +249,7 @@ def test_cli_runs_a_model_with_the_task_preset(tmp_path, gsm8k_file, monkeypatch
         seen["load"] = (path, device, dtype)
         return "model", "tokenizer"
 
-    def fake_generate(model, tokenizer, prompts, cfg):
+    def fake_generate(model, tokenizer, prompts, cfg, engine_config=None):
         seen["cfg"] = cfg
         return FakeGenerate()(prompts)
 

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 import refusion  # noqa: E402
 from refusion.cli import main as cli_main  # noqa: E402
-from refusion.decode import DecodeConfig, generate  # noqa: E402
+from refusion.decode import DecodeConfig, Engine, EngineConfig, generate  # noqa: E402
 from refusion.serve import create_app  # noqa: E402
 
 MODEL = "tiny"
@@ -58,8 +58,8 @@ class LiveServer:
         wait_for(lambda: self.server.started, what="server start")
 
     @property
-    def scheduler(self):
-        return self.app.state.scheduler
+    def loop(self):
+        return self.app.state.engine_loop
 
     def client(self, api_key: str = "none") -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
@@ -76,7 +76,7 @@ class LiveServer:
 def live(loaded, **kwargs) -> Iterator[LiveServer]:
     model, tok = loaded
     cfg = kwargs.pop("cfg", BASE)
-    server = LiveServer(create_app(model, tok, cfg, model_name=MODEL, batch_window=0.005, **kwargs))
+    server = LiveServer(create_app(model, tok, cfg, model_name=MODEL, **kwargs))
     try:
         yield server
     finally:
@@ -106,27 +106,24 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-class Gate:
-    """Wraps `generate`: records each call's batch size and holds calls while closed;
-    `delay` slows every streamed prefix so a decode outlives a client."""
+class GatedEngine(Engine):
+    """The real engine, held before each step while `opened` is clear; `delay` slows every
+    step so a decode outlives a client. Records the finished outputs and each step's rows."""
 
-    def __init__(self, delay: float = 0.0) -> None:
+    def __init__(self, loaded, delay: float = 0.0, config: EngineConfig | None = None) -> None:
+        super().__init__(*loaded, config)
         self.opened = threading.Event()
         self.opened.set()
         self.delay = delay
-        self.batches: list[int] = []
         self.outputs: list = []
+        self.step_rows: list[int] = []
 
-    def __call__(self, model, tok, prompts, cfg, on_prefix=None, **kw):
-        self.batches.append(len(prompts))
+    def step(self):
         assert self.opened.wait(60)
-
-        def slow(i, ids, done):
-            time.sleep(self.delay)
-            on_prefix(i, ids, done)
-
-        outs = generate(model, tok, prompts, cfg, on_prefix=slow if self.delay else on_prefix, **kw)
-        self.outputs += outs
+        time.sleep(self.delay)
+        outs = super().step()
+        self.step_rows.append(self.rows_last_step)
+        self.outputs += [o for o in outs if o.finished]
         return outs
 
 
@@ -304,44 +301,60 @@ def test_api_key(loaded):
 
 
 # ---------------------------------------------------------------------------- batching and queue
-def test_requests_join_the_running_batch_by_config(loaded):
-    """Requests queued while a batch is held join it at its first step (continuous
-    batching) when their config equals its config; the ar request waits for its own batch."""
-    gate = Gate()
-    with live(loaded, generate_fn=gate) as s:
-        gate.opened.clear()
+def test_requests_with_different_settings_share_steps(loaded):
+    """Four requests with four settings (refusion at two thresholds, ar, sampled refusion)
+    added while the engine is held: they decode in the same steps (the rows-per-step
+    metric shows it), and each answer equals the library's for that request alone."""
+    model, tok = loaded
+    engine = GatedEngine(loaded)
+    settings = [{}, {"slot_threshold": 0.5, "token_threshold": 0.2, "slot_size": 4}, {"method": "ar"},
+                {"temperature": 0.9, "seed": 5, "serial_blocks": 2}]
+    with live(loaded, engine=engine) as s:
+        engine.opened.clear()
         client = s.client()
-        first, _ = in_thread(lambda: client.completions.create(model=MODEL, prompt="first", max_tokens=8))
-        wait_for(lambda: s.scheduler.running == 1, what="the first batch")
-        same = [in_thread(lambda p=p: client.completions.create(model=MODEL, prompt=p, max_tokens=8)) for p in ("a cat", "a dog", "a mat")]
-        other, _ = in_thread(lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=8, extra_body={"method": "ar"}))
-        wait_for(lambda: s.scheduler.queue_length == 4, what="four queued requests")
-        gate.opened.set()
-        for t, box in [(first, None), *same, (other, None)]:
+        threads = [in_thread(lambda e=e: client.completions.create(model=MODEL, prompt="The cat sat", max_tokens=24, extra_body=e))
+                   for e in settings]
+        wait_for(lambda: s.loop.queue_length == 4, what="four queued requests")
+        engine.opened.set()
+        for t, _ in threads:
             t.join(60)
-        assert all(box and box[0].choices[0].text is not None for _, box in same)
-        assert gate.batches == [1, 1]  # two generate calls, each started with one request
-        # a client has its answer before `generate` returns: wait for both calls to end
-        wait_for(lambda: len(gate.outputs) == 5, what="the first call's own row and the 3 that joined, and the ar call")
         m = s.metrics()
-        assert m["refusion_joined_total"] == 3 and m["refusion_batch_size_count"] == 2
+    texts = [box[0].choices[0].text for _, box in threads]
+    refs = [generate(model, tok, ["The cat sat"], BASE.replace(gen_length=24, **e), chat=False)[0].text for e in settings]
+    assert texts == refs
+    assert max(engine.step_rows) == 4  # one step carried all four settings
+    assert m['refusion_rows_per_step_bucket{le="2"}'] < m["refusion_rows_per_step_count"]
+    assert m["refusion_engine_forward_passes"] < sum(o.stats.nfe for o in engine.outputs)  # forwards were shared
+
+
+def test_a_preset_request_keeps_the_servers_sampling_settings(loaded):
+    """`"preset": "gsm8k"` sets the slot layout and thresholds; the server's own
+    temperature and seed stay (the preset does not reset them)."""
+    model, tok = loaded
+    base = BASE.replace(temperature=0.8, seed=3)
+    with live(loaded, cfg=base) as s:
+        got = s.client().completions.create(model=MODEL, prompt="Two plus", max_tokens=16, extra_body={"preset": "gsm8k"})
+    ref = generate(model, tok, ["Two plus"], DecodeConfig.preset("gsm8k", base).for_max_tokens(16), chat=False)[0]
+    greedy = generate(model, tok, ["Two plus"], DecodeConfig.preset("gsm8k").for_max_tokens(16), chat=False)[0]
+    assert got.choices[0].text == ref.text
+    assert ref.text != greedy.text  # the sampling settings made a difference
 
 
 def test_full_queue_gets_429_with_retry_after(loaded):
-    gate = Gate()
-    with live(loaded, generate_fn=gate, max_queue=2) as s:
-        gate.opened.clear()
+    engine = GatedEngine(loaded)
+    with live(loaded, engine=engine, max_queue=2) as s:
         client = s.client()
-        running = in_thread(lambda: client.completions.create(model=MODEL, prompt="a", max_tokens=8))
-        wait_for(lambda: s.scheduler.running == 1, what="the first batch")
+        running = in_thread(lambda: client.completions.create(model=MODEL, prompt="a", max_tokens=200, extra_body={"method": "ar"}))
+        wait_for(lambda: s.loop.running == 1, what="the first request to run")
+        engine.opened.clear()
         queued = [in_thread(lambda: client.completions.create(model=MODEL, prompt="b", max_tokens=8)) for _ in range(2)]
-        wait_for(lambda: s.scheduler.queue_length == 2, what="a full queue")
+        wait_for(lambda: s.loop.queue_length == 2, what="a full queue")
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "c", "max_tokens": 8})
         assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
         assert r.json()["error"]["code"] == "queue_full"
         with pytest.raises(openai.RateLimitError):
             client.completions.create(model=MODEL, prompt=["c", "d"], max_tokens=8)
-        gate.opened.set()
+        engine.opened.set()
         for t, box in [running, *queued]:
             t.join(60)
             assert box and box[0].choices
@@ -349,28 +362,48 @@ def test_full_queue_gets_429_with_retry_after(loaded):
         assert s.client().completions.create(model=MODEL, prompt="again", max_tokens=8).choices
 
 
+def test_a_failing_step_fails_its_requests_and_the_server_goes_on(loaded):
+    """A step that raises (a bug, a device error) fails the requests in it with a 500;
+    the engine loop survives and the next request is answered."""
+    class Flaky(GatedEngine):
+        fail_next = True
+
+        def _step_cached(self):
+            if Flaky.fail_next:
+                Flaky.fail_next = False
+                raise RuntimeError("boom")
+            super()._step_cached()
+
+    with live(loaded, engine=Flaky(loaded)) as s:
+        with pytest.raises(openai.InternalServerError):
+            s.client().completions.create(model=MODEL, prompt="x", max_tokens=8)
+        assert s.client().completions.create(model=MODEL, prompt="x", max_tokens=8).choices[0].text is not None
+        assert s.loop.alive
+
+
 # ---------------------------------------------------------------------------- cancellation and shutdown
 def test_disconnect_cancels_the_row(loaded):
-    gate = Gate(delay=0.02)
-    with live(loaded, generate_fn=gate) as s:
+    engine = GatedEngine(loaded, delay=0.02)
+    with live(loaded, engine=engine) as s:
         body = {"prompt": "Hello", "max_tokens": 200, "method": "ar", "stream": True}
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
             for line in r.iter_lines():
                 if line.startswith("data:"):
                     break  # one chunk, then hang up
-        wait_for(lambda: len(gate.outputs) == 1, what="the streamed row to stop")
+        wait_for(lambda: len(engine.outputs) == 1, what="the streamed row to stop")
         with pytest.raises(httpx.ReadTimeout):  # a plain request whose client gives up
             httpx.post(s.url + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
-        wait_for(lambda: len(gate.outputs) == 2, what="the plain row to stop")
-        assert [o.finish_reason for o in gate.outputs] == ["cancelled", "cancelled"]
-        assert all(len(o.token_ids) < 100 for o in gate.outputs)
+        wait_for(lambda: len(engine.outputs) == 2, what="the plain row to stop")
+        assert [o.finish_reason for o in engine.outputs] == ["cancelled", "cancelled"]
+        assert all(len(o.token_ids) < 100 for o in engine.outputs)
         assert s.metrics()['refusion_completions_total{reason="cancelled"}'] == 2
+        assert engine.num_running == 0
 
 
 def test_graceful_shutdown_finishes_in_flight_requests(loaded):
-    gate = Gate(delay=0.01)
+    engine = GatedEngine(loaded, delay=0.01)
     model, tok = loaded
-    s = LiveServer(create_app(model, tok, BASE, model_name=MODEL, generate_fn=gate), shutdown_timeout=20)
+    s = LiveServer(create_app(model, tok, BASE, model_name=MODEL, engine=engine), shutdown_timeout=20)
     body = {"prompt": "Hello", "max_tokens": 40, "method": "ar", "stream": True}
     lines = []
     with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
@@ -382,23 +415,23 @@ def test_graceful_shutdown_finishes_in_flight_requests(loaded):
     stopper.join(30)
     assert len(lines) > 3 and lines[-1] == "data: [DONE]"  # chunks kept coming after the stop began
     finish = [json.loads(x[5:])["choices"][0]["finish_reason"] for x in lines if x.startswith("data: {")]
-    assert finish[-1] in ("stop", "length") and gate.outputs[0].finish_reason != "cancelled"
-    assert not s.thread.is_alive() and not s.scheduler.alive
+    assert finish[-1] in ("stop", "length") and engine.outputs[0].finish_reason != "cancelled"
+    assert not s.thread.is_alive() and not s.loop.alive
 
 
 def test_shutdown_cancels_what_outlives_the_grace_period(loaded):
-    gate = Gate(delay=0.02)
+    engine = GatedEngine(loaded, delay=0.02)
     model, tok = loaded
-    app = create_app(model, tok, BASE, model_name=MODEL, generate_fn=gate, shutdown_timeout=0.3)
+    app = create_app(model, tok, BASE, model_name=MODEL, engine=engine, shutdown_timeout=0.3)
     s = LiveServer(app, shutdown_timeout=0.3)
     body = {"prompt": "Hello", "max_tokens": 400, "method": "ar", "stream": True}
     t0 = time.monotonic()
     with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
         next(line for line in r.iter_lines() if line.startswith("data:"))
         s.stop()
-    assert not s.thread.is_alive() and not s.scheduler.alive
+    assert not s.thread.is_alive() and not s.loop.alive
     assert time.monotonic() - t0 < 6  # 400 tokens at 20 ms would take 8 s
-    assert gate.outputs[0].finish_reason == "cancelled"
+    assert engine.outputs[0].finish_reason == "cancelled"
 
 
 def test_loadtest_script_reports(server, capsys):
@@ -425,14 +458,25 @@ def test_loadtest_compare_interleaves_rounds_and_reports_the_median(server, caps
     assert len(PROMPTS) > 2  # each client cycles through them all (see run_phase)
 
 
+def test_loadtest_compares_same_and_mixed_settings(server, capsys):
+    from refusion.serve.loadtest import MIXED, main as loadtest
+
+    code = loadtest(["--url", server.url, "--compare", "same,mixed", "--clients", "3", "--seconds", "0.4", "--max-tokens", "4", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and [(ph["phase"], ph["clients"]) for ph in report["phases"]] == [("same", 3), ("mixed", 3)]
+    assert all(ph["requests_ok"] >= 3 and not ph["errors"] for ph in report["phases"])
+    assert len({json.dumps(m, sort_keys=True) for m in MIXED}) == len(MIXED) >= 8
+
+
 def test_cli_wires_flags_to_the_server(model_dirs, monkeypatch):
     import refusion.serve as serve_pkg
 
     seen = {}
     monkeypatch.setattr(serve_pkg, "serve", lambda model, tok, cfg, **kw: seen.update(cfg=cfg, **kw))
-    argv = ["serve", str(model_dirs[1]), "--port", "9", "--api-key", "k", "--max-queue", "5", "--batch-window-ms", "20",
+    argv = ["serve", str(model_dirs[1]), "--port", "9", "--api-key", "k", "--max-queue", "5", "--max-batch-size", "3",
             "--slot-size", "4", "--method", "ar", "--gen-length", "48"]
     assert cli_main(argv) == 0
-    assert (seen["host"], seen["port"], seen["api_key"], seen["max_queue"], seen["batch_window"]) == ("127.0.0.1", 9, "k", 5, 0.02)
+    assert (seen["host"], seen["port"], seen["api_key"], seen["max_queue"]) == ("127.0.0.1", 9, "k", 5)
+    assert seen["engine_config"] == EngineConfig(max_batch_size=3)
     assert seen["model_name"] == model_dirs[1].name
     assert (seen["cfg"].method, seen["cfg"].slot_size, seen["cfg"].gen_length) == ("ar", 4, 48)

@@ -1,19 +1,21 @@
 """The server's parts without HTTP: stop strings, request validation, length fitting,
-metrics text, and the scheduler driven by a scripted `generate`."""
+metrics text, and the engine loop driven by a scripted engine."""
 
 from __future__ import annotations
 
 import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refusion.decode import DecodeConfig, DecodeStats, GenerationOutput
+from refusion.decode import DecodeConfig, DecodeStats, EngineConfig, RequestOutput, StopText
 from refusion.errors import ConfigError
+from refusion.serve.loop import EngineLoop, Job, QueueFull, ShuttingDown
 from refusion.serve.metrics import Metrics
-from refusion.serve.protocol import APIError, CompletionRequest, fit_length, parse_request, request_config
-from refusion.serve.scheduler import Job, QueueFull, Scheduler, ShuttingDown, StopText
+from refusion.serve.protocol import DECODE_FIELDS, APIError, CompletionRequest, fit_length, parse_request, request_config
 
 
 # ---------------------------------------------------------------------------- stop strings
@@ -74,28 +76,41 @@ def test_parse_rejects(body, param):
     assert e.value.status == 400 and e.value.param == param
 
 
-def test_request_config_preset_keeps_server_batching():
-    base = DecodeConfig(max_batch_size=3, memory_budget_gb=1.0, eos_id=7)
-    cfg = request_config(base, CompletionRequest("completion", None, preset="gpqa", overrides={"temperature": 0.5}))
-    assert (cfg.slot_size, cfg.serial_blocks, cfg.temperature) == (8, 32, 0.5)
-    assert (cfg.max_batch_size, cfg.memory_budget_gb, cfg.eos_id) == (3, 1.0, 7)
-    # a new slot layout validates: gen_length is provisional and rounded to whole blocks
+def test_request_fields_are_derived_from_decode_config():
+    """The request's decode knobs are DecodeConfig's fields, with its bounds: no second list."""
+    assert set(DECODE_FIELDS) == {"method", "slot_size", "serial_blocks", "slot_threshold", "token_threshold", "mdm_block_length",
+                                  "mdm_steps", "mdm_threshold", "temperature", "top_p", "top_k", "seed", "stop_token_ids"}
+    for body, param in [({"slot_size": 5000}, "slot_size"), ({"temperature": 101}, "temperature"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+                        ({"stop_token_ids": 3}, "stop_token_ids"), ({"top_k": 1.5}, "top_k")]:
+        with pytest.raises(APIError) as e:
+            parse_request({"prompt": "a", **body}, "completion")
+        assert e.value.param == param
+    assert parse_request({"prompt": "a", "stop_token_ids": [3, 4], "temperature": 1}, "completion").overrides == {
+        "stop_token_ids": (3, 4), "temperature": 1.0}
+
+
+def test_request_config_preset_keeps_the_servers_sampling():
+    base = DecodeConfig(temperature=0.7, seed=9, top_p=0.8)
+    cfg = request_config(base, CompletionRequest("completion", None, preset="gpqa", overrides={"top_k": 5}, stop=["##"]))
+    assert (cfg.slot_size, cfg.serial_blocks, cfg.slot_threshold, cfg.method) == (8, 32, 0.8, "refusion")
+    assert (cfg.temperature, cfg.seed, cfg.top_p, cfg.top_k, cfg.stop) == (0.7, 9, 0.8, 5, ("##",))
+    # any slot layout is valid: the region rounds up to whole slots in equal blocks
     cfg = request_config(DecodeConfig(gen_length=32), CompletionRequest("completion", None, overrides={"slot_size": 4, "serial_blocks": 3}))
-    assert (cfg.gen_length, cfg.slot_size, cfg.serial_blocks) == (36, 4, 3)
+    assert (cfg.gen_length, cfg.region_length) == (32, 36)
 
 
 def test_fit_length():
     cfg = DecodeConfig(gen_length=64, slot_size=8, serial_blocks=2)
-    c, m = fit_length(cfg, 10, 10, 512, "prompt")
-    assert (c.gen_length, m) == (16, 10)  # whole slots in equal blocks; the output is cut to 10
-    c, m = fit_length(cfg, 480, None, 512, "prompt")
-    assert (c.gen_length, m) == (32, 32)  # the default is capped to the room left
+    c = fit_length(cfg, 10, 10, 512, "prompt")
+    assert (c.gen_length, c.region_length) == (10, 16)  # whole slots in equal blocks; the output is cut to 10
+    c = fit_length(cfg, 480, None, 512, "prompt")
+    assert (c.gen_length, c.region_length) == (32, 32)  # the default is capped to the room left
     for args, param in [((512, None), "prompt"), ((500, 13), "max_tokens"), ((500, 10), "max_tokens")]:  # 10 rounds to 16 > 12
         with pytest.raises(APIError) as e:
             fit_length(cfg, *args, 512, "prompt")
         assert (e.value.param, e.value.code) == (param, "context_length_exceeded")
-    c, m = fit_length(cfg.replace(method="ar"), 500, 12, 512, "prompt")
-    assert (c.gen_length, m) == (12, 12)
+    c = fit_length(cfg.replace(method="ar"), 500, 12, 512, "prompt")
+    assert c.gen_length == 12
 
 
 # ---------------------------------------------------------------------------- metrics
@@ -105,132 +120,128 @@ def test_metrics_text_format():
     m.requests.inc(2, "/v1/completions", "200")
     m.errors.inc(1, 'weird"type')
     for v in (1, 3, 3, 1000):
-        m.batch_size.observe(v)
+        m.rows_per_step.observe(v)
     text = m.render()
-    assert '# TYPE refusion_batch_size histogram' in text
+    assert '# TYPE refusion_rows_per_step histogram' in text
     assert 'refusion_requests_total{route="/v1/completions",status="200"} 3' in text
     assert 'refusion_errors_total{type="weird\\"type"} 1' in text
     for le, n in [("1", 1), ("2", 1), ("4", 3), ("128", 3), ("+Inf", 4)]:
-        assert f'refusion_batch_size_bucket{{le="{le}"}} {n}' in text
-    assert "refusion_batch_size_sum 1007" in text and "refusion_batch_size_count 4" in text
+        assert f'refusion_rows_per_step_bucket{{le="{le}"}} {n}' in text
+    assert "refusion_rows_per_step_sum 1007" in text and "refusion_rows_per_step_count 4" in text
 
 
-# ---------------------------------------------------------------------------- scheduler
-class Scripted:
-    """A stand-in for `generate`: row i's tokens are `script[prompt[0]]`, streamed one
-    prefix at a time while `is_cancelled(i)` is false."""
+# ---------------------------------------------------------------------------- engine loop
+class ScriptedEngine:
+    """Stands in for `Engine`: request p yields `script[p[0]]`, one token per step, text
+    "t<id>" per token; an unknown prompt is refused when added (as a bad request is)."""
 
-    def __init__(self, script: dict[int, list[int]]) -> None:
-        self.script, self.batches = script, []
-        self.opened = threading.Event()
-        self.opened.set()
+    def __init__(self, script: dict[int, list[int]], max_batch_size: int = 2) -> None:
+        self.script, self.config = script, EngineConfig(max_batch_size=max_batch_size)
+        self.requests: dict[str, SimpleNamespace] = {}
+        self.waiting: list[str] = []
+        self.finished_outputs: list[RequestOutput] = []
+        self.forwards = self.rows_last_step = 0
 
-    def __call__(self, model, tok, prompts, cfg, on_prefix, is_cancelled, admit=None):  # never admits: fixed batches
-        self.batches.append([p[0] for p in prompts])
-        assert self.opened.wait(10)
-        if any(p[0] not in self.script for p in prompts):
+    @property
+    def num_running(self) -> int:
+        return len(self.requests) - len(self.waiting)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests or self.finished_outputs)
+
+    def add_request(self, ids, cfg, request_id):
+        if ids[0] not in self.script:
             raise ConfigError("unknown prompt")
-        outs = []
-        for i, p in enumerate(prompts):
-            toks, n = self.script[p[0]], 0
-            while n < len(toks) and not is_cancelled(i):
-                n += 1
-                on_prefix(i, toks[:n], False)
-            on_prefix(i, toks[:n], True)
-            outs.append(GenerationOutput("", toks[:n], DecodeStats(n, n), 1, "cancelled" if is_cancelled(i) else "length"))
+        self.requests[request_id] = SimpleNamespace(toks=self.script[ids[0]], n=0, started=0)
+        self.waiting.append(request_id)
+
+    def abort(self, rid):
+        r = self.requests.pop(rid, None)
+        if r is not None:
+            self.waiting = [w for w in self.waiting if w != rid]
+            self.finished_outputs.append(self._out(rid, r, "cancelled"))
+        return r is not None
+
+    def abort_running(self):
+        return []
+
+    def step(self):
+        time.sleep(0.005)
+        outs, self.finished_outputs = self.finished_outputs, []
+        while self.waiting and self.num_running < self.config.max_batch_size:
+            self.requests[self.waiting.pop(0)].started = 1
+        running = [(rid, r) for rid, r in self.requests.items() if r.started]
+        self.rows_last_step = len(running)
+        self.forwards += 1
+        for rid, r in running:
+            r.n += 1
+            done = r.n == len(r.toks)
+            outs.append(self._out(rid, r, "length" if done else None))
+            if done:
+                del self.requests[rid]
         return outs
 
+    @staticmethod
+    def _out(rid, r, reason):
+        toks = r.toks[: r.n]
+        return RequestOutput(rid, toks, "".join(f"t{t}" for t in toks), f"t{toks[-1]}" if toks and reason != "cancelled" else "",
+                             reason is not None, reason, DecodeStats(len(toks), len(toks)), 1)
 
-def job(tok, first: int, cfg: DecodeConfig, max_tokens: int = 100, stops=(), eos=frozenset({0})) -> tuple[Job, list]:
+
+def job(first: int) -> tuple[Job, list]:
     events: list = []
-    return Job([first], cfg, max_tokens, list(stops), tok, set(eos), events.append), events
+    return Job([first], DecodeConfig(), events.append), events
 
 
 def text_of(events) -> str:
     return "".join(e[1] for e in events if e[0] == "text")
 
 
-def test_scheduler_batches_equal_configs_and_cuts_rows(tiny_tokenizer):
-    tok = tiny_tokenizer
-    words = tok("The cat sat on the mat and looked at the dog.")["input_ids"]
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
-    script = {1: words, 2: words[:3] + [eos] + words, 3: words}
-    gen = Scripted(script)
-    gen.opened.clear()
-    a, b = DecodeConfig(gen_length=16), DecodeConfig(gen_length=16, method="ar")
-    sched = Scheduler(None, tok, max_queue=8, batch_window=0.0, generate_fn=gen)
-    jobs = [job(tok, 1, a, max_tokens=4), job(tok, 2, a, eos={eos}), job(tok, 3, b, stops=["mat"]), job(tok, 1, a)]
-    sched.start()
-    sched.submit([jobs[0][0]])
-    while not gen.batches:
-        threading.Event().wait(0.005)
-    sched.submit([j for j, _ in jobs[1:]])
-    gen.opened.set()
-    sched.shutdown(10)
-    assert gen.batches == [[1], [2, 1], [3]]  # equal configs together, the ar job alone
-    (_, e0), (_, e1), (_, e2), (_, e3) = jobs
-    assert e0[-1] == ("done", "length", 4) and text_of(e0) == tok.decode(words[:4])
-    assert e1[-1] == ("done", "stop", 4) and text_of(e1) == tok.decode(words[:3])
-    assert e2[-1][:2] == ("done", "stop") and text_of(e2) == "The cat sat on the "
-    assert text_of(e3) == tok.decode(words)
-    m = sched.metrics
-    assert m.batch_size.count() == 3 and m.finished.value("stop") == 2
+def test_engine_loop_streams_outputs_and_isolates_a_bad_request():
+    engine = ScriptedEngine({1: [5, 6, 7], 2: [8]}, max_batch_size=2)
+    loop = EngineLoop(engine, max_queue=8)
+    (a, ea), (b, eb), (bad, ebad), (c, ec) = job(1), job(2), job(9), job(1)
+    loop.submit([a, b, bad, c])
+    loop.start()
+    loop.shutdown(10)
+    assert text_of(ea) == "t5t6t7" and ea[-1] == ("done", "length", 3)
+    assert text_of(eb) == "t8" and eb[-1] == ("done", "length", 1)
+    assert ebad == [("error", ebad[0][1])] and isinstance(ebad[0][1], ConfigError)
+    assert text_of(ec) == "t5t6t7"
+    m = loop.metrics
+    assert m.finished.value("length") == 3 and m.finished.value("error") == 1
+    assert m.rows_per_step.count() == engine.forwards and m.queue_wait.count() == 3
 
 
-def test_scheduler_isolates_a_bad_request(tiny_tokenizer):
-    gen = Scripted({1: [5, 6, 7]})
-    sched = Scheduler(None, tiny_tokenizer, batch_window=0.05, generate_fn=gen)
-    (good, eg), (bad, eb) = job(tiny_tokenizer, 1, DecodeConfig()), job(tiny_tokenizer, 9, DecodeConfig())
-    sched.submit([good, bad])
-    sched.start()
-    sched.shutdown(10)
-    assert gen.batches == [[1, 9], [1], [9]]
-    assert eg[-1][:2] == ("done", "length") and eb[-1][0] == "error" and isinstance(eb[-1][1], ConfigError)
-
-
-def test_scheduler_queue_bound_and_shutdown(tiny_tokenizer):
-    sched = Scheduler(None, tiny_tokenizer, max_queue=2, generate_fn=Scripted({}))
-    (j1, e1), (j2, _), (j3, _) = (job(tiny_tokenizer, 1, DecodeConfig()) for _ in range(3))
-    sched.submit([j1])
+def test_engine_loop_queue_bound_and_shutdown():
+    loop = EngineLoop(ScriptedEngine({1: [5]}), max_queue=2)
+    (j1, e1), (j2, _), (j3, _) = job(1), job(1), job(1)
+    loop.submit([j1])
     with pytest.raises(QueueFull) as e:
-        sched.submit([j2, j3])  # all or nothing
-    assert e.value.retry_after >= 1 and sched.queue_length == 1
-    sched.shutdown(0.1)  # the worker never started: queued work fails
+        loop.submit([j2, j3])  # all or nothing
+    assert e.value.retry_after >= 1 and loop.queue_length == 1
+    loop.shutdown(0.1)  # the worker never started: queued work fails
     assert e1[-1][0] == "error" and isinstance(e1[-1][1], ShuttingDown)
     with pytest.raises(ShuttingDown):
-        sched.submit([j2])
+        loop.submit([j2])
 
 
-def test_cancelled_jobs_never_reach_the_decoder(tiny_tokenizer):
-    gen = Scripted({1: [5, 6]})
-    sched = Scheduler(None, tiny_tokenizer, generate_fn=gen)
-    (j1, e1), (j2, e2) = job(tiny_tokenizer, 1, DecodeConfig()), job(tiny_tokenizer, 1, DecodeConfig())
-    sched.submit([j1, j2])
+def test_cancelled_jobs_never_reach_the_engine_and_running_ones_are_aborted():
+    engine = ScriptedEngine({1: list(range(50))})
+    loop = EngineLoop(engine)
+    (j1, e1), (j2, e2) = job(1), job(1)
     j1.cancel()
-    sched.start()
-    sched.shutdown(10)
-    assert gen.batches == [[1]] and e1 == [("done", "cancelled", 0)] and e2[-1][:2] == ("done", "length")
-
-
-def test_admit_takes_what_fits_and_lets_no_job_overtake_a_long_one(tiny_tokenizer, monkeypatch):
-    """Joining a running batch: same config only, at most `room` jobs, prompts of at most
-    `max_len` tokens; the first too-long job stops the joining (it heads the next batch)."""
-    monkeypatch.setattr("refusion.serve.scheduler.check_prompts", lambda *a: None)
-    a, b = DecodeConfig(gen_length=16), DecodeConfig(gen_length=16, method="ar")
-    sched = Scheduler(None, tiny_tokenizer, generate_fn=Scripted({}))
-
-    def make(n: int, cfg: DecodeConfig) -> Job:
-        return Job([1] * n, cfg, 100, [], tiny_tokenizer, {0}, lambda e: None)
-
-    running = [make(3, a)]
-    queued = [make(4, a), make(2, b), make(9, b), make(5, a), make(9, a), make(2, a)]
-    sched._queue.extend(queued)
-    got = sched._admit(running, room=5, max_len=6)
-    assert got == [[1] * 4, [1] * 5]  # the ar jobs wait; the 9-token job blocks the 2-token one behind it
-    assert list(sched._queue) == [queued[i] for i in (1, 2, 4, 5)] and len(running) == 3
-    sched._queue.clear()
-    sched._queue.extend([make(2, a), make(2, a), make(2, a)])
-    assert len(sched._admit(running, room=2, max_len=6)) == 2 and sched.queue_length == 1
+    loop.submit([j1, j2])
+    loop.start()
+    threading.Event().wait(0.05)
+    j2.cancel()
+    loop.shutdown(10)
+    assert e1 == [("done", "cancelled", 0)]
+    assert e2[-1][:2] == ("done", "cancelled") and e2[-1][2] < 50 and not engine.requests
 
 
 def test_library_errors_map_to_statuses():

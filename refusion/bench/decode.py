@@ -11,6 +11,7 @@ of a full batch, not the tail of one batch waiting for its longest row.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -18,9 +19,9 @@ from typing import Any
 
 import torch
 
-from ..commands._common import add_decode_arguments, add_model_arguments, decode_config_from_args, load_from_args
-from ..decode import DecodeConfig, generate
-from ..decode.engine import sync
+from ..flags import add_decode_arguments, add_model_arguments, decode_config_from_args, engine_config_from_args, load_from_args
+from ..decode import DecodeConfig, EngineConfig, generate
+from ..timing import sync, time_ms
 from ..errors import ConfigError
 
 DEFAULT_PROMPTS = [
@@ -50,23 +51,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", dest="json_out", default=None, help="also write the figures to this JSON file")
 
 
-def method_config(base: DecodeConfig, name: str) -> DecodeConfig:
-    """The config of a method name: `refusion`, or `refusion+c` for the same with compile."""
+def method_config(base: DecodeConfig, engine: EngineConfig, name: str) -> tuple[DecodeConfig, EngineConfig]:
+    """The configs of a method name: `refusion`, or `refusion+c` for the same compiled."""
     method, plus, flag = name.partition("+")
     if plus and flag != "c":
         raise ConfigError(f"method {name!r}: the only suffix is +c (compiled), as in {method}+c")
-    return base.replace(method=method, compile=True) if plus else base.replace(method=method)
+    return base.replace(method=method), engine.replace(compile=engine.compile or bool(plus))
 
 
-def warm_up(model, tokenizer, base: DecodeConfig, methods: list[str], sizes: list[int]) -> None:
+def warm_up(model, tokenizer, base: DecodeConfig, engine: EngineConfig, methods: list[str], sizes: list[int]) -> None:
     """Compile the graphs of the compiled methods before any timing (one row and several,
     one token and several): compile time is a one-off, not decoding speed."""
     for m in methods:
-        cfg = method_config(base, m)
-        if cfg.compile and cfg.method != "mdm":
+        cfg, ecfg = method_config(base, engine, m)
+        if ecfg.compile and cfg.method != "mdm":
             print(f"warm-up: compiling {m}'s graphs (a minute or so at first use)", flush=True)
             for b in sorted({1, max(sizes)}):
-                generate(model, tokenizer, bench_prompts(min(b, 4)), cfg.replace(max_batch_size=b, gen_length=min(cfg.gen_length, 32)))
+                generate(model, tokenizer, bench_prompts(min(b, 4)), cfg.for_max_tokens(min(cfg.gen_length, 32)),
+                         engine_config=ecfg.replace(max_batch_size=b))
 
 
 def bench_prompts(n: int) -> list[str]:
@@ -79,11 +81,11 @@ def bench_prompts(n: int) -> list[str]:
         return (DEFAULT_PROMPTS * (n // len(DEFAULT_PROMPTS) + 1))[:n]
 
 
-def timed(model, tokenizer, prompts, cfg: DecodeConfig) -> dict[str, Any]:
-    """Decode prompts with batch size cfg.max_batch_size; figures for the whole set."""
+def timed(model, tokenizer, prompts, cfg: DecodeConfig, engine: EngineConfig) -> dict[str, Any]:
+    """Decode prompts with at most engine.max_batch_size rows in flight; figures for the whole set."""
     sync(model.device)
     t0 = time.perf_counter()
-    outs = generate(model, tokenizer, prompts, cfg)
+    outs = generate(model, tokenizer, prompts, cfg, engine_config=engine)
     sync(model.device)
     wall = time.perf_counter() - t0
     tokens = sum(o.stats.tokens for o in outs)
@@ -107,7 +109,6 @@ def linear_flops(model, fed: int, logit_rows: int) -> float:
 def linear_rate(model, out_f: int, in_f: int, rows: int, inner: int) -> float:
     """GFLOP/s of a (rows x in_f) by (in_f -> out_f) matmul in the model's dtype and device,
     best of 5 samples of `inner` calls."""
-    from .speed import time_ms  # speed imports this module
 
     x = torch.randn(rows, in_f, device=model.device, dtype=model.dtype)
     w = torch.randn(out_f, in_f, device=model.device, dtype=model.dtype)
@@ -154,17 +155,18 @@ def ceiling_tps(model, rates: dict[tuple[int, int], float], tokens: float, fed: 
 def run(args: argparse.Namespace) -> int:
     args.model = args.model or args.model_pos
     model, tokenizer = load_from_args(args)
-    base = decode_config_from_args(args)
+    base, engine = decode_config_from_args(args), engine_config_from_args(args)
     prompts = bench_prompts(args.prompts)
     methods = args.methods.split(",")
     for m in methods:
-        method_config(base, m).validate()  # a bad name fails before any timing
+        method_config(base, engine, m)  # a bad name fails before any timing
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    warm_up(model, tokenizer, base, methods, sizes)
+    warm_up(model, tokenizer, base, engine, methods, sizes)
     rows: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     for _ in range(args.rounds):
         for m in methods:
-            rows[m].append(timed(model, tokenizer, prompts, method_config(base, m).replace(max_batch_size=1)))
+            cfg, ecfg = method_config(base, engine, m)
+            rows[m].append(timed(model, tokenizer, prompts, cfg, ecfg.replace(max_batch_size=1)))
     table = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in rows.items()}
     ar_tps = table.get("ar", {}).get("tps")
     threads = f", {torch.get_num_threads()} CPU threads" if model.device.type == "cpu" else ""
@@ -174,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         ratio = f"{r['tps'] / ar_tps:.2f}x" if ar_tps else "-"
         print(f"{m:10} {r['tokens']:7.0f} {r['nfe']:6.0f} {r['tpf']:6.2f} {r['tps']:8.1f} {ratio:>6} {r['overhead']:8.1%}")
     print("overhead: share of decode time spent outside forward passes (decoder logic, sampling, bookkeeping)")
-    full, n_sweep = batch_sweep(model, tokenizer, base, methods, sizes, args.sweep_prompts or 4 * max(sizes), args.rounds)
+    full, n_sweep = batch_sweep(model, tokenizer, base, engine, methods, sizes, args.sweep_prompts or 4 * max(sizes), args.rounds)
     sweep = {m: {b: r["tps"] for b, r in per.items()} for m, per in full.items()}
     print(f"\nbatch-size sweep: {n_sweep} prompts, at most b rows in flight (refilled as rows finish), "
           f"tokens/s of the whole set, median of {args.rounds} interleaved rounds")
@@ -189,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     ceilings = print_ceilings(model, full, methods, sizes)
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"config": base.__dict__, "prompts": len(prompts), "table": table, "sweep_prompts": n_sweep, "sweep": sweep,
+            json.dump({"config": dataclasses.asdict(base), "engine": dataclasses.asdict(engine), "prompts": len(prompts), "table": table, "sweep_prompts": n_sweep, "sweep": sweep,
                        "sweep_detail": full, "matmul_peak_gflops": peak, "ceiling": ceilings}, f, indent=2)
     return 0
 
@@ -213,7 +215,7 @@ def print_ceilings(model, full: dict[str, dict[int, dict[str, float]]], methods:
     return out
 
 
-def batch_sweep(model, tokenizer, base: DecodeConfig, methods: list[str], sizes: list[int], n: int,
+def batch_sweep(model, tokenizer, base: DecodeConfig, engine: EngineConfig, methods: list[str], sizes: list[int], n: int,
                 rounds: int) -> tuple[dict[str, dict[int, dict[str, float]]], int]:
     """Per (method, batch size), the figures of `timed` for n prompts (median over rounds of
     each), sizes and methods interleaved within each round; `peak_gflops` is the model-shape
@@ -223,7 +225,8 @@ def batch_sweep(model, tokenizer, base: DecodeConfig, methods: list[str], sizes:
     for _ in range(rounds):
         for m in methods:
             for b in sizes:
-                r = timed(model, tokenizer, prompts, method_config(base, m).replace(max_batch_size=b))
+                cfg, ecfg = method_config(base, engine, m)
+                r = timed(model, tokenizer, prompts, cfg, ecfg.replace(max_batch_size=b))
                 runs[m][b].append({**r, "peak_gflops": matmul_peak(model)})
     med = lambda rs: {k: statistics.median(r[k] for r in rs) for k in rs[0]}  # noqa: E731
     return {m: {b: med(rs) for b, rs in per.items()} for m, per in runs.items()}, len(prompts)

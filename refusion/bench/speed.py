@@ -24,19 +24,19 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..commands._common import add_decode_arguments, add_model_arguments, decode_config_from_args
+from ..flags import add_decode_arguments, add_model_arguments, decode_config_from_args, engine_config_from_args
 from ..config import ModelConfig
-from ..decode import DecodeConfig, encode_prompts, generate
-from ..decode.engine import compiled_step, sync
+from ..decode import DecodeConfig, EngineConfig, generate
+from ..decode.forward import compiled_step
 from ..model import Transformer
+from ..prompts import encode_prompt, mask_id_of
+from ..timing import calibrate, median, time_ms
 from .decode import bench_prompts, timed
 
 # Shapes of randomly initialised models (`random:NAME`): speed does not depend on the values.
@@ -134,7 +134,7 @@ def suite_prompt_ids(tokenizer: Any, n: int) -> list[list[int]]:
         from ..checkpoint import load_metadata
 
         tokenizer = load_metadata(None)[1]
-    return encode_prompts(tokenizer, bench_prompts(n))
+    return [encode_prompt(tokenizer, p) for p in bench_prompts(n)]
 
 
 # ---------------------------------------------------------------------------- floors
@@ -195,23 +195,6 @@ class MachineProbe:
 
 
 # ---------------------------------------------------------------------------- timing
-def time_ms(fn: Callable[[], Any], device: torch.device, inner: int) -> float:
-    """Mean ms of `inner` back-to-back calls, synchronised at both ends."""
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(inner):
-        fn()
-    sync(device)
-    return (time.perf_counter() - t0) * 1e3 / inner
-
-
-def calibrate(fn: Callable[[], Any], device: torch.device, sample_ms: float) -> int:
-    """How many calls make one sample of about sample_ms (after one warm-up call)."""
-    fn()
-    once = time_ms(fn, device, 1)
-    return max(1, min(1000, round(sample_ms / max(once, 1e-3))))
-
-
 class OurForward:
     """`model.hidden` + `lm_head` on s new tokens against a cache of cache_len entries,
     rolled back after each call so every call sees the same cache."""
@@ -251,10 +234,6 @@ class HFForward:
         logits = self.hf(input_ids=tokens, position_ids=positions, use_cache=True, **{self.kw: self.cache}).logits
         self.cache.crop(-tokens.shape[1])  # negative: remove that many (transformers 4.x and 5.x)
         return logits
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
 
 
 # ---------------------------------------------------------------------------- sections
@@ -305,10 +284,11 @@ def forward_section(model: Transformer, hf: Any, probe: MachineProbe, args: argp
 def ar_section(model: Transformer, hf: Any, prompt: list[int], args: argparse.Namespace) -> dict[str, Any]:
     """Section c: greedy AR decode, batch 1, exactly args.new_tokens tokens on both sides."""
     n, dev = args.new_tokens, model.device
-    cfg = DecodeConfig(method="ar", gen_length=n, eos_id=-1, max_batch_size=1)  # -1: no token ends it
+    cfg = DecodeConfig(method="ar", gen_length=n, stop_token_ids=())  # no token ends it
+    one = EngineConfig(max_batch_size=1)
 
     def ours() -> list[int]:
-        return generate(model, None, [prompt], cfg)[0].token_ids
+        return generate(model, None, [prompt], cfg, engine_config=one)[0].token_ids
 
     def theirs() -> list[int]:
         x = torch.tensor([prompt], device=dev)
@@ -317,7 +297,7 @@ def ar_section(model: Transformer, hf: Any, prompt: list[int], args: argparse.Na
         return y[0, x.shape[1] :].tolist()
 
     def compiled() -> list[int]:
-        return generate(model, None, [prompt], cfg.replace(compile=True))[0].token_ids
+        return generate(model, None, [prompt], cfg, engine_config=one.replace(compile=True))[0].token_ids
 
     runs = {"ours": ours} | ({"compiled": compiled} if args.compile else {}) | ({"hf": theirs} if hf is not None else {})
     out: dict[str, list[int]] = {name: fn() for name, fn in runs.items()}  # warm-up, and the outputs compared
@@ -342,13 +322,13 @@ def ar_section(model: Transformer, hf: Any, prompt: list[int], args: argparse.Na
 
 def refusion_section(model: Transformer, tokenizer: Any, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
     """Section d: ReFusion against our AR (EOS honoured: real decoding), batch 1."""
-    if model.config.mask_token_id is None and args.mask_id is None:
+    if mask_id_of(model.config, tokenizer) is None:
         return {"skipped": "the model has no MASK token (run `refusion convert`, then train)"}
-    base = decode_config_from_args(args).replace(max_batch_size=1)
+    base, one = decode_config_from_args(args), engine_config_from_args(args).replace(max_batch_size=1)
     rows: dict[str, list[dict[str, Any]]] = {"ar": [], "refusion": []}
     for _ in range(args.decode_rounds):
         for m in rows:
-            rows[m].append(timed(model, tokenizer, prompts, base.replace(method=m)))
+            rows[m].append(timed(model, tokenizer, prompts, base.replace(method=m), one))
     table = {m: {k: median([r[k] for r in rs]) for k in rs[0]} for m, rs in rows.items()}
     table["refusion"]["vs_ar"] = table["refusion"]["tps"] / table["ar"]["tps"]
     return {"prompts": len(prompts), "gen_length": base.gen_length, **table}

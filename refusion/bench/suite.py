@@ -26,9 +26,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..commands._common import add_decode_arguments, add_model_arguments, decode_config_from_args, load_from_args
+from ..flags import add_decode_arguments, add_model_arguments, decode_config_from_args, load_from_args
 from ..decode import DecodeConfig, generate
-from ..decode.engine import sync
+from ..timing import sync
 from ..errors import CheckpointError, ConfigError, MissingExtraError
 from .aup import aup
 
@@ -133,12 +133,12 @@ def base_config(args: argparse.Namespace) -> DecodeConfig:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-    return decode_config_from_args(args, base=SUITE_DEFAULTS).replace(max_batch_size=1)
+    return decode_config_from_args(args, base=SUITE_DEFAULTS)
 
 
 def table_runs(base: DecodeConfig, with_ar: bool) -> list[Run]:
     """Table 1's rows, in the paper's order."""
-    l2r = base.replace(method="refusion", serial_blocks=base.padded_length // base.slot_size)
+    l2r = base.replace(method="refusion", serial_blocks=base.region_length // base.slot_size)
     runs = [
         Run("refusion", "ReFusion", "refusion", base.replace(method="refusion")),
         Run("refusion_l2r", "ReFusion L2R (one slot per block)", "refusion", l2r),

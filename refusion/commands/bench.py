@@ -1,4 +1,4 @@
-"""`refusion bench <what>`: dispatch to `refusion/bench/<what>.py`."""
+"""`refusion bench <what>`: dispatch to `refusion/bench/<what>.py`, imported only when it runs."""
 
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ BENCHES = {
 }
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, chosen: str | None = None) -> None:
+    """Every benchmark's name; the flags of `chosen` only (its module loads torch)."""
     sub = parser.add_subparsers(dest="bench", metavar="WHAT", required=True)
     for name, help_text in BENCHES.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(f"refusion.bench.{name}").add_arguments(p)
+        if name == chosen:
+            importlib.import_module(f"refusion.bench.{name}").add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..decode import TextDeltas, generate
-from ._common import add_decode_arguments, add_model_arguments, decode_config_from_args, load_from_args
+from ..flags import add_decode_arguments, add_model_arguments, decode_config_from_args, engine_config_from_args, load_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,9 +17,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..decode import Engine
+    from ..prompts import chat_ids
+
     args.model = args.model or args.model_pos
     cfg = decode_config_from_args(args)
     model, tokenizer = load_from_args(args)
+    engine = Engine(model, tokenizer, engine_config_from_args(args))
     history = [{"role": "system", "content": args.system}] if args.system else []
     print("refusion chat: an empty line or Ctrl-D ends the session.", file=sys.stderr)
     while True:
@@ -31,10 +36,14 @@ def run(args: argparse.Namespace) -> int:
         if not user.strip():
             break
         history.append({"role": "user", "content": user})
-        ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
-        ids = list(tokenizer(ids, add_special_tokens=False)["input_ids"])
-        deltas = TextDeltas(tokenizer)
-        out = generate(model, tokenizer, [ids], cfg, on_prefix=lambda _i, p, done: print(deltas.update(p, final=done), end="", flush=True))[0]
+        ids = chat_ids(tokenizer, history)
+        # the reply gets what the context leaves after the conversation so far
+        engine.add_request(ids, cfg.fit(model.config.max_position_embeddings - len(ids)))
+        out = None
+        with torch.inference_mode():
+            while engine.has_unfinished():
+                for out in engine.step():
+                    print(out.delta, end="", flush=True)
         print()
         if args.stats:
             s = out.stats

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..checkpoint import DTYPES, convert
+from ..config import DTYPE_NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -12,12 +12,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", help="directory to write the ReFusion checkpoint to")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists and is not empty")
     parser.add_argument(
-        "--dtype", default="auto", choices=["auto", *DTYPES], help="dtype to save in (default: the base model's)"
+        "--dtype", default="auto", choices=["auto", *DTYPE_NAMES], help="dtype to save in (default: the base model's)"
     )
     parser.add_argument("--device", default="cpu", help="device to load the model on (default: cpu)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..checkpoint import convert
+
     mask_id = convert(args.base, args.out, device=args.device, dtype=args.dtype, overwrite=args.force)
     print(f"wrote {args.out} (MASK token <|mask|> = id {mask_id})")
     return 0

@@ -1,18 +1,18 @@
 """`refusion eval [MODEL] --task NAME`: a benchmark with the authors' decoding settings.
 
 Thin over `refusion.evaluate.evaluate`: builds the DecodeConfig (the task's preset, then
---method / --gen-length / --temperature), binds `refusion.generate` to the loaded model,
+the decoding flags on top), binds `refusion.generate` to the loaded model,
 and prints the summary. `--predictions FILE` scores completions made elsewhere (no model).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
 from ..errors import ConfigError
+from ..flags import add_decode_arguments, decode_config_from_args, engine_config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,12 +22,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint directory or hub id (default: the bundled model)")
     parser.add_argument("--task", required=True, choices=list(BENCHMARKS), help="benchmark")
     parser.add_argument("--limit", type=int, default=None, help="only the first N samples")
-    parser.add_argument("--method", choices=["refusion", "ar", "mdm"], default=None,
-                        help="decoding method (default: the preset's, refusion)")
-    parser.add_argument("--preset", default=None,
-                        help="DecodeConfig preset (default: the task's own, the authors' settings)")
-    parser.add_argument("--gen-length", type=int, default=None, help="override the preset's gen_length")
-    parser.add_argument("--temperature", type=float, default=None, help="override the preset's temperature")
     parser.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (default 1)")
     parser.add_argument("--out", default=None, help="results directory (default runs/eval/TASK-METHOD)")
     parser.add_argument("--data", default=None,
@@ -42,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="discard earlier results in --out instead of resuming")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_decode_arguments(parser)  # --preset defaults to the task's own (the authors' settings)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,11 +53,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         import refusion
 
-        cfg = _decode_config(refusion, args, bench.preset)
+        args.preset = args.preset or bench.preset
+        cfg = decode_config_from_args(args)
+        engine_cfg = engine_config_from_args(args)
         model, tokenizer = refusion.load(args.model, device=args.device, dtype=args.dtype)
 
         def generate(prompts: list[str]):
-            return refusion.generate(model, tokenizer, prompts, cfg)
+            return refusion.generate(model, tokenizer, prompts, cfg, engine_config=engine_cfg)
 
         out = args.out or f"runs/eval/{bench.name}-{cfg.method}"
         summary = evaluate(bench, generate, batch_size=args.batch_size, out_dir=out, config=cfg,
@@ -73,10 +70,3 @@ def run(args: argparse.Namespace) -> int:
         print(summary["line"])
         print(f"results: {summary['files']['summary']}, per sample: {summary['files']['samples']}", file=sys.stderr)
     return 0
-
-
-def _decode_config(refusion, args: argparse.Namespace, task_preset: str | None):
-    preset = args.preset or task_preset
-    cfg = refusion.DecodeConfig.preset(preset) if preset else refusion.DecodeConfig()
-    overrides = {"method": args.method, "gen_length": args.gen_length, "temperature": args.temperature}
-    return dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
-from ..decode import TextDeltas, generate
 from ..errors import ConfigError
-from ._common import add_decode_arguments, add_model_arguments, decode_config_from_args, load_from_args
+from ..flags import add_decode_arguments, add_model_arguments, decode_config_from_args, engine_config_from_args, load_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,21 +38,23 @@ def split_inputs(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..decode import generate
+
     prompts = split_inputs(args)
     cfg = decode_config_from_args(args)
+    engine_cfg = engine_config_from_args(args)
     model, tokenizer = load_from_args(args)
-    on_prefix = None
-    if args.stream and not args.json:
-        streams = [TextDeltas(tokenizer) for _ in prompts]
+    on_output = None
+    if args.stream and not args.json and len(prompts) == 1:
+        def on_output(_i: int, out) -> None:
+            print(out.delta, end="\n" if out.finished else "", flush=True)
 
-        def on_prefix(i: int, ids: list[int], done: bool) -> None:
-            if len(prompts) == 1:
-                print(streams[i].update(ids, final=done), end="\n" if done else "", flush=True)
-
-    outs = generate(model, tokenizer, prompts, cfg, chat=not args.no_chat, trace=args.trace is not None, on_prefix=on_prefix)
+    outs = generate(model, tokenizer, prompts, cfg, engine_config=engine_cfg, chat=not args.no_chat,
+                    trace=args.trace is not None, on_output=on_output)
     for prompt, out in zip(prompts, outs):
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason, "stats": out.stats.as_dict(), "config": cfg.__dict__}))
+            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                              "stats": out.stats.as_dict(), "config": dataclasses.asdict(cfg)}))
             continue
         if not (args.stream and len(prompts) == 1):
             print(out.text)

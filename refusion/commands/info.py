@@ -6,8 +6,6 @@ import argparse
 import json
 from typing import Any
 
-from ..checkpoint import describe
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -17,6 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..checkpoint import describe
+
     info = describe(args.model)
     print(json.dumps(info, indent=2) if args.json else format_info(info))
     return 0

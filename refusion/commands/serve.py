@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from ..errors import ReFusionError
-from ._common import add_decode_arguments, add_model_arguments, decode_config_from_args, load_from_args
+from ..flags import add_decode_arguments, add_model_arguments, decode_config_from_args, engine_config_from_args, load_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,9 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     g.add_argument("--served-model-name", default=None, help="the model id clients use (default: the model directory's name)")
     g.add_argument("--api-key", default=os.environ.get("REFUSION_API_KEY"), help="require 'Authorization: Bearer KEY' (default: $REFUSION_API_KEY; none = no auth)")
-    g.add_argument("--max-queue", type=int, default=256, help="completions that may wait for a batch; more get 429 (default: 256)")
-    g.add_argument("--batch-window-ms", type=float, default=10.0, help="mdm only: how long the first waiting request waits for others to batch with "
-                   "(default: 10); ar and refusion requests start at once and later ones join at the next step")
+    g.add_argument("--max-queue", type=int, default=256, help="completions that may wait to join the batch; more get 429 (default: 256)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on shutdown (default: 30)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_decode_arguments(parser)
@@ -30,15 +28,16 @@ def run(args: argparse.Namespace) -> int:
     from ..serve import serve  # the web stack loads only when this verb runs
 
     args.model = args.model or args.model_pos
-    if args.max_queue < 1 or args.batch_window_ms < 0 or args.shutdown_timeout < 0:
-        raise ReFusionError("--max-queue must be >= 1, --batch-window-ms and --shutdown-timeout >= 0")
+    if args.max_queue < 1 or args.shutdown_timeout < 0:
+        raise ReFusionError("--max-queue must be >= 1 and --shutdown-timeout >= 0")
     cfg = decode_config_from_args(args)
+    engine_cfg = engine_config_from_args(args)
     model, tokenizer = load_from_args(args)
     name = args.served_model_name or (Path(args.model).name if args.model else "refusion")
     serve(
-        model, tokenizer, cfg,
+        model, tokenizer, cfg, engine_config=engine_cfg,
         host=args.host, port=args.port, model_name=name, api_key=args.api_key,
-        max_queue=args.max_queue, batch_window=args.batch_window_ms / 1000, shutdown_timeout=args.shutdown_timeout,
+        max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level,
     )
     return 0

@@ -12,10 +12,9 @@ import dataclasses
 import inspect
 import re
 
-from ..objective import AR_REDUCTIONS
-from ..train import DTYPES, OBJECTIVES, PRECISIONS, TrainConfig, config_fields
+from ..train_config import AR_REDUCTIONS, DTYPE_NAMES, OBJECTIVES, PRECISIONS, TrainConfig, config_fields
 
-_CHOICES = {"objective": OBJECTIVES, "precision": PRECISIONS, "dtype": tuple(DTYPES), "ar_reduction": AR_REDUCTIONS}
+_CHOICES = {"objective": OBJECTIVES, "precision": PRECISIONS, "dtype": DTYPE_NAMES, "ar_reduction": AR_REDUCTIONS}
 _COMMENT = re.compile(r"^\s+(\w+):[^#]*#\s*(.+)$")
 
 

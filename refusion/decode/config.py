@@ -1,10 +1,18 @@
-"""`DecodeConfig`: every knob of every decoding method, one dataclass shared by the CLI,
-the evaluator and the server; the authors' per-benchmark settings are named presets."""
+"""`DecodeConfig` (how one request is decoded) and `EngineConfig` (what the engine that
+decodes it may use), the two dataclasses every driver shares: the CLI, the evaluator,
+the lm-eval plugin and the server.
+
+Each field's bounds and help are written once, in its metadata (`knob`): `validate`
+checks them, the CLI's flags (`refusion/flags.py`) and the HTTP request's checks
+(`serve/protocol.py`) are derived from them. Model facts (EOS and MASK ids, the context
+length) are not configuration: the engine reads them from the model.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
@@ -21,105 +29,177 @@ _PAPER = {
     "arc_challenge": (8, 64, 0.8, 0.1),
     "mmlu_pro": (16, 4, 0.9, 0.4),
 }
+PRESETS = tuple(_PAPER)
+MAX_STOPS = 16
 
 
-@dataclass
+def knob(default: Any, help: str, *, lo: float | None = None, hi: float | None = None,
+         choices: tuple[str, ...] | None = None, flag: bool = True, http: bool = True) -> Any:
+    """A config field with its bounds and help; `flag` / `http` say whether the CLI and
+    the HTTP request expose it under its own name."""
+    meta = {"help": help, "lo": lo, "hi": hi, "choices": choices, "flag": flag, "http": http}
+    if isinstance(default, (list, tuple)):
+        return field(default_factory=lambda: tuple(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
 class DecodeConfig:
-    """How to decode. Fields not used by a method are ignored by it."""
+    """How to decode one request. Fields a method does not use are ignored by it;
+    requests with any mix of settings share the engine's batch."""
 
-    method: str = "refusion"  # refusion | ar | mdm
-    gen_length: int = 256  # tokens to generate at most (ReFusion rounds up to a multiple of slot_size)
+    method: str = knob("refusion", "decoding method", choices=METHODS)
+    gen_length: int = knob(256, "tokens to generate at most", lo=1, hi=2**20, http=False)
     # --- ReFusion (SPEC §3)
-    slot_size: int = 8  # tokens per slot
-    serial_blocks: int = 1  # the generation region is decoded in this many left-to-right blocks
-    slot_threshold: float = 0.9  # plan: select every slot whose first-token confidence exceeds this
-    token_threshold: float = 0.4  # verify: a drafted token passes when its AR probability exceeds this
+    slot_size: int = knob(8, "ReFusion: tokens per slot", lo=1, hi=4096)
+    serial_blocks: int = knob(1, "ReFusion: left-to-right blocks of the generation region", lo=1, hi=4096)
+    slot_threshold: float = knob(0.9, "ReFusion plan: select every slot whose first-token confidence exceeds this", lo=0.0, hi=1.0)
+    token_threshold: float = knob(0.4, "ReFusion verify: a drafted token passes when its AR probability exceeds this", lo=0.0, hi=1.0)
     # --- MDM baseline (SPEC §4): LLaDA-style low-confidence remasking in semi-AR blocks
-    mdm_block_length: int = 32  # tokens per semi-autoregressive block
-    mdm_steps: int | None = None  # denoising steps over the whole gen_length; None = gen_length (one token per step)
-    mdm_threshold: float | None = None  # Fast-dLLM style: fix every position above this (at least one) instead of top-k
+    mdm_block_length: int = knob(32, "MDM: tokens per semi-autoregressive block", lo=1, hi=4096)
+    mdm_steps: int | None = knob(None, "MDM: denoising steps over the whole generation (default: one token per step)", lo=1, hi=2**16)
+    mdm_threshold: float | None = knob(None, "MDM: fix every position above this confidence (at least one) instead of top-k", lo=0.0, hi=1.0)
     # --- sampling (temperature 0 = greedy)
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = no top-k filter
-    seed: int | None = None
-    # --- ids (None = from the tokenizer / model config)
-    eos_id: int | list[int] | None = None
-    mask_id: int | None = None
-    # --- batching
-    max_batch_size: int = 16  # prompts decoded together at most
-    memory_budget_gb: float = 4.0  # KV-cache budget that bounds the batch size further
-    # --- engine
-    # AR and ReFusion: run every forward with a KV cache as one torch.compile graph
-    # (decode.engine.CompiledStep; the first uses compile for a minute or so, a few graphs
-    # per model; pays off on long generations and servers). MDM has no cache: it runs
-    # eagerly whatever this says.
-    compile: bool = False
+    temperature: float = knob(0.0, "sampling temperature (0 = greedy)", lo=0.0, hi=100.0)
+    top_p: float = knob(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability", lo=0.0, hi=1.0)
+    top_k: int = knob(0, "sample among the k most likely tokens (0 = no filter)", lo=0, hi=2**31 - 1)
+    seed: int | None = knob(None, "sampling seed: the request samples the same tokens alone or in any batch", lo=-(2**63), hi=2**63 - 1)
+    # --- when to stop
+    stop: tuple[str, ...] = knob((), "strings that end the text (not included in it)", flag=False, http=False)
+    stop_token_ids: tuple[int, ...] | None = knob(
+        None, "token ids that end the generation instead of the model's EOS ids (empty: nothing ends it before gen_length)",
+        lo=0, hi=2**31 - 1)
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, (str, list)):
+            object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        if isinstance(self.stop_token_ids, (int, list)):
+            ids = [self.stop_token_ids] if isinstance(self.stop_token_ids, int) else self.stop_token_ids
+            object.__setattr__(self, "stop_token_ids", tuple(ids))
         self.validate()
 
     def validate(self) -> "DecodeConfig":
         """Raise ConfigError on any out-of-range value, before any compute."""
-        if self.method not in METHODS:
-            raise ConfigError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        _positive("gen_length", self.gen_length)
-        _positive("slot_size", self.slot_size)
-        _positive("serial_blocks", self.serial_blocks)
-        _positive("mdm_block_length", self.mdm_block_length)
-        _positive("max_batch_size", self.max_batch_size)
-        for name in ("slot_threshold", "token_threshold", "top_p"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ConfigError(f"{name} must be in [0, 1], got {value}")
-        if self.mdm_threshold is not None and not 0.0 <= self.mdm_threshold <= 1.0:
-            raise ConfigError(f"mdm_threshold must be in [0, 1], got {self.mdm_threshold}")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
-        if self.mdm_steps is not None:
-            _positive("mdm_steps", self.mdm_steps)
-        if self.memory_budget_gb <= 0:
-            raise ConfigError(f"memory_budget_gb must be > 0, got {self.memory_budget_gb}")
-        if self.method == "refusion":
-            n_slots = self.padded_length // self.slot_size
-            if n_slots % self.serial_blocks:
-                raise ConfigError(
-                    f"gen_length {self.gen_length} (rounded up to {self.padded_length}) holds {n_slots} slots of "
-                    f"{self.slot_size}, which do not split into {self.serial_blocks} equal blocks: "
-                    "choose serial_blocks dividing the slot count, or adjust gen_length"
-                )
+        check_fields(self)
+        if len(self.stop) > MAX_STOPS or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ConfigError(f"stop takes at most {MAX_STOPS} non-empty strings, got {self.stop!r}")
         return self
 
+    # ------------------------------------------------------------------ derived
     @property
-    def padded_length(self) -> int:
-        """gen_length rounded up to a whole number of slots (ReFusion's generation region)."""
-        s = self.slot_size
-        return -(-self.gen_length // s) * s
+    def unit(self) -> int:
+        """Tokens the method decodes in whole units of: ReFusion whole slots in equal
+        blocks, MDM whole blocks, AR single tokens."""
+        return {"refusion": self.slot_size * self.serial_blocks, "mdm": self.mdm_block_length, "ar": 1}[self.method]
+
+    @property
+    def region_length(self) -> int:
+        """Positions the method decodes: gen_length rounded up to whole units. The output
+        is cut back to gen_length tokens, and a row stops once it has them."""
+        return -(-self.gen_length // self.unit) * self.unit
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    # ------------------------------------------------------------------ making one
     @classmethod
-    def preset(cls, name: str, **overrides: Any) -> "DecodeConfig":
-        """The authors' settings for a benchmark (SPEC §3), e.g. `DecodeConfig.preset("gsm8k")`."""
+    def preset(cls, name: str, base: "DecodeConfig | None" = None, **overrides: Any) -> "DecodeConfig":
+        """The authors' settings for a benchmark (SPEC §3) on top of `base` (its sampling
+        and stop settings are kept), then `overrides`: `DecodeConfig.preset("gsm8k")`."""
         if name not in _PAPER:
             raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
         s, b, ts, tt = _PAPER[name]
         values = dict(method="refusion", gen_length=512, slot_size=s, serial_blocks=b, slot_threshold=ts, token_threshold=tt)
-        values.update(overrides)
-        return cls(**values)
+        return dataclasses.replace(base or cls(), **(values | overrides))
 
     def replace(self, **changes: Any) -> "DecodeConfig":
         """A copy with some fields changed (validated)."""
         return dataclasses.replace(self, **changes)
 
+    def for_max_tokens(self, n: int) -> "DecodeConfig":
+        """This config generating at most n tokens (a server's max_tokens, lm-eval's
+        max_gen_toks): the method's region is n rounded up to whole units."""
+        return self.replace(gen_length=n)
 
-PRESETS = tuple(_PAPER)
+    def fit(self, room: int) -> "DecodeConfig":
+        """This config with gen_length lowered, if need be, so that its region fits in
+        `room` positions (what the context leaves after a prompt)."""
+        if self.region_length <= room:
+            return self
+        if room < self.unit:
+            raise ConfigError(f"{self.method} decodes in units of {self.unit} tokens; only {room} positions are left after the prompt")
+        return self.replace(gen_length=min(self.gen_length, room // self.unit * self.unit))
 
 
-def _positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+@dataclass(frozen=True)
+class EngineConfig:
+    """What an engine may use: these are resources, shared by every request it runs."""
+
+    device: str | None = knob(None, "device to run on (default: where the model is)", flag=False, http=False)
+    max_batch_size: int = knob(16, "requests decoded together at most", lo=1, hi=2**16, http=False)
+    memory_budget_gb: float = knob(4.0, "KV-cache memory that bounds the batch further (GiB)", lo=1e-6, hi=2**20, http=False)
+    # AR and ReFusion: every forward with a KV cache as one torch.compile graph (the first
+    # uses compile for a minute or so, a few graphs per model); MDM has no cache and runs eagerly
+    compile: bool = knob(False, "AR and ReFusion: run forwards as one torch.compile graph "
+                                "(a minute or so at first use; needs a C++ compiler on CPU)", http=False)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# ---------------------------------------------------------------------- field checks
+def check_fields(cfg: Any) -> None:
+    """Check every field of a config dataclass against its `knob` metadata."""
+    for f in dataclasses.fields(cfg):
+        check_value(f, getattr(cfg, f.name))
+
+
+def check_value(f: dataclasses.Field, value: Any) -> Any:
+    """`value` checked against field f's type and bounds (ConfigError naming the field)."""
+    meta, name = f.metadata, f.name
+    if value is None and "None" in str(f.type):
+        return value
+    kind = field_kind(f)
+    if kind == "tuple":
+        if not isinstance(value, tuple):
+            raise ConfigError(f"{name} must be a list, got {type(value).__name__}")
+        for v in value:
+            _check_scalar(name, "str" if "str" in str(f.type) else "int", v, meta)
+        return value
+    return _check_scalar(name, kind, value, meta)
+
+
+def field_kind(f: dataclasses.Field) -> str:
+    """'bool', 'int', 'float', 'str' or 'tuple', from the field's annotation."""
+    t = str(f.type)
+    for kind in ("tuple", "bool", "float", "int", "str"):
+        if t.startswith(kind):
+            return kind
+    raise TypeError(f"field {f.name} has an unsupported type {t}")
+
+
+def _check_scalar(name: str, kind: str, value: Any, meta: Any) -> Any:
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    ok = {"bool": isinstance(value, bool), "int": is_int, "str": isinstance(value, str),
+          "float": (is_int or isinstance(value, float)) and math.isfinite(value)}[kind]
+    if not ok:
+        want = {"bool": "a boolean", "int": "an integer", "float": "a number", "str": "a string"}[kind]
+        raise ConfigError(f"{name} must be {want}, got {value!r}")
+    if meta.get("choices") and value not in meta["choices"]:
+        raise ConfigError(f"{name} must be one of {', '.join(meta['choices'])}, got {value!r}")
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ConfigError(f"{name} must be {bounds_text(lo, hi, kind)}, got {value!r}")
+    return value
+
+
+def bounds_text(lo: float | None, hi: float | None, kind: str = "float") -> str:
+    if lo is not None and hi is not None and (kind != "int" or hi < 2**16):
+        return f"between {lo} and {hi}"
+    if lo is not None:
+        return f">= {lo}" if kind != "int" or lo != 1 else "a positive integer"
+    return f"<= {hi}"

@@ -1,298 +1,262 @@
-"""What every decoding method shares: the counted forward pass over ragged rows, stats,
-per-row progress (for streaming and traces) and the output record.
+"""`Engine`: the one object that owns the model, the KV cache, the batch and the step loop.
 
-Metrics are kept out of the algorithms (DESIGN §8): a method calls `Forward.run`, which
-counts NFE for the batch and for each row that took part, and reports commits to a
-`Progress`, which turns them into final left-to-right prefixes for streaming.
+Drivers (`generate`, `stream`, the server, the evaluator, the benchmarks) add requests,
+each with its own `DecodeConfig`, and call `step()` until nothing is left:
+
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_size=16))
+    rid = engine.add_request("prompt", DecodeConfig(method="refusion", slot_threshold=0.8))
+    while engine.has_unfinished():
+        for out in engine.step():   # RequestOutput: final left-to-right prefix, text, finished, ...
+            ...
+
+Requests of any mix of settings share a batch. AR and ReFusion rows live in one KV cache
+and share its forwards: one step runs the plan forward (ReFusion rows feed MASKs, AR rows
+take a token), the verification forward (AR rows take another token), then infilling
+for the ReFusion rows that need it. MDM rows, which reuse no KV, run as their own group:
+one forward per step over their whole contexts. A request added between steps joins at
+the next step (its prompt is prefilled in that step's first forward); a finished or
+aborted row frees its place at once.
 """
 
 from __future__ import annotations
 
-import time
-import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import itertools
+from collections import deque
+from collections.abc import Sequence
 
 import torch
 
-from ..cache import KVCache
-from ..errors import CompileError
+from ..errors import ConfigError, ContextLengthError, MissingMaskTokenError
 from ..model import Transformer
+from ..prompts import Prompt, encode_prompt, eos_ids_of, mask_id_of
+from .ar import ARRow, Feed
+from .config import DecodeConfig, EngineConfig
+from .forward import Forward, compiled_step, make_room
+from .mdm import MDMRow
+from .refusion import Infill, ReFusionRow
+from .request import Request, RequestOutput
+from .sampling import Sampler
+
+CachedRow = ARRow | ReFusionRow
 
 
-@dataclass
-class DecodeStats:
-    """Counts for one prompt (or a whole batch). SPEC §3: NFE = forward passes (a batched
-    forward counts once), TPF = tokens / NFE over the whole generation, TPS = tokens / s."""
+class Engine:
+    """Decodes requests with per-request settings in one continuous batch (see the module
+    docstring). Not thread-safe: one thread adds, steps and aborts (a server runs one
+    engine loop)."""
 
-    tokens: int = 0
-    nfe: int = 0
-    wall_time: float = 0.0
-    # seconds inside the forward passes this prompt took part in (model + logits); the rest
-    # of wall_time is the decoder's own per-step overhead (exact at batch size 1)
-    forward_time: float = 0.0
-    fed: int = 0  # real tokens this prompt fed to the model (padding excluded)
-    logit_rows: int = 0  # positions whose logits it asked for
+    def __init__(self, model: Transformer, tokenizer=None, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.device is not None and torch.device(config.device) != model.device:
+            model = model.to(config.device)
+        self.model, self.tokenizer = model, tokenizer
+        self.eos_ids = eos_ids_of(model.config, tokenizer)
+        self.mask_id = mask_id_of(model.config, tokenizer)
+        pad_id = self.mask_id if self.mask_id is not None else next(iter(self.eos_ids), 0)
+        self.fwd = Forward(model, pad_id, compiled_step() if config.compile else None)
+        self.infill = Infill(self.fwd, self.mask_id)
+        self.waiting: deque[Request] = deque()
+        self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
+        self.rows: list[CachedRow] = []  # AR and ReFusion rows, one per row of `cache`
+        self.mdm: list[MDMRow] = []
+        self.cache = None
+        self.finished_outputs: list[RequestOutput] = []  # aborted requests, reported by the next step
+        self.rows_last_step = 0  # rows that took part in the last step (all groups)
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ the drivers' side
+    @property
+    def forwards(self) -> int:
+        """Model forward passes run so far."""
+        return self.fwd.forwards
 
     @property
-    def tpf(self) -> float:
-        return self.tokens / self.nfe if self.nfe else 0.0
+    def num_running(self) -> int:
+        return len(self.rows) + len(self.mdm)
 
     @property
-    def tps(self) -> float:
-        return self.tokens / self.wall_time if self.wall_time > 0 else 0.0
+    def num_waiting(self) -> int:
+        return len(self.waiting)
 
-    def as_dict(self) -> dict[str, float]:
-        return {"tokens": self.tokens, "nfe": self.nfe, "tpf": self.tpf, "wall_time": self.wall_time, "tps": self.tps,
-                "forward_time": self.forward_time, "fed": self.fed, "logit_rows": self.logit_rows}
+    def has_unfinished(self) -> bool:
+        return bool(self.requests or self.finished_outputs)
 
+    def add_request(self, prompt: Prompt, cfg: DecodeConfig | None = None, *, request_id: str | None = None,
+                    chat: bool = True, trace: bool = False) -> str:
+        """Queue a request; it joins the batch at the next step. A text prompt goes through
+        the chat template (unless chat=False); token ids are taken as they are. Raises
+        (ConfigError, ContextLengthError, MissingMaskTokenError) before any compute."""
+        cfg = cfg or DecodeConfig()
+        ids = encode_prompt(self.tokenizer, prompt, chat)
+        self.check(ids, cfg)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ConfigError(f"request id {rid!r} is already in use")
+        eos = set(cfg.stop_token_ids) if cfg.stop_token_ids is not None else self.eos_ids
+        req = Request(rid, ids, cfg, eos, Sampler(cfg, self.model.device), self.tokenizer, trace)
+        self.requests[rid] = req
+        self.waiting.append(req)
+        return rid
 
-@dataclass
-class TraceEvent:
-    """One commit: which slots (start position, length) entered the cache, by which path."""
+    def check(self, ids: Sequence[int], cfg: DecodeConfig) -> None:
+        """Raise what `add_request` raises for a token-id prompt, before any compute."""
+        c = self.model.config
+        if len(ids) == 0:
+            raise ConfigError("a prompt is empty: give at least one token")
+        if any(not 0 <= t < c.vocab_size for t in ids):
+            raise ConfigError(f"prompt token ids must be in [0, {c.vocab_size})")
+        if cfg.method in ("refusion", "mdm") and self.mask_id is None:
+            raise MissingMaskTokenError(
+                f"method {cfg.method!r} needs a MASK token and this model has none: "
+                "run `refusion convert BASE OUT` (then train), or use method='ar'"
+            )
+        limit = c.max_position_embeddings
+        if len(ids) + cfg.region_length > limit:
+            raise ContextLengthError(
+                f"prompt ({len(ids)} tokens) + generation ({cfg.region_length}) exceeds the model's context of {limit} "
+                "positions; shorten the prompt or lower gen_length"
+            )
 
-    step: int  # 0-based index of the commit within this prompt's generation
-    nfe: int  # this prompt's forward count when the commit happened
-    path: str  # "fast" (global verification), "infill" (parallel AR infilling), "ar", "mdm"
-    spans: list[tuple[int, int]]  # (first position relative to the generation start, length)
-    tokens: list[list[int]]  # the committed tokens of each span
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its row; the next `step` reports it as finished
+        ("cancelled", with the tokens it had). False if it is unknown or already done."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        if req in self.waiting:
+            self.waiting.remove(req)
+        for row in self.rows + self.mdm:
+            if row.req is req:
+                row.done = True
+        self._retire()
+        self.finished_outputs.append(req.cancel())
+        return True
 
+    def step(self) -> list[RequestOutput]:
+        """Admit waiting requests, run one step of every group, and report each request
+        whose final prefix grew or that finished."""
+        outputs, self.finished_outputs = self.finished_outputs, []
+        self._admit()
+        self.rows_last_step = self.num_running
+        if self.rows:
+            self._step_cached()
+        if self.mdm:
+            self._step_mdm()
+        for row in self.rows + self.mdm:
+            out = row.req.advance(row.done)
+            if out is not None:
+                outputs.append(out)
+                if out.finished:
+                    row.done = True
+                    self.requests.pop(row.req.id, None)
+        self._retire()
+        return outputs
 
-@dataclass
-class GenerationOutput:
-    text: str
-    token_ids: list[int]  # generated tokens in position order, cut after the first EOS
-    stats: DecodeStats
-    prompt_tokens: int
-    finish_reason: str  # "stop" (EOS), "length", or "cancelled"
-    trace: list[TraceEvent] | None = None
+    def abort_running(self) -> list[str]:
+        """Drop every running request and the cache (after a step failed half-way, its
+        state is not to be trusted); waiting requests stay. Returns the dropped ids."""
+        ids = [r.req.id for r in self.rows + self.mdm]
+        for rid in ids:
+            self.requests.pop(rid, None)
+        self.rows, self.mdm, self.cache, self.infill.scratch = [], [], None, None
+        return ids
 
-
-def make_room(model: Transformer, cache: KVCache | None, prompts: Sequence[Sequence[int]], running_longest: int,
-              extra: int, reserve: int) -> KVCache:
-    """The decoder's cache with one new empty row per prompt (rows joining, or the first
-    batch), storage reserved for `reserve` rows. A new cache holds a row and its widest
-    step (the longest prompt + `extra`). A ragged step writes every row from the longest
-    row's end, so a running cache needs room for a prefill there: 2 x the longest prompt,
-    running or new, + `extra`."""
-    longest = max(len(p) for p in prompts)
-    if cache is None:
-        return model.new_cache(len(prompts), longest + extra, reserve=reserve)
-    cache.grow(len(prompts), 2 * max(longest, running_longest) + extra, reserve=reserve)
-    return cache
-
-
-class CompiledStep:
-    """`Transformer.packed_hidden` under `torch.compile`: a forward over ragged rows as one
-    graph (norms, rotations, the cache writes fused; no per-op Python). Shapes are dynamic
-    (rows, tokens per row, cache capacity), so a model compiles a few graphs at most
-    (dynamo specialises sizes of one: one row, one token), whatever its prompts, caches and
-    batches. The first uses compile for a minute or so on a laptop CPU; later processes
-    reuse inductor's on-disk cache. It needs a C++ compiler on CPU (inductor writes C++).
-    Dynamo counts the graphs of every model in the process against one limit, which the
-    step raises to `graph_limit` while it runs (a few models' worth); past it, forwards run
-    `packed_hidden` eagerly: the same numbers, a warning, no crash."""
-
-    def __init__(self, graph_limit: int = 64) -> None:
-        self.fn = torch.compile(Transformer.packed_hidden, fullgraph=True, dynamic=True)
-        self.graph_limit = graph_limit
-        self.warned = False
-
-    def __call__(self, model: Transformer, tokens: Sequence[Sequence[int]], positions: Sequence[Sequence[int]],
-                 cache: KVCache) -> torch.Tensor:
-        """Row b's tokens (any number, none included) are written at its end, not advanced
-        (the caller keeps what it wants with `cache.advance`). Returns the final hidden
-        states of the real tokens, row after row: (sum of lengths, hidden)."""
-        dev = cache.device
-        T = max(1, max(len(t) for t in tokens))
-        cache.check_room(T)
-
-        def flat(xs: Sequence[Sequence[int]]) -> torch.Tensor:
-            return torch.tensor([x for row in xs for x in row], dtype=torch.long, device=dev)
-
-        where = flat([range(b * T, b * T + len(t)) for b, t in enumerate(tokens)])
-        if where.numel() == 0:  # nothing fed, nothing written: no graph for an empty batch
-            return cache.k[0].new_zeros(0, model.config.hidden_size)
-        query_cols = torch.tensor(cache.lengths, dtype=torch.long, device=dev)[:, None] + torch.arange(T, device=dev)
-        # columns past used + T are never seen: a forward of several tokens per row reads only the
-        # window before them (a plan's cache is often half empty); a one-token step reads the
-        # whole, contiguous cache, which measured faster than a strided window of most of it
-        end = cache.used() + T if T > 1 else cache.capacity
-        k, v = [t[:, :, :end] for t in cache.k], [t[:, :, :end] for t in cache.v]
-        args = (flat(tokens), flat(positions), where, query_cols, k, v, cache.tokens[:, :end], cache.positions[:, :end])
-        try:
-            with torch._dynamo.config.patch(recompile_limit=self.graph_limit):
-                return self.fn(model, *args)
-        except torch._dynamo.exc.FailOnRecompileLimitHit:  # raised before any write: run it eagerly
-            self._warn_limit()
-            return model.packed_hidden(*args)
-        except torch._dynamo.exc.BackendCompilerFailed as e:  # inductor could not build it (no C++ compiler, say)
-            raise CompileError(f"torch.compile could not build the forward ({type(e.inner_exception).__name__}: "
-                              f"{str(e.inner_exception).splitlines()[0][:200]}). Run without --compile (compile=False), "
-                              "or install a C++ compiler (inductor needs one on CPU).") from e
-
-    def _warn_limit(self) -> None:
-        if not self.warned:
-            self.warned = True
-            warnings.warn(f"torch.compile holds its limit of {self.graph_limit} graphs for the forward in this process "
-                          "(recompile_limit); forwards of new shapes or models run eagerly (same results, slower). "
-                          "Make the step with a larger graph_limit to compile more.", RuntimeWarning, stacklevel=3)
-
-
-_COMPILED: list[CompiledStep] = []
-
-
-def compiled_step() -> CompiledStep:
-    """The compiled step, made once per process (generate is called again and again); it
-    takes the model as an argument, so it keeps no model alive."""
-    if not _COMPILED:
-        _COMPILED.append(CompiledStep())
-    return _COMPILED[0]
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class Progress:
-    """Per prompt: which generated positions are filled, and callbacks for streaming.
-
-    `on_prefix(prompt_index, ids, done)` receives the final left-to-right prefix (cut after
-    EOS) each time it grows, and once more with done=True. `is_cancelled(prompt_index)`
-    lets a caller (a server whose client left) stop a row; it is polled once per step.
-    """
-
-    def __init__(
-        self,
-        n_prompts: int,
-        eos_ids: set[int],
-        on_prefix: Callable[[int, list[int], bool], None] | None = None,
-        is_cancelled: Callable[[int], bool] | None = None,
-        trace: bool = False,
-    ) -> None:
-        self.eos_ids = eos_ids
-        self.filled: list[list[int | None]] = [[] for _ in range(n_prompts)]
-        self.prefix_len = [0] * n_prompts
-        self.on_prefix, self.is_cancelled = on_prefix, is_cancelled
-        self.traces: list[list[TraceEvent]] | None = [[] for _ in range(n_prompts)] if trace else None
-        self.stats = [DecodeStats() for _ in range(n_prompts)]
-        self.cancelled = [False] * n_prompts
-        self.started = [0.0] * n_prompts
-
-    def extend(self, n: int) -> list[int]:
-        """Room for n more prompts (joining a running batch); returns their indices."""
-        first = len(self.filled)
-        self.filled += [[] for _ in range(n)]
-        self.prefix_len += [0] * n
-        if self.traces is not None:
-            self.traces += [[] for _ in range(n)]
-        self.stats += [DecodeStats() for _ in range(n)]
-        self.cancelled += [False] * n
-        self.started += [0.0] * n
-        return list(range(first, first + n))
-
-    def start(self, rid: int, gen_length: int) -> None:
-        """A prompt starts decoding now (its wall time counts from here)."""
-        self.filled[rid] = [None] * gen_length
-        self.started[rid] = time.perf_counter()
-
-    def commit(self, rid: int, path: str, spans: Sequence[tuple[int, list[int]]]) -> None:
-        """Tokens enter the committed sequence at generation offsets (start, tokens)."""
-        row = self.filled[rid]
-        for start, toks in spans:
-            row[start : start + len(toks)] = toks
-        if self.traces is not None:
-            ev = TraceEvent(len(self.traces[rid]), self.stats[rid].nfe, path, [(s, len(t)) for s, t in spans], [list(t) for _, t in spans])
-            self.traces[rid].append(ev)
-        self._advance_prefix(rid)
-
-    def _advance_prefix(self, rid: int) -> None:
-        row, n = self.filled[rid], self.prefix_len[rid]
-        start = n
-        while n < len(row) and row[n] is not None and (n == 0 or row[n - 1] not in self.eos_ids):
-            n += 1
-        self.prefix_len[rid] = n
-        if n > start and self.on_prefix is not None:
-            self.on_prefix(rid, row[:n], False)
-
-    def output_ids(self, rid: int) -> list[int]:
-        """Generated tokens in position order, cut after the first EOS (and at the first hole)."""
-        out = []
-        for t in self.filled[rid]:
-            if t is None:
+    # ------------------------------------------------------------------ scheduling
+    def _admit(self) -> None:
+        """Waiting requests in order, while the batch has room and the KV memory budget
+        holds them; one that does not fit waits at the head (none overtakes it). A
+        request alone in the engine always starts."""
+        new: list[CachedRow] = []
+        while self.waiting and self.num_running + len(new) < self.config.max_batch_size:
+            req = self.waiting[0]
+            if (self.num_running or new) and not self._fits(req, new):
                 break
-            out.append(t)
-            if t in self.eos_ids:
-                break
-        return out
+            self.waiting.popleft()
+            req.start()
+            if req.cfg.method == "mdm":
+                self.mdm.append(MDMRow(req, self.mask_id))
+            else:
+                new.append(ReFusionRow(req) if req.cfg.method == "refusion" else ARRow(req))
+        if new:
+            running = max((len(r.req.prompt) for r in self.rows), default=0)
+            extra = max(r.extra for r in self.rows + new)
+            reserve = min(self.config.max_batch_size, len(self.rows) + len(new) + len(self.waiting))
+            self.cache = make_room(self.model, self.cache, [r.req.prompt for r in new], running, extra, reserve)
+            self.rows += new
 
-    def check_cancelled(self, rid: int) -> bool:
-        if not self.cancelled[rid] and self.is_cancelled is not None and self.is_cancelled(rid):
-            self.cancelled[rid] = True
-        return self.cancelled[rid]
+    def _fits(self, req: Request, new: list[CachedRow]) -> bool:
+        """Would the KV cache of every running row, the rows admitted this step and `req`
+        fit the memory budget? Rows are sized by the longest prompt and region among them
+        (one cache holds them all), ReFusion rows with a fork per slot of a block."""
+        reqs = [r.req for r in self.rows + self.mdm + new] + [req]
+        longest = max(len(q.prompt) for q in reqs)
+        region = max(q.cfg.region_length for q in reqs)
+        c = self.model.config
+        per_entry = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.model.dtype.itemsize
+        rows = sum(_rows_per_request(q.cfg) for q in reqs)
+        return rows * per_entry * (longest + 2 * region) <= self.config.memory_budget_gb * 2**30
+
+    def _retire(self) -> None:
+        """Finished rows leave; their cache storage stays for rows that join."""
+        keep = [b for b, r in enumerate(self.rows) if not r.done]
+        if len(keep) < len(self.rows):
+            self.rows = [self.rows[b] for b in self.cache.retain(keep)]
+        self.mdm = [r for r in self.mdm if not r.done]
+
+    # ------------------------------------------------------------------ one step
+    def _step_cached(self) -> None:
+        """ReFusion's round (SPEC §3) for every ReFusion row, with the AR rows taking a
+        token in each forward of the main cache."""
+        self._plan()
+        refusion = [r for r in self.rows if isinstance(r, ReFusionRow)]
+        if not refusion:
+            return
+        self._verify()
+        self._infill()
+        for r in refusion:
+            r.next_block_if_complete()
+
+    def _plan(self) -> None:
+        """Steps 1-2: MASKs for every undecoded slot of each ReFusion row's block (its
+        prompt first, on its first step), then the slots to verify; AR rows take a token."""
+        rows, mask = self.rows, self.mask_id
+        feeds = [r.plan_feed(mask) if isinstance(r, ReFusionRow) else r.feed() for r in rows]
+        logits = self._run(feeds)
+        self.cache.advance([r.take_plan(lg, len(f[0])) if isinstance(r, ReFusionRow) else r.take(lg)
+                            for r, f, lg in zip(rows, feeds, logits)])
+
+    def _verify(self) -> None:
+        """Step 3: global verification of the selected drafts, fast-path commits; AR rows
+        that are not done take another token."""
+        rows = self.rows
+        feeds = [r.verify_feed() if isinstance(r, ReFusionRow) else None if r.done else r.feed() for r in rows]
+        logits = self._run(feeds)
+        self.cache.advance([0 if f is None else r.take_verify(lg, f[0]) if isinstance(r, ReFusionRow) else r.take(lg)
+                            for r, f, lg in zip(rows, feeds, logits)])
+
+    def _infill(self) -> None:
+        """Step 4 for the ReFusion rows whose selection did not pass whole."""
+        need = [(r, b) for b, r in enumerate(self.rows) if isinstance(r, ReFusionRow) and r.to_infill is not None]
+        if need:
+            self.infill([r for r, _ in need], [b for _, b in need], self.cache)
+
+    def _run(self, feeds: list[Feed | None]) -> list[torch.Tensor]:
+        """One forward of the main cache; a row with no feed takes no part."""
+        tokens = [f[0] if f else [] for f in feeds]
+        positions = [f[1] if f else [] for f in feeds]
+        want = [f[2] if f else (0, 0) for f in feeds]
+        return self.fwd.run([r.req for r in self.rows], tokens, positions, self.cache, want)
+
+    def _step_mdm(self) -> None:
+        feeds = [r.feed() for r in self.mdm]
+        logits = self.fwd.run([r.req for r in self.mdm], [f[0] for f in feeds], [f[1] for f in feeds], None,
+                              [f[2] for f in feeds])
+        for r, lg in zip(self.mdm, logits):
+            r.take(lg)
 
 
-@dataclass
-class Forward:
-    """The counted forward pass. Each row feeds its own token list (ragged: padded on the
-    right and written with n_new=0, so the caller decides afterwards how many entries
-    each row keeps with `cache.advance`). Returns logits only at the requested entries,
-    so the vocabulary projection is not paid for prompt tokens."""
-
-    model: Transformer
-    progress: Progress
-    pad_id: int
-    compiled: "CompiledStep | None" = None  # the compiled forward (DecodeConfig.compile), for forwards with a cache
-
-    def run(
-        self,
-        row_ids: Sequence[int],  # prompt index of each cache row
-        tokens: Sequence[Sequence[int]],
-        positions: Sequence[Sequence[int]],
-        cache: KVCache | None,
-        want: Sequence[tuple[int, int]],  # per row: logits for entries [a, b)
-    ) -> list[torch.Tensor]:
-        device = self.model.device
-        t0 = time.perf_counter()
-        if self.compiled is not None and cache is not None:
-            hidden = self.compiled(self.model, tokens, positions, cache)  # (N, hidden), row after row
-            start = [0]
-            for t in tokens[:-1]:
-                start.append(start[-1] + len(t))
-            index = [start[b] + i for b, (a, e) in enumerate(want) for i in range(a, e)]
-            picked = hidden[torch.tensor(index, dtype=torch.long, device=device)]  # (n_logits, hidden)
-        else:
-            picked = self._ragged(tokens, positions, cache, want)
-        logits = self.model.lm_head(picked).float()  # (n_logits, V)
-        sync(device)
-        seconds = time.perf_counter() - t0
-        for rid in set(row_ids):
-            self.progress.stats[rid].nfe += 1
-            self.progress.stats[rid].forward_time += seconds
-        for rid, t, (a, e) in zip(row_ids, tokens, want):
-            self.progress.stats[rid].fed += len(t)
-            self.progress.stats[rid].logit_rows += e - a
-        return list(logits.split([e - a for a, e in want]))
-
-    def _ragged(self, tokens: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], cache: KVCache | None,
-                want: Sequence[tuple[int, int]]) -> torch.Tensor:
-        """The eager forward over right-padded rows; the hidden states at the wanted entries."""
-        device = self.model.device
-        T = max(1, max(len(t) for t in tokens))  # a row may feed nothing this step
-        tok = torch.full((len(tokens), T), self.pad_id, dtype=torch.long)
-        pos = torch.zeros((len(tokens), T), dtype=torch.long)
-        for b, (t, p) in enumerate(zip(tokens, positions)):
-            tok[b, : len(t)] = torch.as_tensor(t, dtype=torch.long)
-            pos[b, : len(p)] = torch.as_tensor(p, dtype=torch.long)
-        lengths = [len(t) for t in tokens]
-        hidden = self.model.hidden(tok.to(device), pos.to(device), cache, n_new=0 if cache is not None else None, lengths=lengths)
-        rows = [b for b, (a, e) in enumerate(want) for _ in range(e - a)]
-        cols = [i for a, e in want for i in range(a, e)]
-        idx = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
-        return hidden[idx(rows), idx(cols)]  # (N, hidden)
-
-    def finish(self, rid: int) -> None:
-        """Stamp a prompt's wall time (from when it started decoding)."""
-        sync(self.model.device)
-        self.progress.stats[rid].wall_time = time.perf_counter() - self.progress.started[rid]
+def _rows_per_request(cfg: DecodeConfig) -> int:
+    """Cache rows a request may hold at once: ReFusion forks one per slot of a block."""
+    if cfg.method != "refusion":
+        return 1
+    return 1 + cfg.region_length // cfg.slot_size // cfg.serial_blocks

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .config import DecodeConfig
-from .engine import Forward, Progress
-from .sampling import Sampler, token_probs
+from .ar import Feed
+from .request import Request
+from .sampling import token_probs
 
 
 def transfer_schedule(n_masked: int, steps: int) -> list[int]:
@@ -23,54 +23,54 @@ def transfer_schedule(n_masked: int, steps: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(steps)]
 
 
-def decode_mdm(fwd: Forward, progress: Progress, sampler: Sampler, cfg: DecodeConfig, prompts: list[list[int]], rids: list[int], mask_id: int, eos_ids: set[int]) -> None:
-    blk = cfg.mdm_block_length
-    n_blocks = -(-cfg.gen_length // blk)
-    L = n_blocks * blk
-    steps_total = cfg.mdm_steps if cfg.mdm_steps is not None else L
-    schedule = transfer_schedule(blk, min(blk, max(1, -(-steps_total // n_blocks))))
-    for rid in rids:
-        progress.start(rid, L)
-    gen = [[mask_id] * L for _ in prompts]  # what is fed: MASK where not yet fixed
-    fixed = [[False] * L for _ in prompts]
-    active = list(range(len(prompts)))
-    for block in range(n_blocks):
-        lo, hi = block * blk, (block + 1) * blk
-        step = 0
-        while True:
-            todo = [b for b in active if not all(fixed[b][lo:hi])]
-            if not todo:
-                break
-            k = schedule[step] if step < len(schedule) else blk
-            seqs = [prompts[b] + gen[b][:hi] for b in todo]
-            want = [(len(prompts[b]) + lo, len(prompts[b]) + hi) for b in todo]
-            logits = fwd.run([rids[b] for b in todo], seqs, [list(range(len(q))) for q in seqs], None, want)
-            for b, lg in zip(todo, logits):
-                _fix_most_confident(lg, k, lo, gen[b], fixed[b], sampler, cfg, rids[b], progress)
-            step += 1
-        still = []
-        for b in active:
-            if any(t in eos_ids for t in gen[b][:hi]) or block == n_blocks - 1 or progress.check_cancelled(rids[b]):
-                fwd.finish(rids[b])
-            else:
-                still.append(b)
-        active = still
+class MDMRow:
+    """One request's blocks: each engine step feeds its prompt and every block up to the
+    current one, and fixes the scheduled number of the current block's masked positions."""
 
+    def __init__(self, req: Request, mask_id: int) -> None:
+        cfg = req.cfg
+        self.req, self.blk = req, cfg.mdm_block_length
+        self.n_blocks = cfg.region_length // self.blk
+        steps_total = cfg.mdm_steps if cfg.mdm_steps is not None else cfg.region_length
+        self.schedule = transfer_schedule(self.blk, min(self.blk, max(1, -(-steps_total // self.n_blocks))))
+        self.gen = [mask_id] * cfg.region_length  # what is fed: MASK where not yet fixed
+        self.fixed = [False] * cfg.region_length
+        self.block = self.step = 0
+        self.done = False
 
-def _fix_most_confident(lg: torch.Tensor, k: int, lo: int, gen: list[int], fixed: list[bool], sampler: Sampler, cfg: DecodeConfig, rid: int, progress: Progress) -> None:
-    """Fix k still-masked positions of one row's block: the most confident (or, with
-    mdm_threshold, every one above it, at least one)."""
-    drafts = sampler.pick(lg[None], [rid])[0]  # (blk,)
-    conf = token_probs(lg, drafts)
-    open_ = torch.tensor([not f for f in fixed[lo : lo + len(drafts)]], device=conf.device)
-    conf = conf.masked_fill(~open_, -1.0)
-    if cfg.mdm_threshold is not None:
-        chosen = ((conf > cfg.mdm_threshold) & open_).nonzero().flatten().tolist() or [int(conf.argmax())]
-    else:
-        chosen = torch.topk(conf, min(max(k, 1), int(open_.sum()))).indices.tolist()
-    spans = []
-    for i in sorted(chosen):
-        gen[lo + i] = int(drafts[i])
-        fixed[lo + i] = True
-        spans.append((lo + i, [int(drafts[i])]))
-    progress.commit(rid, "mdm", spans)
+    def feed(self) -> Feed:
+        seq = self.req.prompt + self.gen[: (self.block + 1) * self.blk]
+        P, lo = len(self.req.prompt), self.block * self.blk
+        return seq, list(range(len(seq))), (P + lo, P + lo + self.blk)
+
+    def take(self, logits: torch.Tensor) -> None:
+        """Fix positions of the block from its logits (blk, V); move on when it is complete."""
+        k = self.schedule[self.step] if self.step < len(self.schedule) else self.blk
+        lo, hi = self.block * self.blk, (self.block + 1) * self.blk
+        self._fix_most_confident(logits, k, lo)
+        self.step += 1
+        if not all(self.fixed[lo:hi]):
+            return
+        if any(t in self.req.eos_ids for t in self.gen[:hi]) or self.block == self.n_blocks - 1:
+            self.done = True
+        else:
+            self.block, self.step = self.block + 1, 0
+
+    def _fix_most_confident(self, lg: torch.Tensor, k: int, lo: int) -> None:
+        """Fix k still-masked positions of the block: the most confident (or, with
+        mdm_threshold, every one above it, at least one)."""
+        threshold = self.req.cfg.mdm_threshold
+        drafts = self.req.sampler.pick(lg)  # (blk,)
+        conf = token_probs(lg, drafts)
+        open_ = torch.tensor([not f for f in self.fixed[lo : lo + len(drafts)]], device=conf.device)
+        conf = conf.masked_fill(~open_, -1.0)
+        if threshold is not None:
+            chosen = ((conf > threshold) & open_).nonzero().flatten().tolist() or [int(conf.argmax())]
+        else:
+            chosen = torch.topk(conf, min(max(k, 1), int(open_.sum()))).indices.tolist()
+        spans = []
+        for i in sorted(chosen):
+            self.gen[lo + i] = int(drafts[i])
+            self.fixed[lo + i] = True
+            spans.append((lo + i, [int(drafts[i])]))
+        self.req.commit("mdm", spans)

@@ -2,8 +2,8 @@
 
 Sampling is Gumbel-max on the filtered, tempered logits in float64 (the authors perturb
 the plan step the same way; Gumbel-max with temperature T samples softmax(logits / T)).
-Each prompt has its own generator seeded from `DecodeConfig.seed`, so a prompt samples
-the same tokens whether it is decoded alone or in a batch.
+Each request has its own generator seeded from its `DecodeConfig.seed`, so a request
+samples the same tokens whether it is decoded alone or in a batch of any settings.
 
 Confidences and verification scores are probabilities under the *unfiltered* softmax,
 computed as exp(logit - logsumexp): one reduction, no vocabulary-sized copy.
@@ -38,31 +38,23 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 class Sampler:
-    """Picks tokens for rows of a batch; `row_ids` name each row's prompt (its generator)."""
+    """Picks one request's tokens. It has its own generator, seeded from its config's
+    `seed` (or at random without one), so it samples the same tokens whatever it is
+    batched with."""
 
-    def __init__(self, cfg: DecodeConfig, n_prompts: int, device: torch.device) -> None:
-        self.cfg, self.device = cfg, device
-        self.generators: list[torch.Generator] | None = None if cfg.greedy else []
-        self.extend(n_prompts)
+    def __init__(self, cfg: DecodeConfig, device: torch.device) -> None:
+        self.cfg = cfg
+        self.generator: torch.Generator | None = None
+        if not cfg.greedy:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
 
-    def extend(self, n: int) -> None:
-        """Generators for n more prompts (joining a running batch)."""
-        if self.generators is None:
-            return
-        # a given seed: every prompt reproducible alone or batched; no seed: each prompt its own draws
-        for _ in range(n):
-            g = torch.Generator(device=self.device)
-            g.manual_seed(self.cfg.seed if self.cfg.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
-            self.generators.append(g)
-
-    def pick(self, logits: torch.Tensor, row_ids: list[int]) -> torch.Tensor:
-        """Tokens (B, T) from logits (B, T, V); row b belongs to prompt row_ids[b]."""
-        if self.generators is None:
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """Tokens (T,) from logits (T, V)."""
+        if self.generator is None:
             return logits.argmax(-1)
-        out = []
-        for b, rid in enumerate(row_ids):
-            scores = filter_logits(logits[b].double() / self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
-            u = torch.rand(scores.shape, generator=self.generators[rid], device=scores.device, dtype=torch.float64)
-            gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
-            out.append((scores + gumbel).argmax(-1))
-        return torch.stack(out)
+        cfg = self.cfg
+        scores = filter_logits(logits.double() / cfg.temperature, cfg.top_k, cfg.top_p)
+        u = torch.rand(scores.shape, generator=self.generator, device=scores.device, dtype=torch.float64)
+        gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
+        return (scores + gumbel).argmax(-1)

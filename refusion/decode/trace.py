@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import DecodeConfig
-from .engine import GenerationOutput
+from .request import RequestOutput
 
 _PAGE = """<!doctype html>
 <html><head><meta charset="utf-8"><title>ReFusion decoding trace</title>
@@ -76,7 +76,7 @@ def _token_texts(tokenizer: Any, ids: list[int]) -> list[str]:
     return [tokenizer.decode([t]) or repr(t) for t in ids]
 
 
-def trace_payload(tokenizer: Any, prompts: list[Any], outs: list[GenerationOutput]) -> list[dict[str, Any]]:
+def trace_payload(tokenizer: Any, prompts: list[Any], outs: list[RequestOutput]) -> list[dict[str, Any]]:
     """The data the page replays: per prompt, the committed tokens by position and the events."""
     rows = []
     for prompt, out in zip(prompts, outs):
@@ -101,7 +101,7 @@ def trace_payload(tokenizer: Any, prompts: list[Any], outs: list[GenerationOutpu
     return rows
 
 
-def write_trace_html(path: str | Path, tokenizer: Any, prompts: list[Any], outs: list[GenerationOutput], cfg: DecodeConfig) -> Path:
+def write_trace_html(path: str | Path, tokenizer: Any, prompts: list[Any], outs: list[RequestOutput], cfg: DecodeConfig) -> Path:
     """Write the replay page; needs outputs generated with `trace=True`."""
     data = json.dumps(trace_payload(tokenizer, prompts, outs)).replace("</", "<\\/")
     conf = html.escape(

@@ -1,7 +1,9 @@
 """lm-evaluation-harness model `refusion`: any lm-eval task on a ReFusion model.
 
-- generate_until: `refusion.generate` with a DecodeConfig (a preset, then the request's
-  max_gen_toks / temperature), cut at the request's stop strings. lm-eval has already
+- generate_until: every request with its own DecodeConfig (a preset, the model_args, then
+  the request's max_gen_toks / temperature, and its `until` as stop strings, which end
+  the row early), all in one `refusion.generate` call: the engine batches any mix of
+  settings (model_args `max_batch_size` and `batch_size` bound it). lm-eval has already
   formatted the context (and applied the chat template with --apply_chat_template), so we
   generate with chat=False.
 - loglikelihood / loglikelihood_rolling: plain AR scoring by the same model, in one
@@ -67,7 +69,8 @@ class ReFusionLM(LM):
         limit = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 2048
         self.max_length = min(int(max_length), limit) if max_length else limit
         self._generate_fn = generate_fn
-        self._decode = {"method": method, "preset": preset, "gen_length": gen_length, **decode_overrides}
+        self._decode, self._engine = _split_model_args(
+            {"method": method, "preset": preset, "gen_length": gen_length, **decode_overrides}, self.batch_size)
 
     # ------------------------------------------------------------------- tokenisation
     @property
@@ -99,32 +102,24 @@ class ReFusionLM(LM):
 
     # ------------------------------------------------------------------- generation
     def _config(self, gen_kwargs: dict):
-        import refusion
+        """The request's DecodeConfig: the preset, the model_args' fields, then the task's
+        generation kwargs (temperature, max_gen_toks, until as stop strings)."""
+        from refusion.decode.config import DecodeConfig
 
-        d = self._decode
-        cfg = refusion.DecodeConfig.preset(d["preset"]) if d.get("preset") else refusion.DecodeConfig()
-        fields = {f.name for f in dataclasses.fields(cfg)}
-        overrides = {k: v for k, v in d.items() if k in fields and v is not None}
+        d = dict(self._decode)
+        preset = d.pop("preset", None)
+        cfg = DecodeConfig.preset(preset) if preset else DecodeConfig()
+        overrides = {k: v for k, v in d.items() if v is not None}
         if gen_kwargs.get("do_sample") is False:
             overrides["temperature"] = 0.0
         elif gen_kwargs.get("temperature") is not None:
             overrides["temperature"] = float(gen_kwargs["temperature"])
-        cfg = dataclasses.replace(cfg, **overrides)
+        until = gen_kwargs.get("until") or []
+        overrides["stop"] = tuple(s for s in ([until] if isinstance(until, str) else until) if s)
+        cfg = cfg.replace(**overrides)
         if gen_kwargs.get("max_gen_toks") and d.get("gen_length") is None:
-            n = int(gen_kwargs["max_gen_toks"])
-            if cfg.method == "refusion":  # whole slots in whole blocks; outputs are cut back to n
-                unit = cfg.slot_size * cfg.serial_blocks
-                n = -(-n // unit) * unit
-            cfg = dataclasses.replace(cfg, gen_length=n)
+            cfg = cfg.for_max_tokens(int(gen_kwargs["max_gen_toks"]))
         return cfg
-
-    def _text(self, out: Any, max_tokens: int | None) -> str:
-        if isinstance(out, str):
-            return out
-        ids = getattr(out, "token_ids", None)
-        if max_tokens and ids is not None and len(ids) > max_tokens:
-            return self.tokenizer.decode(list(ids)[:max_tokens], skip_special_tokens=True)
-        return out.text
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         from tqdm.auto import tqdm
@@ -134,28 +129,21 @@ class ReFusionLM(LM):
             import refusion
 
             generate = refusion.generate
-        results: list[str | None] = [None] * len(requests)
-        groups: dict[str, list[int]] = {}
-        for i, request in enumerate(requests):
-            groups.setdefault(repr(sorted(request.args[1].items())), []).append(i)
+        contexts = [r.args[0] for r in requests]
+        cfgs = [self._config(dict(r.args[1])) for r in requests]  # each request its own settings, one batch
         bar = tqdm(total=len(requests), disable=disable_tqdm, desc="generate_until")
-        for indices in groups.values():
-            gen_kwargs = dict(requests[indices[0]].args[1])
-            until = gen_kwargs.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
-            cfg = self._config(gen_kwargs)
-            for start in range(0, len(indices), self.batch_size):
-                chunk = indices[start : start + self.batch_size]
-                contexts = [requests[i].args[0] for i in chunk]
-                outputs = generate(self.model, self.tokenizer, contexts, cfg, chat=False)
-                for i, context, out in zip(chunk, contexts, outputs):
-                    text = self._text(out, gen_kwargs.get("max_gen_toks"))
-                    for stop in until:
-                        if stop:
-                            text = text.split(stop)[0]
-                    results[i] = text
-                    self.cache_hook.add_partial("generate_until", (context, requests[i].args[1]), text)
-                bar.update(len(chunk))
+
+        def on_output(_i: int, out: Any) -> None:
+            if out.finished:
+                bar.update(1)
+
+        outputs = generate(self.model, self.tokenizer, contexts, cfgs, engine_config=self._engine, chat=False,
+                           on_output=on_output)
+        results = []
+        for request, context, out in zip(requests, contexts, outputs):
+            text = out if isinstance(out, str) else out.text  # cut at max_gen_toks and the stop strings
+            results.append(text)
+            self.cache_hook.add_partial("generate_until", (context, request.args[1]), text)
         bar.close()
         return results  # type: ignore[return-value]
 
@@ -229,3 +217,21 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _split_model_args(args: dict[str, Any], batch_size: int):
+    """model_args into DecodeConfig fields (and `preset`) and an EngineConfig; a name that
+    is neither is an error that lists the names accepted."""
+    from refusion.decode.config import DecodeConfig, EngineConfig
+
+    decode_names = {f.name for f in dataclasses.fields(DecodeConfig)} | {"preset"}
+    engine_names = {f.name for f in dataclasses.fields(EngineConfig)} - {"device"}
+    unknown = sorted(set(args) - decode_names - engine_names)
+    if unknown:
+        from refusion.errors import ConfigError
+
+        raise ConfigError(f"unknown model_args {', '.join(unknown)}; accepted: pretrained, batch_size, max_length, device, "
+                          f"dtype, {', '.join(sorted(decode_names | engine_names))}")
+    engine = {k: v for k, v in args.items() if k in engine_names and v is not None}
+    engine.setdefault("max_batch_size", batch_size)
+    return {k: v for k, v in args.items() if k in decode_names}, EngineConfig(**engine)

@@ -89,6 +89,7 @@ class ResultsDir:
     """OUT/samples.jsonl (append-only, resumable), OUT/summary.json, OUT/run.json."""
 
     def __init__(self, path: str | os.PathLike, settings: dict, overwrite: bool = False) -> None:
+        settings = json.loads(json.dumps(settings, default=str))  # as a resumed run reads them back
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.samples = self.path / "samples.jsonl"

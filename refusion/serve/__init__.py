@@ -1,12 +1,12 @@
 """OpenAI-compatible HTTP serving: `create_app` (FastAPI) and `serve` (uvicorn).
 
 - `protocol.py`: request validation and response bodies in the OpenAI schema
-- `scheduler.py`: the batching scheduler, one worker thread that owns the model
+- `loop.py`: the engine loop, one worker thread that owns the `Engine` and steps it
 - `app.py`: the routes (/v1/models, /v1/completions, /v1/chat/completions, /health, /metrics)
 - `metrics.py`: Prometheus text format, by hand
 - `loadtest.py`: `python -m refusion.serve.loadtest`, concurrent streaming clients
 
-The web framework is imported only when an app is made, so `refusion.serve.scheduler`
+The web framework is imported only when an app is made, so `refusion.serve.loop`
 works without the `serve` extra.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..decode import DecodeConfig
+from ..decode.config import DecodeConfig
 
 __all__ = ["create_app", "serve"]
 

@@ -1,11 +1,12 @@
-"""The FastAPI application: OpenAI routes over the batching scheduler.
+"""The FastAPI application: OpenAI routes over one engine loop.
 
 A completion request is validated (`protocol.parse_request`), tokenised here in the event
-loop, fitted to the context (`protocol.fit_length`) and queued as one `Job` per prompt.
-The worker thread pushes each job's text into an asyncio queue as the decoder finalises
-left-to-right prefixes; a streamed response forwards those events as server-sent events,
-a plain one collects them. A client that goes away cancels its jobs, and the decoder
-drops their rows at the next step.
+loop, fitted to the context (`protocol.fit_length`), checked by the engine (before any
+compute, so a bad request fails alone) and queued as one `Job` per prompt, each with its
+own `DecodeConfig`. The engine loop pushes each job's text into an asyncio queue as the
+decoder finalises left-to-right prefixes; a streamed response forwards those events as
+server-sent events, a plain one collects them. A client that goes away cancels its jobs,
+and the engine drops their rows before its next step.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ..decode import DecodeConfig, generate, resolve_ids
+from ..decode import DecodeConfig, Engine, EngineConfig
 from ..errors import CompileError, ContextLengthError, MissingMaskTokenError, ReFusionError
+from ..prompts import chat_ids, encode_prompt
+from .loop import EngineLoop, Job, QueueFull, ShuttingDown
 from .metrics import Metrics
 from .protocol import APIError, CompletionRequest, bad, chunk_body, fit_length, new_id, parse_request, request_config, response_body, usage, usage_chunk
-from .scheduler import Job, QueueFull, Scheduler, ShuttingDown
 
 log = logging.getLogger("refusion.serve")
 
@@ -40,36 +42,38 @@ def create_app(
     tokenizer: Any,
     cfg: DecodeConfig | None = None,
     *,
+    engine_config: EngineConfig | None = None,
     model_name: str = "refusion",
     api_key: str | None = None,
     max_queue: int = 256,
-    batch_window: float = 0.01,
     shutdown_timeout: float = 30.0,
-    generate_fn=generate,
+    engine: Engine | None = None,
 ) -> FastAPI:
     """The server for one model. `cfg` is the server's default DecodeConfig (requests
-    override it field by field); `api_key` turns on bearer-token auth for everything but
-    /health; `generate_fn` replaces `refusion.generate` (tests wrap it)."""
+    override it field by field); `engine_config` its resources; `api_key` turns on
+    bearer-token auth for everything but /health; `engine` replaces the engine made from
+    the model (tests wrap its step)."""
     if tokenizer is None:
         raise ReFusionError("serving needs a tokenizer: this checkpoint has none")
-    cfg = (cfg or DecodeConfig()).validate()
+    cfg = cfg or DecodeConfig()
+    engine = engine or Engine(model, tokenizer, engine_config)
     metrics = Metrics()
-    scheduler = Scheduler(model, tokenizer, max_queue=max_queue, batch_window=batch_window, metrics=metrics, generate_fn=generate_fn)
-    server = _Server(model, tokenizer, cfg, model_name, scheduler)
+    engine_loop = EngineLoop(engine, max_queue=max_queue, metrics=metrics)
+    server = _Server(engine, cfg, model_name, engine_loop)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
-        scheduler.start()
+        engine_loop.start()
         yield
-        await asyncio.get_running_loop().run_in_executor(None, scheduler.shutdown, shutdown_timeout)
+        await asyncio.get_running_loop().run_in_executor(None, engine_loop.shutdown, shutdown_timeout)
 
     app = FastAPI(title="ReFusion", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.scheduler, app.state.metrics = scheduler, metrics
+    app.state.engine_loop, app.state.metrics = engine_loop, metrics
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = scheduler.alive and not scheduler.closing
-        body = {"status": "ok" if ok else "unavailable", "model": model_name, "queue_length": scheduler.queue_length, "running": scheduler.running}
+        ok = engine_loop.alive and not engine_loop.closing
+        body = {"status": "ok" if ok else "unavailable", "model": model_name, "queue_length": engine_loop.queue_length, "running": engine_loop.running}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -136,11 +140,10 @@ class _ClientGone(Exception):
 class _Server:
     """Per-app state and the completion flow shared by both completion routes."""
 
-    def __init__(self, model: Any, tokenizer: Any, cfg: DecodeConfig, name: str, scheduler: Scheduler) -> None:
-        self.model, self.tokenizer, self.cfg, self.name, self.scheduler = model, tokenizer, cfg, name, scheduler
-        self.context = model.config.max_position_embeddings
-        self.vocab = model.config.vocab_size
-        self.eos_ids = resolve_ids(model, tokenizer, cfg)[0]
+    def __init__(self, engine: Engine, cfg: DecodeConfig, name: str, engine_loop: EngineLoop) -> None:
+        self.engine, self.tokenizer, self.cfg, self.name, self.engine_loop = engine, engine.tokenizer, cfg, name, engine_loop
+        self.context = engine.model.config.max_position_embeddings
+        self.vocab = engine.model.config.vocab_size
         self.created = int(time.time())
 
     def model_card(self) -> dict[str, Any]:
@@ -161,13 +164,17 @@ class _Server:
         param = "messages" if kind == "chat" else "prompt"
         jobs = []
         for i, ids in enumerate(prompts):
-            cfg, max_tokens = fit_length(base, len(ids), req.max_tokens, self.context, param)
+            cfg = fit_length(base, len(ids), req.max_tokens, self.context, param)
+            try:
+                self.engine.check(ids, cfg)
+            except ReFusionError as e:
+                raise library_error(e) from None
             notify = lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev))  # noqa: E731
-            jobs.append(Job(ids, cfg, max_tokens, req.stop, self.tokenizer, self.eos_ids, notify))
+            jobs.append(Job(ids, cfg, notify))
         try:
-            self.scheduler.submit(jobs)
+            self.engine_loop.submit(jobs)
         except QueueFull as e:
-            raise APIError(429, f"the server is busy ({self.scheduler.max_queue} requests waiting); retry in {e.retry_after} s", type="rate_limit_error", code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
+            raise APIError(429, f"the server is busy ({self.engine_loop.max_queue} requests waiting); retry in {e.retry_after} s", type="rate_limit_error", code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
         except ShuttingDown as e:
             raise library_error(e) from None
         flow = _Flow(request, req, jobs, events, self.name, sum(len(p) for p in prompts))
@@ -188,23 +195,16 @@ class _Server:
     def encode(self, req: CompletionRequest) -> list[list[int]]:
         tok = self.tokenizer
         if req.kind == "chat":
-            if getattr(tok, "chat_template", None):
-                try:
-                    text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
-                except Exception as e:  # the template itself rejects the conversation
-                    raise bad(f"the chat template rejected the messages: {e}", "messages") from None
-            else:
-                text = "".join(f"{m['role']}: {m['content']}\n" for m in req.messages) + "assistant:"
-            prompts = [list(tok(text, add_special_tokens=False)["input_ids"])]
+            try:
+                prompts = [chat_ids(tok, req.messages)]
+            except Exception as e:  # the template itself rejects the conversation
+                raise bad(f"the chat template rejected the messages: {e}", "messages") from None
         else:
             prompts = []
             for p in req.prompts:
-                if isinstance(p, str):
-                    prompts.append(list(tok(p)["input_ids"]))
-                elif any(not 0 <= t < self.vocab for t in p):
+                if not isinstance(p, str) and any(not 0 <= t < self.vocab for t in p):
                     raise bad(f"prompt token ids must be in [0, {self.vocab})", "prompt")
-                else:
-                    prompts.append(p)
+                prompts.append(encode_prompt(tok, p, chat=False))
         if any(not p for p in prompts):
             raise bad("the prompt is empty after tokenisation: give at least one token", "messages" if req.kind == "chat" else "prompt", "empty_prompt")
         return prompts

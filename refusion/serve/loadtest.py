@@ -9,7 +9,10 @@ reports requests/s, completion tokens/s (from the usage the server streams), lat
 time-to-first-token percentiles, errors by kind, responses that ended without a
 finish_reason or `[DONE]`, and with --pid the server's resident memory before and after.
 --compare runs one phase per client count, same prompts, and prints the tokens/s ratio;
---rounds N repeats the phases interleaved and reports each count's median round.
+`--compare same,mixed` instead runs --clients clients twice: all with the same settings,
+then each client with its own (`MIXED`: methods, thresholds, slot sizes, sampling), which
+the server batches together. --rounds N repeats the phases interleaved and reports each
+phase's median round.
 """
 
 from __future__ import annotations
@@ -38,10 +41,24 @@ PROMPTS = [
 ]
 
 
+# per-client decode settings for the `mixed` phase (client k takes MIXED[k % len(MIXED)])
+MIXED = [
+    {},
+    {"slot_threshold": 0.7, "token_threshold": 0.3},
+    {"slot_size": 4, "serial_blocks": 2},
+    {"method": "ar"},
+    {"temperature": 0.7, "seed": 1},
+    {"slot_size": 16, "slot_threshold": 0.8},
+    {"slot_threshold": 0.5, "token_threshold": 0.5, "serial_blocks": 4},
+    {"temperature": 1.0, "top_p": 0.9, "seed": 2},
+]
+
+
 @dataclass
 class Phase:
     clients: int
     seconds: float
+    label: str = ""
     latencies: list[float] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
     tokens: int = 0
@@ -53,6 +70,7 @@ class Phase:
     def summary(self) -> dict:
         pct = lambda xs, q: statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else (xs[0] if xs else float("nan"))  # noqa: E731
         return {
+            "phase": self.label or str(self.clients),
             "clients": self.clients,
             "seconds": round(self.wall, 2),
             "requests_ok": self.ok,
@@ -108,8 +126,8 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, phase: Ph
     phase.tokens += usage["completion_tokens"]
 
 
-async def run_phase(args: argparse.Namespace, model: str, clients: int) -> Phase:
-    phase = Phase(clients, args.seconds)
+async def run_phase(args: argparse.Namespace, model: str, clients: int, mixed: bool = False, label: str = "") -> Phase:
+    phase = Phase(clients, args.seconds, label)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits, headers=headers) as client:
@@ -124,7 +142,7 @@ async def run_phase(args: argparse.Namespace, model: str, clients: int) -> Phase
             i = k
             while time.perf_counter() < end:
                 body = {"model": model, "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "max_tokens": args.max_tokens,
-                        "stream": True, "stream_options": {"include_usage": True}, **args.extra}
+                        "stream": True, "stream_options": {"include_usage": True}, **args.extra, **(MIXED[k % len(MIXED)] if mixed else {})}
                 await one_request(client, args.url, body, phase)
                 i += 1
 
@@ -153,12 +171,26 @@ def rss_kib(pid: int | None) -> dict[str, int] | None:
     return out
 
 
+def _phases(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple[str, int, bool]]:
+    """(label, clients, mixed settings) per phase."""
+    if not args.compare:
+        return [("", args.clients, False)]
+    if args.compare == "same,mixed":
+        return [("same", args.clients, False), ("mixed", args.clients, True)]
+    try:
+        return [("", int(c), False) for c in args.compare.split(",")]
+    except ValueError:
+        p.error("--compare takes client counts (1,16) or same,mixed")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m refusion.serve.loadtest", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--clients", type=int, default=32, help="concurrent streaming clients")
     p.add_argument("--seconds", type=float, default=60.0, help="how long clients start new requests")
-    p.add_argument("--compare", default=None, metavar="A,B", help="run one phase per client count (e.g. 1,16) and compare tokens/s")
+    p.add_argument("--compare", default=None, metavar="A,B",
+                   help="run one phase per client count (e.g. 1,16) and compare tokens/s; or 'same,mixed': --clients clients "
+                        "with identical settings, then with mixed per-client settings")
     p.add_argument("--rounds", type=int, default=1,
                    help="with --compare: repeat the phases this many times, interleaved (A, B, A, B, ...); "
                         "each count's figures are from its median round (tokens/s)")
@@ -174,12 +206,13 @@ def main(argv: list[str] | None = None) -> int:
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = httpx.get(args.url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
-    counts = [int(c) for c in args.compare.split(",")] if args.compare else [args.clients]
+    phases_spec = _phases(p, args)
     before = rss_kib(args.pid)
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
-    runs = [[asyncio.run(run_phase(args, model, n)).summary() for n in counts] for _ in range(args.rounds if args.compare else 1)]
-    phases = [median_phase([r[i] for r in runs]) for i in range(len(counts))]
+    runs = [[asyncio.run(run_phase(args, model, n, mixed, label)).summary() for label, n, mixed in phases_spec]
+            for _ in range(args.rounds if args.compare else 1)]
+    phases = [median_phase([r[i] for r in runs]) for i in range(len(phases_spec))]
     after = rss_kib(args.pid)
     report = {"url": args.url, "model": model, "max_tokens": args.max_tokens, "phases": phases, "rss_kib_before": before, "rss_kib_after": after}
     if len(phases) > 1 and phases[0]["tokens_per_s"]:
@@ -190,13 +223,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model {model} at {args.url}, max_tokens {args.max_tokens}")
         for ph in phases:
             print(
-                f"clients {ph['clients']:>3}: {ph['requests_ok']} ok in {ph['seconds']} s = {ph['requests_per_s']} req/s, "
+                f"{ph['phase']:>6} ({ph['clients']} clients): {ph['requests_ok']} ok in {ph['seconds']} s = {ph['requests_per_s']} req/s, "
                 f"{ph['tokens_per_s']} tokens/s; latency p50 {ph['latency_p50_s']} s p95 {ph['latency_p95_s']} s; "
                 f"TTFT p50 {ph['ttft_p50_s']} s p95 {ph['ttft_p95_s']} s; incomplete {ph['incomplete']}; errors {ph['errors'] or 0}"
                 + (f"; tokens/s by round {ph['rounds_tokens_per_s']}" if len(runs) > 1 else "")
             )
         if "tokens_per_s_ratio" in report:
-            print(f"tokens/s ratio, {counts[-1]} clients vs {counts[0]}: {report['tokens_per_s_ratio']}x")
+            print(f"tokens/s ratio, {phases[-1]['phase']} vs {phases[0]['phase']}: {report['tokens_per_s_ratio']}x")
         if before:
             print(f"server RSS before {before['VmRSS'] / 1024:.1f} MiB, after {after['VmRSS'] / 1024:.1f} MiB (peak {after['VmHWM'] / 1024:.1f} MiB)")
     failed = sum(ph["incomplete"] + sum(ph["errors"].values()) for r in runs for ph in r)

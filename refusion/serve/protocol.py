@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..decode import METHODS, PRESETS, DecodeConfig
+from ..decode.config import MAX_STOPS, PRESETS, DecodeConfig, check_value, field_kind
 from ..errors import ConfigError
 
 
@@ -66,17 +66,6 @@ def _int(lo: int | None = None, hi: int | None = None):
     return check
 
 
-def _number(lo: float, hi: float):
-    def check(name: str, v: Any) -> float:
-        if not _is_number(v):
-            raise bad(f"{name} must be a number, got {type(v).__name__}", name, "invalid_type")
-        if not lo <= v <= hi:
-            raise bad(f"{name} must be {_range(lo, hi)}, got {v}", name)
-        return float(v)
-
-    return check
-
-
 def _choice(options: tuple[str, ...]):
     def check(name: str, v: Any) -> str:
         if not isinstance(v, str):
@@ -100,21 +89,27 @@ def _bool(name: str, v: Any) -> bool:
     return v
 
 
-# request field -> checker; the field names are DecodeConfig's (temperature .. mdm_threshold)
-DECODE_FIELDS = {
-    "temperature": _number(0.0, 2.0),
-    "top_p": _number(0.0, 1.0),
-    "seed": _int(-(2**63), 2**63 - 1),
-    "top_k": _int(0),
-    "method": _choice(METHODS),
-    "slot_size": _int(1, 4096),
-    "serial_blocks": _int(1, 4096),
-    "slot_threshold": _number(0.0, 1.0),
-    "token_threshold": _number(0.0, 1.0),
-    "mdm_block_length": _int(1, 4096),
-    "mdm_steps": _int(1, 2**16),
-    "mdm_threshold": _number(0.0, 1.0),
-}
+def _field_checker(f: dataclasses.Field):
+    """The request check of a DecodeConfig field, from its type and `knob` bounds."""
+    kind = field_kind(f)
+    want = {"bool": "a boolean", "int": "an integer", "float": "a number", "str": "a string", "tuple": "a list"}[kind]
+    typed = {"bool": lambda v: isinstance(v, bool), "int": _is_int, "float": _is_number, "str": lambda v: isinstance(v, str),
+             "tuple": lambda v: isinstance(v, list)}[kind]
+
+    def check(name: str, v: Any) -> Any:
+        if not typed(v):
+            raise bad(f"{name} must be {want}, got {type(v).__name__}", name, "invalid_type")
+        v = tuple(v) if kind == "tuple" else float(v) if kind == "float" else v
+        try:
+            return check_value(f, v)
+        except ConfigError as e:
+            raise bad(str(e), name) from None
+
+    return check
+
+
+# request field -> checker: DecodeConfig's fields that a request may set (temperature .. stop_token_ids)
+DECODE_FIELDS = {f.name: _field_checker(f) for f in dataclasses.fields(DecodeConfig) if f.metadata.get("http", True)}
 # accepted and ignored
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options"}
 # accepted only at the value that means "off" (anything else would change the answer)
@@ -142,7 +137,6 @@ FIELDS = {
 }
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_PROMPTS = 64
-MAX_STOPS = 16
 
 
 @dataclass
@@ -262,55 +256,47 @@ def _stops(s: Any) -> list[str]:
 
 # ------------------------------------------------------------------ decode settings
 def request_config(base: DecodeConfig, req: CompletionRequest) -> DecodeConfig:
-    """The server's DecodeConfig with the request's preset and knobs on top (gen_length is
-    set later, per prompt, by `fit_length`)."""
-    cfg = base
+    """The server's DecodeConfig with the request's preset (its slot settings only: the
+    server's sampling settings stay) and knobs on top, and the request's stop strings
+    (gen_length is set later, per prompt, by `fit_length`)."""
     try:
-        if req.preset:
-            keep = {k: getattr(base, k) for k in ("max_batch_size", "memory_budget_gb", "eos_id", "mask_id")}
-            cfg = DecodeConfig.preset(req.preset, **keep)
-        if not req.overrides:
-            return cfg
-        # gen_length is provisional until fit_length; round it so the new slot layout validates
-        get = lambda k: req.overrides.get(k, getattr(cfg, k))  # noqa: E731
-        unit = get("slot_size") * get("serial_blocks") if get("method") == "refusion" else 1
-        return dataclasses.replace(cfg, **req.overrides, gen_length=-(-cfg.gen_length // unit) * unit)
+        cfg = DecodeConfig.preset(req.preset, base) if req.preset else base
+        return cfg.replace(**req.overrides, stop=tuple(req.stop) or cfg.stop)
     except ConfigError as e:
         param = next((k for k in req.overrides if str(e).startswith(k)), None)
         raise bad(str(e), param, "invalid_config") from None
 
 
-def fit_length(cfg: DecodeConfig, prompt_len: int, max_tokens: int | None, context: int, param: str) -> tuple[DecodeConfig, int]:
-    """(config with gen_length set, max_tokens) for one prompt, or a 400.
+def fit_length(cfg: DecodeConfig, prompt_len: int, max_tokens: int | None, context: int, param: str) -> DecodeConfig:
+    """The config with gen_length set for one prompt, or a 400.
 
     max_tokens may be at most the context minus the prompt; omitted, it is the server's
-    gen_length, capped to what fits. ReFusion decodes whole slots in equal blocks, so its
-    region is max_tokens rounded up to a multiple of slot_size * serial_blocks; the
-    output is cut back to max_tokens (and the row stops once it has that many)."""
+    gen_length, capped to what fits. A method that decodes in units (ReFusion: whole
+    slots in equal blocks) needs its region, max_tokens rounded up to whole units, to fit
+    too; the output is cut back to max_tokens (`DecodeConfig.region_length`)."""
     room = context - prompt_len
     if room < 1:
         raise bad(f"the prompt has {prompt_len} tokens; this model's context is {context} tokens, which leaves no room to generate", param, "context_length_exceeded")
     if max_tokens is None:
-        max_tokens = min(cfg.gen_length, room)
-    elif max_tokens > room:
+        try:
+            return cfg.fit(room)
+        except ConfigError as e:
+            raise bad(f"{e}; shorten the prompt or change slot_size/serial_blocks", param, "context_length_exceeded") from None
+    if max_tokens > room:
         raise bad(
             f"this model's maximum context length is {context} tokens; you requested {prompt_len + max_tokens} "
             f"({prompt_len} in the prompt, {max_tokens} for the completion): lower max_tokens to at most {room}",
             "max_tokens", "context_length_exceeded",
         )
-    unit = {"refusion": cfg.slot_size * cfg.serial_blocks, "mdm": cfg.mdm_block_length, "ar": 1}[cfg.method]
-    region = -(-max_tokens // unit) * unit
-    if region > room:
+    cfg = cfg.for_max_tokens(max_tokens)
+    if cfg.region_length > room:
+        unit = cfg.unit
         raise bad(
-            f"{cfg.method} decodes in units of {unit} tokens: max_tokens {max_tokens} needs {region} positions but only "
+            f"{cfg.method} decodes in units of {unit} tokens: max_tokens {max_tokens} needs {cfg.region_length} positions but only "
             f"{room} are left after the {prompt_len}-token prompt; lower max_tokens to {room // unit * unit} or change slot_size/serial_blocks",
             "max_tokens", "context_length_exceeded",
         )
-    gen = region if cfg.method == "refusion" else max_tokens
-    try:
-        return dataclasses.replace(cfg, gen_length=gen), max_tokens
-    except ConfigError as e:
-        raise bad(str(e), None, "invalid_config") from None
+    return cfg
 
 
 # ------------------------------------------------------------------ response bodies

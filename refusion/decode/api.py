@@ -1,0 +1,72 @@
+"""`generate` and `stream`: the thinnest drivers of the `Engine` (add requests, step
+until done)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from ..errors import ConfigError
+from ..model import Transformer
+from ..prompts import Prompt, encode_prompt
+from .config import DecodeConfig, EngineConfig
+from .engine import Engine
+from .request import RequestOutput
+
+
+@torch.inference_mode()
+def generate(
+    model: Transformer,
+    tokenizer,
+    prompts: Prompt | Sequence[Prompt],
+    cfg: DecodeConfig | Sequence[DecodeConfig] | None = None,
+    *,
+    engine_config: EngineConfig | None = None,
+    chat: bool = True,
+    trace: bool = False,
+    on_output: Callable[[int, RequestOutput], None] | None = None,
+) -> list[RequestOutput]:
+    """Decode every prompt, with one config for all or one per prompt; outputs come back
+    in the order given. Every prompt is checked before any compute. `on_output(i, out)`
+    sees prompt i's output each time its final left-to-right prefix grows."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not prompts:
+        raise ConfigError("no prompts given")
+    cfgs = list(cfg) if isinstance(cfg, Sequence) else [cfg or DecodeConfig()] * len(prompts)
+    if len(cfgs) != len(prompts):
+        raise ConfigError(f"{len(cfgs)} configs for {len(prompts)} prompts: give one config, or one per prompt")
+    engine = Engine(model, tokenizer, engine_config)
+    ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
+    for i in sorted(range(len(ids)), key=lambda i: len(ids[i])):  # similar lengths batch together
+        engine.add_request(ids[i], cfgs[i], request_id=str(i), trace=trace)
+    outputs: list[RequestOutput | None] = [None] * len(prompts)
+    while engine.has_unfinished():
+        for out in engine.step():
+            i = int(out.request_id)
+            if on_output is not None:
+                on_output(i, out)
+            if out.finished:
+                outputs[i] = out
+    return outputs  # type: ignore[return-value]
+
+
+@torch.inference_mode()
+def _steps(engine: Engine, rid: str) -> Iterator[RequestOutput]:
+    try:
+        while engine.has_unfinished():
+            yield from engine.step()
+    finally:
+        engine.abort(rid)  # the consumer stopped early: nothing more is computed
+
+
+def stream(model: Transformer, tokenizer, prompt: Prompt, cfg: DecodeConfig | None = None, *,
+           engine_config: EngineConfig | None = None, chat: bool = True) -> Iterator[str]:
+    """Yield text as soon as a left-to-right prefix of the generation is final. Slots
+    decoded further right show up once the gap before them is filled."""
+    engine = Engine(model, tokenizer, engine_config)
+    rid = engine.add_request(prompt, cfg, chat=chat)
+    for out in _steps(engine, rid):
+        if out.delta:
+            yield out.delta

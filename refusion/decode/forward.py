@@ -1,0 +1,172 @@
+"""The counted forward pass over ragged rows that every decoding method calls, eager or
+compiled (`CompiledStep`), and the cache room a batch needs.
+
+Each row of a forward belongs to a `Request`; `Forward.run` counts the pass once for the
+engine and once for each request that fed it something or asked for logits, so a
+request's NFE is the same alone and in any batch.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..cache import KVCache
+from ..errors import CompileError
+from ..model import Transformer
+from ..timing import sync
+
+if TYPE_CHECKING:
+    from .request import Request
+
+
+def make_room(model: Transformer, cache: KVCache | None, prompts: Sequence[Sequence[int]], running_longest: int,
+              extra: int, reserve: int) -> KVCache:
+    """The decoder's cache with one new empty row per prompt (rows joining, or the first
+    batch), storage reserved for `reserve` rows. A new cache holds a row and its widest
+    step (the longest prompt + `extra`). A ragged step writes every row from the longest
+    row's end, so a running cache needs room for a prefill there: 2 x the longest prompt,
+    running or new, + `extra`."""
+    longest = max(len(p) for p in prompts)
+    if cache is None:
+        return model.new_cache(len(prompts), longest + extra, reserve=reserve)
+    cache.grow(len(prompts), 2 * max(longest, running_longest) + extra, reserve=reserve)
+    return cache
+
+
+class CompiledStep:
+    """`Transformer.packed_hidden` under `torch.compile`: a forward over ragged rows as one
+    graph (norms, rotations, the cache writes fused; no per-op Python). Shapes are dynamic
+    (rows, tokens per row, cache capacity), so a model compiles a few graphs at most
+    (dynamo specialises sizes of one: one row, one token), whatever its prompts, caches and
+    batches. The first uses compile for a minute or so on a laptop CPU; later processes
+    reuse inductor's on-disk cache. It needs a C++ compiler on CPU (inductor writes C++).
+    Dynamo counts the graphs of every model in the process against one limit, which the
+    step raises to `graph_limit` while it runs (a few models' worth); past it, forwards run
+    `packed_hidden` eagerly: the same numbers, a warning, no crash."""
+
+    def __init__(self, graph_limit: int = 64) -> None:
+        self.fn = torch.compile(Transformer.packed_hidden, fullgraph=True, dynamic=True)
+        self.graph_limit = graph_limit
+        self.warned = False
+
+    def __call__(self, model: Transformer, tokens: Sequence[Sequence[int]], positions: Sequence[Sequence[int]],
+                 cache: KVCache) -> torch.Tensor:
+        """Row b's tokens (any number, none included) are written at its end, not advanced
+        (the caller keeps what it wants with `cache.advance`). Returns the final hidden
+        states of the real tokens, row after row: (sum of lengths, hidden)."""
+        dev = cache.device
+        T = max(1, max(len(t) for t in tokens))
+        cache.check_room(T)
+
+        def flat(xs: Sequence[Sequence[int]]) -> torch.Tensor:
+            return torch.tensor([x for row in xs for x in row], dtype=torch.long, device=dev)
+
+        where = flat([range(b * T, b * T + len(t)) for b, t in enumerate(tokens)])
+        if where.numel() == 0:  # nothing fed, nothing written: no graph for an empty batch
+            return cache.k[0].new_zeros(0, model.config.hidden_size)
+        query_cols = torch.tensor(cache.lengths, dtype=torch.long, device=dev)[:, None] + torch.arange(T, device=dev)
+        # columns past used + T are never seen: a forward of several tokens per row reads only the
+        # window before them (a plan's cache is often half empty); a one-token step reads the
+        # whole, contiguous cache, which measured faster than a strided window of most of it
+        end = cache.used() + T if T > 1 else cache.capacity
+        k, v = [t[:, :, :end] for t in cache.k], [t[:, :, :end] for t in cache.v]
+        args = (flat(tokens), flat(positions), where, query_cols, k, v, cache.tokens[:, :end], cache.positions[:, :end])
+        try:
+            with torch._dynamo.config.patch(recompile_limit=self.graph_limit):
+                return self.fn(model, *args)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:  # raised before any write: run it eagerly
+            self._warn_limit()
+            return model.packed_hidden(*args)
+        except torch._dynamo.exc.BackendCompilerFailed as e:  # inductor could not build it (no C++ compiler, say)
+            raise CompileError(f"torch.compile could not build the forward ({type(e.inner_exception).__name__}: "
+                              f"{str(e.inner_exception).splitlines()[0][:200]}). Run without --compile (compile=False), "
+                              "or install a C++ compiler (inductor needs one on CPU).") from e
+
+    def _warn_limit(self) -> None:
+        if not self.warned:
+            self.warned = True
+            warnings.warn(f"torch.compile holds its limit of {self.graph_limit} graphs for the forward in this process "
+                          "(recompile_limit); forwards of new shapes or models run eagerly (same results, slower). "
+                          "Make the step with a larger graph_limit to compile more.", RuntimeWarning, stacklevel=3)
+
+
+_COMPILED: list[CompiledStep] = []
+
+
+def compiled_step() -> CompiledStep:
+    """The compiled step, made once per process (generate is called again and again); it
+    takes the model as an argument, so it keeps no model alive."""
+    if not _COMPILED:
+        _COMPILED.append(CompiledStep())
+    return _COMPILED[0]
+
+
+@dataclass
+class Forward:
+    """The counted forward pass. Each row feeds its own token list (ragged: padded on the
+    right and written with n_new=0, so the caller decides afterwards how many entries
+    each row keeps with `cache.advance`). Returns logits only at the requested entries,
+    so the vocabulary projection is not paid for prompt tokens."""
+
+    model: Transformer
+    pad_id: int
+    compiled: "CompiledStep | None" = None  # the compiled forward (EngineConfig.compile), for forwards with a cache
+
+    forwards: int = 0  # forward passes run so far
+
+    def run(
+        self,
+        reqs: Sequence["Request"],  # the request of each cache row
+        tokens: Sequence[Sequence[int]],
+        positions: Sequence[Sequence[int]],
+        cache: KVCache | None,
+        want: Sequence[tuple[int, int]],  # per row: logits for entries [a, b)
+    ) -> list[torch.Tensor]:
+        device = self.model.device
+        t0 = time.perf_counter()
+        if self.compiled is not None and cache is not None:
+            hidden = self.compiled(self.model, tokens, positions, cache)  # (N, hidden), row after row
+            start = [0]
+            for t in tokens[:-1]:
+                start.append(start[-1] + len(t))
+            index = [start[b] + i for b, (a, e) in enumerate(want) for i in range(a, e)]
+            picked = hidden[torch.tensor(index, dtype=torch.long, device=device)]  # (n_logits, hidden)
+        else:
+            picked = self._ragged(tokens, positions, cache, want)
+        logits = self.model.lm_head(picked).float()  # (n_logits, V)
+        sync(device)
+        seconds = time.perf_counter() - t0
+        self.forwards += 1
+        took_part: dict[int, "Request"] = {}
+        for req, t, (a, e) in zip(reqs, tokens, want):
+            if t or e > a:
+                took_part[id(req)] = req
+            req.stats.fed += len(t)
+            req.stats.logit_rows += e - a
+        for req in took_part.values():
+            req.stats.nfe += 1
+            req.stats.forward_time += seconds
+        return list(logits.split([e - a for a, e in want]))
+
+    def _ragged(self, tokens: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], cache: KVCache | None,
+                want: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """The eager forward over right-padded rows; the hidden states at the wanted entries."""
+        device = self.model.device
+        T = max(1, max(len(t) for t in tokens))  # a row may feed nothing this step
+        tok = torch.full((len(tokens), T), self.pad_id, dtype=torch.long)
+        pos = torch.zeros((len(tokens), T), dtype=torch.long)
+        for b, (t, p) in enumerate(zip(tokens, positions)):
+            tok[b, : len(t)] = torch.as_tensor(t, dtype=torch.long)
+            pos[b, : len(p)] = torch.as_tensor(p, dtype=torch.long)
+        lengths = [len(t) for t in tokens]
+        hidden = self.model.hidden(tok.to(device), pos.to(device), cache, n_new=0 if cache is not None else None, lengths=lengths)
+        rows = [b for b, (a, e) in enumerate(want) for _ in range(e - a)]
+        cols = [i for a, e in want for i in range(a, e)]
+        idx = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+        return hidden[idx(rows), idx(cols)]  # (N, hidden)

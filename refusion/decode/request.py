@@ -1,0 +1,157 @@
+"""One request in the engine: its settings, what it has committed so far, and what it
+reports (`RequestOutput`).
+
+Metrics are kept out of the algorithms (DESIGN §9): a method commits spans of tokens to
+its `Request`, which turns them into the final left-to-right prefix (what may be
+streamed), its text and the finish decision; the counted forward adds to `stats`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .config import DecodeConfig
+from .sampling import Sampler
+from .text import StopText, TextDeltas
+
+
+@dataclass
+class DecodeStats:
+    """Counts for one request. SPEC §3: NFE = forward passes it took part in (a batched
+    forward counts once), TPF = tokens / NFE over the whole generation, TPS = tokens / s."""
+
+    tokens: int = 0
+    nfe: int = 0
+    wall_time: float = 0.0
+    # seconds inside the forward passes this request took part in (model + logits); the rest
+    # of wall_time is the decoder's own per-step overhead (exact at batch size 1)
+    forward_time: float = 0.0
+    fed: int = 0  # real tokens this request fed to the model (padding excluded)
+    logit_rows: int = 0  # positions whose logits it asked for
+
+    @property
+    def tpf(self) -> float:
+        return self.tokens / self.nfe if self.nfe else 0.0
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.wall_time if self.wall_time > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"tokens": self.tokens, "nfe": self.nfe, "tpf": self.tpf, "wall_time": self.wall_time, "tps": self.tps,
+                "forward_time": self.forward_time, "fed": self.fed, "logit_rows": self.logit_rows}
+
+
+@dataclass
+class TraceEvent:
+    """One commit: which slots (start position, length) entered the cache, by which path."""
+
+    step: int  # 0-based index of the commit within this request's generation
+    nfe: int  # this request's forward count when the commit happened
+    path: str  # "fast" (global verification), "infill" (parallel AR infilling), "ar", "mdm"
+    spans: list[tuple[int, int]]  # (first position relative to the generation start, length)
+    tokens: list[list[int]]  # the committed tokens of each span
+
+
+@dataclass
+class RequestOutput:
+    """What `Engine.step` reports for a request whose output grew or that finished."""
+
+    request_id: str
+    token_ids: list[int]  # the final left-to-right prefix so far (cut after EOS and at gen_length)
+    text: str  # its text, cut at a stop string; a tail that may still grow into one is held back
+    delta: str  # text added since this request's previous output
+    finished: bool
+    finish_reason: str | None  # "stop" (EOS or a stop string), "length", "cancelled"; None while running
+    stats: DecodeStats
+    prompt_tokens: int
+    trace: list[TraceEvent] | None = None
+
+
+class Request:
+    """A request's state while the engine decodes it. Decoders commit spans of generation
+    offsets; the engine asks `advance` after each step what is new."""
+
+    def __init__(self, request_id: str, prompt: list[int], cfg: DecodeConfig, eos_ids: set[int], sampler: Sampler,
+                 tokenizer: Any, trace: bool) -> None:
+        self.id, self.prompt, self.cfg, self.eos_ids, self.sampler = request_id, prompt, cfg, eos_ids, sampler
+        self.tokenizer = tokenizer
+        self.filled: list[int | None] = []
+        self.prefix_len = 0  # final left-to-right prefix (cut after EOS and at gen_length)
+        self.reported = 0  # prefix length at the last output
+        self.stats = DecodeStats()
+        self.trace: list[TraceEvent] | None = [] if trace else None
+        self.started = 0.0
+        self.finish_reason: str | None = None
+        self.deltas = TextDeltas(tokenizer) if tokenizer is not None else None
+        self.stop_text = StopText(cfg.stop)
+        self.text = ""
+
+    # ------------------------------------------------------------------ decoder side
+    def start(self) -> None:
+        """The request starts decoding now (its wall time counts from here)."""
+        self.filled = [None] * self.cfg.region_length
+        self.started = time.perf_counter()
+
+    def commit(self, path: str, spans: Sequence[tuple[int, list[int]]]) -> None:
+        """Tokens enter the committed sequence at generation offsets (start, tokens)."""
+        for start, toks in spans:
+            self.filled[start : start + len(toks)] = toks
+        if self.trace is not None:
+            self.trace.append(TraceEvent(len(self.trace), self.stats.nfe, path, [(s, len(t)) for s, t in spans],
+                                         [list(t) for _, t in spans]))
+        row, n, limit = self.filled, self.prefix_len, self.cfg.gen_length
+        while n < limit and row[n] is not None and (n == 0 or row[n - 1] not in self.eos_ids):
+            n += 1
+        self.prefix_len = n
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.filled[: self.prefix_len]  # type: ignore[return-value]
+
+    @property
+    def complete(self) -> bool:
+        """The prefix holds everything this request wants: an EOS or gen_length tokens."""
+        n = self.prefix_len
+        return n == self.cfg.gen_length or (n > 0 and self.filled[n - 1] in self.eos_ids)
+
+    # ------------------------------------------------------------------ engine side
+    def advance(self, decoder_done: bool) -> RequestOutput | None:
+        """After a step: the output if the prefix grew or the request finished, deciding
+        the finish (EOS, gen_length, a stop string, or the decoder ran out of region)."""
+        grew = self.prefix_len > self.reported
+        finishing = self.finish_reason is None and (decoder_done or self.complete)
+        if not grew and not finishing:
+            return None
+        delta = ""
+        if grew or finishing:
+            delta, hit = self._text(final=finishing)
+            if hit:
+                self.finish_reason = "stop"
+        if self.finish_reason is None and finishing:
+            ids = self.token_ids
+            self.finish_reason = "stop" if ids and ids[-1] in self.eos_ids else "length"
+        self.reported = self.prefix_len
+        return self.output(delta)
+
+    def cancel(self) -> RequestOutput:
+        self.finish_reason = self.finish_reason or "cancelled"
+        return self.output(self._text(final=True)[0])
+
+    def output(self, delta: str = "") -> RequestOutput:
+        finished = self.finish_reason is not None
+        if finished and not self.stats.wall_time and self.started:
+            self.stats.wall_time = time.perf_counter() - self.started
+        self.stats.tokens = self.prefix_len
+        return RequestOutput(self.id, self.token_ids, self.text, delta, finished, self.finish_reason, self.stats,
+                             len(self.prompt), self.trace)
+
+    def _text(self, final: bool) -> tuple[str, bool]:
+        if self.deltas is None:
+            return "", False
+        piece, hit = self.stop_text.feed(self.deltas.update(self.token_ids, final=final), final)
+        self.text += piece
+        return piece, hit

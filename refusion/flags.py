@@ -1,0 +1,82 @@
+"""Command-line flags shared by the CLI verbs and the `bench` commands that load a model
+and decode. The decoding and engine flags are derived from `DecodeConfig` and
+`EngineConfig` (name, type, bounds, help), so they cannot drift from the dataclasses;
+nothing here imports torch."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from .decode.config import PRESETS, DecodeConfig, EngineConfig, check_value, field_kind
+from .errors import ConfigError
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", "-m", default=None, help="model directory, hub id or .gguf file (default: the bundled model)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the checkpoint's, if the device runs it)")
+
+
+def _flag_fields(cls: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("flag", True)]
+
+
+def _add_field_flags(group: argparse._ArgumentGroup, cls: type, skip: tuple[str, ...] = ()) -> None:
+    for f in _flag_fields(cls):
+        if f.name in skip:
+            continue
+        meta, kind, flag = f.metadata, field_kind(f), "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = f"{meta['help']} (default: {default})"
+        if kind == "bool":
+            group.add_argument(flag, action="store_true", default=None, help=meta["help"])
+        elif kind == "tuple":
+            group.add_argument(flag, type=int, nargs="*", default=None, metavar="ID", help=help_text)
+        else:
+            group.add_argument(flag, type={"int": int, "float": float, "str": str}[kind], default=None,
+                               choices=meta.get("choices"), help=help_text)
+
+
+def add_decode_arguments(parser: argparse.ArgumentParser, default_method: str = "refusion", engine: bool = True) -> None:
+    """Every `DecodeConfig` flag and a --preset (and, with `engine`, every `EngineConfig`
+    flag: --max-batch-size, --memory-budget-gb, --compile)."""
+    g = parser.add_argument_group("decoding (per request)")
+    g.add_argument("--preset", choices=PRESETS, default=None, help="the authors' settings for a benchmark")
+    _add_field_flags(g, DecodeConfig)
+    if engine:
+        _add_field_flags(parser.add_argument_group("engine (resources)"), EngineConfig)
+    parser.set_defaults(_default_method=default_method)
+
+
+def _given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The flags of cls's fields that the user gave, checked against the field's bounds."""
+    out = {}
+    for f in _flag_fields(cls):
+        value = getattr(args, f.name, None)
+        if value is None:
+            continue
+        value = tuple(value) if isinstance(value, list) else value
+        try:
+            out[f.name] = check_value(f, value)
+        except ConfigError as e:
+            raise ConfigError(f"--{f.name.replace('_', '-')}: {e}") from None
+    return out
+
+
+def decode_config_from_args(args: argparse.Namespace, base: DecodeConfig | None = None) -> DecodeConfig:
+    """Preset (on `base`, or the defaults), then every flag the user gave on top."""
+    base = base or DecodeConfig(method=getattr(args, "_default_method", "refusion"))
+    cfg = DecodeConfig.preset(args.preset, base) if getattr(args, "preset", None) else base
+    return cfg.replace(**_given(args, DecodeConfig))
+
+
+def engine_config_from_args(args: argparse.Namespace, base: EngineConfig | None = None) -> EngineConfig:
+    return (base or EngineConfig()).replace(**_given(args, EngineConfig))
+
+
+def load_from_args(args: argparse.Namespace):
+    from .checkpoint import load
+
+    return load(args.model, device=args.device, dtype=args.dtype)

@@ -1,0 +1,58 @@
+"""Prompts as token ids, the one place that applies the chat template, and the model
+facts a decoder needs (EOS and MASK ids): training, generation, the server and the
+evaluators all format and resolve through here, so they cannot drift apart."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .config import ModelConfig
+from .errors import ConfigError
+
+MASK_TOKEN = "<|mask|>"
+Prompt = str | Sequence[int]
+
+
+def chat_text(tokenizer: Any, messages: Sequence[dict[str, str]]) -> str:
+    """A conversation as the text the model continues: the tokenizer's chat template with
+    the assistant's turn opened, or, for a tokenizer without one, each message's content
+    on its own line (the format training uses for such tokenizers)."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    return "".join(m["content"] + "\n" for m in messages)
+
+
+def chat_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
+    """`chat_text` tokenised (the template carries its own special tokens)."""
+    return list(tokenizer(chat_text(tokenizer, messages), add_special_tokens=False)["input_ids"])
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt, chat: bool = True) -> list[int]:
+    """Token ids of a prompt: text goes through the chat template as one user message (if
+    the tokenizer has a template and chat=True); a list of ids is taken as it is."""
+    if not isinstance(prompt, str):
+        return [int(t) for t in prompt]
+    if tokenizer is None:
+        raise ConfigError("text prompts need a tokenizer; pass token ids to decode without one")
+    if chat and getattr(tokenizer, "chat_template", None):
+        return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def tokenizer_mask_id(tokenizer: Any) -> int | None:
+    """The id of `<|mask|>` in the tokenizer's vocabulary (added tokens included), or None."""
+    return tokenizer.get_vocab().get(MASK_TOKEN) if tokenizer is not None else None
+
+
+def mask_id_of(config: ModelConfig, tokenizer: Any = None) -> int | None:
+    """The MASK id: the model config's, else the tokenizer's `<|mask|>`, else None."""
+    return config.mask_token_id if config.mask_token_id is not None else tokenizer_mask_id(tokenizer)
+
+
+def eos_ids_of(config: ModelConfig, tokenizer: Any = None) -> set[int]:
+    """The ids that end a generation: the model config's EOS ids and the tokenizer's."""
+    eos = set(config.eos_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    return eos

@@ -1,0 +1,265 @@
+"""The engine loop: one worker thread owns the `Engine` and steps it; the event loop hands
+it completions (`Job`s) and cancellations.
+
+Between two steps the worker adds every newly submitted job to the engine (each with its
+own `DecodeConfig`: requests of any settings share the batch, and a request that arrives
+mid-generation joins at the next step), aborts the jobs whose client went away, then runs
+one step and forwards each `RequestOutput` to its job as events. The engine decides the
+rest: the batch size, the KV memory budget, finish reasons (EOS, max_tokens, stop
+strings).
+
+Sampling: each completion has its own generator, seeded from its `seed` (reproducible
+whatever it is batched with) or, without one, drawn at random.
+
+The queue is bounded (`max_queue` completions not yet running); `submit` raises
+`QueueFull` with a retry estimate when it is full, and `ShuttingDown` once `shutdown`
+has begun.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..decode.config import DecodeConfig
+from .metrics import Metrics
+
+log = logging.getLogger("refusion.serve")
+
+# ("text", str) | ("done", finish_reason, completion_tokens) | ("error", exception)
+Event = tuple
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(f"the queue is full; retry in {retry_after} s")
+        self.retry_after = retry_after
+
+
+class ShuttingDown(Exception):
+    pass
+
+
+class Job:
+    """One completion (one choice) in flight. Its events are made in the worker thread
+    from the engine's outputs and handed to `notify`; the text of a non-streamed response
+    is the concatenation of the same events, so streamed and non-streamed answers are the
+    same by construction."""
+
+    _ids = itertools.count()
+
+    def __init__(self, ids: list[int], cfg: DecodeConfig, notify: Callable[[Event], None]) -> None:
+        self.id = f"job-{next(Job._ids)}"
+        self.ids, self.cfg, self.notify = ids, cfg, notify
+        self.cancelled = threading.Event()  # the client went away (or the server is stopping)
+        self.finished = False
+        self.emitted = False  # any event sent
+        self.completion_tokens = 0
+        self.submitted = time.monotonic()
+        self.started: float | None = None
+        self.metrics: Metrics | None = None
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def update(self, out: Any) -> None:
+        """A `RequestOutput` of this job's request (worker thread)."""
+        if self.finished:
+            return
+        self.completion_tokens = len(out.token_ids)
+        if out.delta:
+            if not self.emitted and self.metrics:
+                self.metrics.ttft.observe(time.monotonic() - self.submitted)
+            self._send(("text", out.delta))
+        if out.finished:
+            self.finished = True
+            if self.metrics:
+                self.metrics.finished.inc(1, out.finish_reason)
+                self.metrics.completion_tokens.inc(self.completion_tokens)
+                self.metrics.generated_tokens.inc(out.stats.tokens)
+                self.metrics.forwards.inc(out.stats.nfe)
+                if out.stats.nfe:
+                    self.metrics.tpf.observe(out.stats.tpf)
+            self._send(("done", out.finish_reason, self.completion_tokens))
+
+    def fail(self, error: BaseException) -> None:
+        if not self.finished:
+            self.finished = True
+            if self.metrics:
+                self.metrics.finished.inc(1, "error")
+            self._send(("error", error))
+
+    def _send(self, event: Event) -> None:
+        self.emitted = True
+        try:
+            self.notify(event)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+            self.cancel()
+
+
+class EngineLoop:
+    def __init__(self, engine: Any, *, max_queue: int = 256, metrics: Metrics | None = None) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self.metrics = metrics or Metrics()
+        self._inbox: list[Job] = []  # submitted, not yet added to the engine
+        self._jobs: dict[str, Job] = {}  # added to the engine, not finished
+        self._cv = threading.Condition()
+        self._closing = False
+        self._give_up = False  # the shutdown grace period is over
+        self._request_seconds = 1.0  # running mean of a completion's time in the engine, for Retry-After
+        self._thread = threading.Thread(target=self._run, name="refusion-engine", daemon=True)
+
+    # ---------------------------------------------------------------- the event loop's side
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, jobs: Sequence[Job]) -> None:
+        """Queue every job or none."""
+        with self._cv:
+            if self._closing:
+                raise ShuttingDown("the server is shutting down")
+            if self.queue_length + len(jobs) > self.max_queue:
+                self.metrics.rejected.inc()
+                raise QueueFull(self._retry_after())
+            for job in jobs:
+                job.metrics = self.metrics
+                self.metrics.prompt_tokens.inc(len(job.ids))
+                self._inbox.append(job)
+            self.metrics.queue_length.set(self.queue_length)
+            self._cv.notify_all()
+
+    @property
+    def queue_length(self) -> int:
+        """Completions not yet running: submitted, or waiting in the engine for room."""
+        return len(self._inbox) + self.engine.num_waiting
+
+    @property
+    def running(self) -> int:
+        return self.engine.num_running
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _retry_after(self) -> int:
+        per_batch = max(1, self.engine.config.max_batch_size)
+        return max(1, math.ceil(self._request_seconds * (1 + self.queue_length / per_batch)))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Refuse new work, let queued and running completions finish for up to `timeout`
+        seconds, then cancel what is left and stop the worker."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        with self._cv:
+            self._give_up = True
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(10.0)
+        if not self._thread.is_alive():  # no worker (never started, or gone): nobody else will answer
+            with self._cv:
+                left, self._inbox = [*self._inbox, *self._jobs.values()], []
+                self._jobs = {}
+            for job in left:
+                job.fail(ShuttingDown("the server shut down before this request was decoded"))
+
+    # ---------------------------------------------------------------- the worker's side
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._inbox and not self._jobs and not self._closing:
+                    self._cv.wait()
+                if not self._inbox and not self._jobs:
+                    return  # closing, nothing left
+                new, self._inbox = self._inbox, []
+                give_up = self._give_up
+            self._add(new)
+            if give_up:
+                self._cancel_all()
+            self._abort_cancelled()
+            if self.engine.has_unfinished():
+                self._step()
+            elif self._jobs:  # every job's request is gone (aborted): nothing to step
+                with self._cv:
+                    self._cv.wait(0.05)
+
+    def _add(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            if job.cancelled.is_set():
+                self._finish_cancelled(job)
+                continue
+            try:
+                self.engine.add_request(job.ids, job.cfg, request_id=job.id)
+            except Exception as e:  # the request's own fault (a ReFusionError) or not: it fails alone
+                job.fail(e)
+                continue
+            if self.engine.num_running:
+                self.metrics.joined.inc()
+            self._jobs[job.id] = job
+
+    def _cancel_all(self) -> None:
+        """The grace period is over: queued jobs fail, running ones are cancelled."""
+        for job in list(self._jobs.values()):
+            if job.started is None:
+                job.fail(ShuttingDown("the server shut down before this request was decoded"))
+            job.cancel()
+
+    def _abort_cancelled(self) -> None:
+        for job in [j for j in self._jobs.values() if j.cancelled.is_set()]:
+            self.engine.abort(job.id)  # reported finished ("cancelled") by the next step
+
+    def _step(self) -> None:
+        t0 = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # the server must outlive any one step: its rows fail, others go on
+            log.exception("an engine step failed")
+            for rid in self.engine.abort_running():
+                job = self._jobs.pop(rid, None)
+                if job is not None:
+                    job.fail(e)
+            return
+        dt = time.monotonic() - t0
+        self.metrics.step_seconds.observe(dt)
+        self.metrics.rows_per_step.observe(self.engine.rows_last_step)
+        self.metrics.rows.set(self.engine.rows_last_step)
+        self.metrics.engine_forwards.set(self.engine.forwards)
+        now = time.monotonic()
+        for job in self._jobs.values():
+            if job.started is None and self._is_running(job):
+                job.started = now
+                self.metrics.queue_wait.observe(now - job.submitted)
+        for out in outputs:
+            job = self._jobs.get(out.request_id)
+            if job is None:
+                continue
+            job.update(out)
+            if out.finished:
+                del self._jobs[out.request_id]
+                if job.started is not None:
+                    self._request_seconds = 0.8 * self._request_seconds + 0.2 * (now - job.started)
+        self.metrics.queue_length.set(self.queue_length)
+        self.metrics.running.set(self.running)
+
+    def _is_running(self, job: Job) -> bool:
+        req = self.engine.requests.get(job.id)
+        return req is None or req.started > 0  # gone from the engine: it ran (and finished)
+
+    @staticmethod
+    def _finish_cancelled(job: Job) -> None:
+        job.finished = True
+        if job.metrics:
+            job.metrics.finished.inc(1, "cancelled")
+        job._send(("done", "cancelled", 0))

@@ -1,0 +1,116 @@
+"""`TrainConfig`: everything a training run needs, one dataclass for `refusion train`
+(every field is a flag, its help the comment beside it) and `train(TrainConfig(...))`.
+It imports no torch, so the CLI can build its flags without loading it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from .errors import ConfigError, DataError
+
+OBJECTIVES = ("refusion", "ar")
+PRECISIONS = ("auto", "no", "bf16", "fp16")
+DTYPE_NAMES = ("float32", "bfloat16")
+AR_REDUCTIONS = ("token", "example")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs. Every field is also a `refusion train` flag."""
+
+    # ---- what to train, on what, where to
+    data: str = ""  # training data: JSON list or JSONL of {"query","response"} or {"messages"}
+    out: str = ""  # output directory (a Hugging Face model directory at the end)
+    model: str | None = None  # base checkpoint: local HF dir, hub id or .gguf
+    init_config: str | None = None  # instead of `model`: a config.json to initialise randomly
+    tokenizer: str | None = None  # tokenizer directory (required with init_config; overrides the model's)
+    add_mask_token: bool = False  # add <|mask|> to a base model that lacks it (as `refusion convert`)
+    dtype: str = "float32"  # weights dtype: float32, or bfloat16 (halves memory; sensible with LoRA)
+    # ---- objective
+    objective: str = "refusion"  # refusion (SPEC §2) or ar (plain next-token training)
+    slot_sizes: tuple[int, ...] = (4, 8, 16, 32)  # slot size drawn per example
+    mask_eps: float = 1e-3  # p = (1 - eps) * t + eps
+    ar_reduction: str = "token"  # AR CE averaged over all labels ("token") or per example ("example")
+    max_length: int = 2048  # longer examples (prompt + response + EOS) are skipped and counted
+    # ---- optimisation
+    batch_size: int = 8  # examples per micro-batch per process
+    grad_accum: int = 1  # micro-batches per optimizer step
+    max_steps: int = 0  # optimizer steps; 0 = derive from epochs
+    epochs: float = 1.0  # passes over the training split when max_steps is 0
+    lr: float = 1e-5  # peak learning rate
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int | None = None  # linear warmup steps; None = warmup_ratio of the total
+    warmup_ratio: float = 0.03  # warmup as a fraction of the total steps, when warmup_steps is None
+    weight_decay: float = 0.0  # AdamW decay on matrices (never on norms, biases)
+    adam_beta1: float = 0.9  # AdamW beta1
+    adam_beta2: float = 0.95  # AdamW beta2
+    adam_eps: float = 1e-8  # AdamW epsilon
+    max_grad_norm: float = 1.0  # gradient clipping; 0 = off
+    cpu: bool = False  # train on the CPU even where a GPU is available
+    precision: str = "auto"  # auto (bf16 where the GPU supports it, else none), no, bf16, fp16
+    gradient_checkpointing: bool = False  # recompute activations in backward (less memory)
+    # ---- LoRA (needs peft); the adapters are merged into the saved weights
+    lora: bool = False  # train LoRA adapters instead of all weights (merged into the saved model)
+    lora_r: int = 16  # LoRA rank
+    lora_alpha: float = 32.0  # LoRA scale numerator: the update is (alpha / r) * B @ A
+    lora_dropout: float = 0.0  # dropout on the LoRA input
+    lora_targets: tuple[str, ...] = LORA_TARGETS  # linear layers that get adapters
+    # ---- evaluation, logging, checkpoints
+    eval_data: str | None = None  # held-out file; None = split eval_fraction off the training data
+    eval_fraction: float = 0.02  # share of the training data held out for evaluation
+    eval_max_examples: int = 256  # at most this many held-out examples
+    eval_every: int = 200  # steps between evaluations (and one at the end); 0 = only at the end
+    log_every: int = 10  # steps between log records
+    save_every: int = 500  # steps between checkpoints (and one at the end); 0 = only at the end
+    keep_checkpoints: int = 2  # newest checkpoints kept; 0 = keep all
+    resume: bool = False  # continue from the latest checkpoint in out/checkpoints
+    seed: int = 0  # seeds initialisation, data order, the eval split and the objective's draws
+    tensorboard: bool = True  # also log to out/tensorboard when tensorboard is installed
+    progress: bool = True  # tqdm progress bar on the main process
+
+    def __post_init__(self) -> None:
+        self.slot_sizes = tuple(int(s) for s in self.slot_sizes)
+        self.lora_targets = tuple(self.lora_targets)
+
+    def validate(self) -> None:
+        if not self.data:
+            raise ConfigError("no training data given (data=...)")
+        if not self.out:
+            raise ConfigError("no output directory given (out=...)")
+        if (self.model is None) == (self.init_config is None):
+            raise ConfigError("give exactly one of a base model (model=...) or init_config=config.json")
+        if self.init_config is not None and self.tokenizer is None:
+            raise ConfigError("training from init_config needs a tokenizer directory (tokenizer=...)")
+        checks = [
+            (self.objective in OBJECTIVES, f"objective must be one of {OBJECTIVES}"),
+            (self.precision in PRECISIONS, f"precision must be one of {PRECISIONS}"),
+            (self.dtype in DTYPE_NAMES, f"dtype must be one of {DTYPE_NAMES}"),
+            (self.batch_size >= 1 and self.grad_accum >= 1, "batch_size and grad_accum must be >= 1"),
+            (self.max_length >= 2, "max_length must be >= 2"),
+            (self.max_steps >= 0 and self.epochs > 0, "max_steps must be >= 0 and epochs > 0"),
+            (self.lr > 0 and 0 <= self.min_lr_ratio <= 1, "need lr > 0 and 0 <= min_lr_ratio <= 1"),
+            (0 <= self.eval_fraction < 1, "eval_fraction must lie in [0, 1)"),
+            (self.log_every >= 1, "log_every must be >= 1"),
+            (self.eval_every >= 0 and self.save_every >= 0, "eval_every and save_every must be >= 0"),
+            (self.lora_r >= 1, "lora_r must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        self.objective_config()  # validates slot sizes, eps, ar_reduction
+        for path in (self.data, self.eval_data):  # before any model is loaded
+            if path and not Path(path).exists():
+                raise DataError(f"data file {path} does not exist")
+
+    def objective_config(self):
+        """The objective's settings (`objective.ObjectiveConfig`, validated)."""
+        from .objective import ObjectiveConfig
+
+        return ObjectiveConfig(self.slot_sizes, self.mask_eps, self.ar_reduction)
+
+
+def config_fields() -> list:
+    """The fields of TrainConfig, for the CLI."""
+    return list(fields(TrainConfig))
