@@ -127,3 +127,13 @@ def test_engine_config_is_checked():
         EngineConfig(max_batch_size=0)
     with pytest.raises(ConfigError, match="memory_budget_gb"):
         EngineConfig(memory_budget_gb=-1.0)
+
+
+def test_steps_keep_no_autograd_state(tiny):
+    """A server steps the engine from its own thread, outside any inference_mode: the step
+    must still record no autograd graph (one did, and the cache then held every step's)."""
+    engine = Engine(tiny)
+    engine.add_request([5, 6, 7], DecodeConfig(gen_length=16, slot_size=4))
+    with torch.enable_grad():
+        engine.step()
+    assert engine.cache is not None and not any(t.requires_grad for t in engine.cache.k + engine.cache.v)

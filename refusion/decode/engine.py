@@ -117,6 +117,7 @@ class Engine:
                 "positions; shorten the prompt or lower gen_length"
             )
 
+    @torch.inference_mode()
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its row; the next `step` reports it as finished
         ("cancelled", with the tokens it had). False if it is unknown or already done."""
@@ -132,9 +133,11 @@ class Engine:
         self.finished_outputs.append(req.cancel())
         return True
 
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests, run one step of every group, and report each request
-        whose final prefix grew or that finished."""
+        whose final prefix grew or that finished. Runs under inference mode whatever the
+        caller's thread (a server's engine loop): no autograd state is kept."""
         outputs, self.finished_outputs = self.finished_outputs, []
         self._admit()
         self.rows_last_step = self.num_running
