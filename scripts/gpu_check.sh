@@ -63,25 +63,24 @@ import sys
 
 from refusion.bench.decode import timed
 from refusion.bench.speed import load_model, suite_prompt_ids
-from refusion.decode import DecodeConfig
+from refusion.decode import DecodeConfig, EngineConfig
 
 device, shape, gen = sys.argv[1], sys.argv[2], int(sys.argv[3])
 budget = 32.0 if device.startswith("cuda") else 4.0  # KV-cache GB: enough that batch 16 is really 16
-cfg = DecodeConfig(gen_length=gen, slot_size=8, slot_threshold=0.7, token_threshold=0.3, mdm_block_length=min(32, gen),
-                   memory_budget_gb=budget)
+cfg = DecodeConfig(gen_length=gen, slot_size=8, slot_threshold=0.7, token_threshold=0.3, mdm_block_length=min(32, gen))
 print(f"gen_length {gen}, 16 suite prompts; the random model has no EOS, so it always runs gen_length")
 print(f"{'model':18} {'dtype':9} {'method':10} {'TPF':>6} {'ms/fwd b=1':>11} {'tok/s b=1':>10} {'tok/s b=16':>11} {'b16/b1':>7} {'overhead':>9}")
 for spec in (None, f"random:{shape}"):
     model, tok = load_model(spec, device, None)
     prompts = suite_prompt_ids(tok, 16)
-    timed(model, tok, prompts[:2], cfg.replace(method="ar", gen_length=8))  # warm-up: kernels, allocator
+    timed(model, tok, prompts[:2], cfg.replace(method="ar", gen_length=8), EngineConfig(memory_budget_gb=budget))  # warm-up
     for method, compiled in (("ar", False), ("refusion", False), ("mdm", False), ("ar", True), ("refusion", True)):
-        run = cfg.replace(method=method, compile=compiled)
+        run, engine = cfg.replace(method=method), EngineConfig(memory_budget_gb=budget, compile=compiled)
         if compiled:  # warm-up: the compiled graphs (one row or several, one token or several)
             for bs, n in ((1, 1), (16, 4)):
-                timed(model, tok, prompts[:n], run.replace(gen_length=16, max_batch_size=bs))
-        b1 = timed(model, tok, prompts, run.replace(max_batch_size=1))
-        b16 = timed(model, tok, prompts, run.replace(max_batch_size=16))
+                timed(model, tok, prompts[:n], run.replace(gen_length=16), engine.replace(max_batch_size=bs))
+        b1 = timed(model, tok, prompts, run, engine.replace(max_batch_size=1))
+        b16 = timed(model, tok, prompts, run, engine.replace(max_batch_size=16))
         name, dtype = spec or "bundled", str(model.dtype).removeprefix("torch.")
         method += "+c" if compiled else ""
         ms_fwd = 1e3 * b1["wall"] / b1["nfe"]

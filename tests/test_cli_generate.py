@@ -58,7 +58,7 @@ def test_generate_preset_and_overrides_reach_the_config(model_dir, capsys):
     [
         (["--slot-threshold", "1.5"], "slot_threshold"),
         (["--gen-length", "600"], "context"),
-        (["--top-k", "-1"], "--top-k: top_k must be >= 0"),
+        (["--top-k", "-1"], "--top-k: top_k must be between 0 and"),
         (["--method", "mdm", "--mdm-block-length", "0"], "mdm_block_length"),
     ],
 )

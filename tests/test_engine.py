@@ -110,6 +110,8 @@ def test_bad_requests_raise_before_anything_is_queued(tiny):
         engine.add_request([], DecodeConfig())
     with pytest.raises(ConfigError, match="token ids"):
         engine.add_request([tiny.config.vocab_size], DecodeConfig())
+    with pytest.raises(ConfigError, match="stop strings need a tokenizer"):
+        engine.add_request([1, 2], DecodeConfig(stop=("x",)))
     engine.add_request([1, 2], DecodeConfig(), request_id="same")
     with pytest.raises(ConfigError, match="already in use"):
         engine.add_request([1, 2], DecodeConfig(), request_id="same")
@@ -120,6 +122,13 @@ def test_bad_requests_raise_before_anything_is_queued(tiny):
     finally:
         tiny.config.mask_token_id = saved
     assert engine.num_waiting == 1 and engine.forwards == 0
+
+
+def test_bounds_are_named_in_the_errors():
+    with pytest.raises(ConfigError, match="mdm_steps must be between 1 and 65536, got 70000"):
+        DecodeConfig(mdm_steps=70000)
+    with pytest.raises(ConfigError, match="slot_threshold must be between 0.0 and 1.0"):
+        DecodeConfig(slot_threshold=1.5)
 
 
 def test_engine_config_is_checked():
@@ -137,3 +146,73 @@ def test_steps_keep_no_autograd_state(tiny):
     with torch.enable_grad():
         engine.step()
     assert engine.cache is not None and not any(t.requires_grad for t in engine.cache.k + engine.cache.v)
+
+
+def test_a_request_with_other_settings_joining_late_fits_the_cache(tiny):
+    """An AR row grown for 46 steps, then a ReFusion row (another region, a block of MASKs
+    to feed) joins: the cache must hold the longest growth plus the widest feed of any
+    row, not of one row. Both decode what they decode alone."""
+    prompt = [2 + i % 200 for i in range(100)]
+    ar, rf = DecodeConfig(method="ar", gen_length=50, stop_token_ids=()), DecodeConfig(gen_length=8, slot_size=8, stop_token_ids=())
+    engine = Engine(tiny)
+    engine.add_request(prompt, ar, request_id="ar")
+    done = {}
+    with torch.inference_mode():
+        for _ in range(46):
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+    engine.add_request(prompt, rf, request_id="rf")
+    done.update(drain(engine))
+    assert done["ar"].token_ids == generate(tiny, None, [prompt], ar)[0].token_ids
+    assert done["rf"].token_ids == generate(tiny, None, [prompt], rf)[0].token_ids
+
+
+def test_the_cache_reserves_no_more_rows_than_the_budget_holds(tiny):
+    """16 requests queued, a budget for 2: the cache's storage is for 2 rows, not 16."""
+    cfg = DecodeConfig(method="ar", gen_length=16, stop_token_ids=())
+    c = tiny.config
+    per_entry = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
+    budget = 2 * per_entry * (10 + 2 * 16) / 2**30
+    engine = Engine(tiny, None, EngineConfig(max_batch_size=16, memory_budget_gb=budget))
+    for i in range(16):
+        engine.add_request(CASES[i]["prompt_ids"][:10] + [1] * (10 - len(CASES[i]["prompt_ids"][:10])), cfg)
+    with torch.inference_mode():
+        engine.step()
+    assert engine.num_running == 2 and engine.cache.reserved_rows <= 2
+    assert len(drain(engine)) == 16
+
+
+def test_a_failed_step_loses_no_request(tiny, monkeypatch):
+    """Storage that cannot be had (out of memory, say) fails the step, but the requests it
+    admitted wait again and an aborted request's output is still reported."""
+    engine = Engine(tiny)
+    engine.add_request([5, 6, 7], DecodeConfig(method="ar", gen_length=8), request_id="a")
+    engine.add_request([8, 9], DecodeConfig(method="ar", gen_length=8), request_id="b")
+    assert engine.abort("b")
+    calls = []
+
+    def no_memory(*args):
+        calls.append(1)
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr("refusion.decode.engine.make_room", no_memory)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.step()
+    assert calls and engine.num_waiting == 1 and engine.num_running == 0
+    monkeypatch.undo()
+    done = drain(engine)
+    assert done["b"].finish_reason == "cancelled"
+    assert done["a"].token_ids == generate(tiny, None, [[5, 6, 7]], DecodeConfig(method="ar", gen_length=8))[0].token_ids
+
+
+def test_mdm_fixes_its_whole_block_past_an_eos(tiny):
+    """The MDM baseline keeps LLaDA's schedule: a row stops after the block in which its
+    EOS lies is complete, not as soon as the output is final (its NFE counts the block)."""
+    stops = 0
+    for c in CASES:
+        cfg = DecodeConfig(method="mdm", gen_length=32, mdm_block_length=16, stop_token_ids=(c["eos_id"],))
+        out = generate(tiny, None, [c["prompt_ids"]], cfg, trace=True)[0]
+        blocks = -(-len(out.token_ids) // 16)
+        assert sum(n for ev in out.trace for _, n in ev.spans) == blocks * 16  # every position of the last block
+        assert out.stats.nfe == blocks * 16  # one position a step (mdm_steps defaults to the region)
+        stops += out.finish_reason == "stop" and len(out.token_ids) % 16 > 0
+    assert stops >= 5  # EOS inside a block: where stopping early would show

@@ -26,8 +26,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..flags import add_decode_arguments, add_model_arguments, decode_config_from_args, load_from_args
-from ..decode import DecodeConfig, generate
+from ..flags import add_decode_arguments, add_model_arguments, decode_config_from_args, engine_config_from_args, load_from_args
+from ..decode import DecodeConfig, EngineConfig, generate
 from ..timing import sync
 from ..errors import CheckpointError, ConfigError, MissingExtraError
 from .aup import aup
@@ -171,22 +171,23 @@ def sweep_runs(base: DecodeConfig, args: argparse.Namespace, with_ar: bool) -> l
 
 
 # ---------------------------------------------------------------------------- measuring
-def decode_one(model, tokenizer, item, index: int, cfg: DecodeConfig) -> Record:
+def decode_one(model, tokenizer, item, index: int, cfg: DecodeConfig, engine: EngineConfig) -> Record:
     """Decode one item alone (batch size 1); the clock covers `generate`, not the check."""
     from ..tasks import check
 
     sync(model.device)
     t0 = time.perf_counter()
-    out = generate(model, tokenizer, [item.prompt], cfg)[0]
+    out = generate(model, tokenizer, [item.prompt], cfg, engine_config=engine)[0]
     sync(model.device)
     seconds = time.perf_counter() - t0
     return Record(index, item.family, bool(check(item, out.text)), out.stats.tokens, out.stats.nfe, seconds)
 
 
-def measure(runs: Sequence[Run], items: Sequence, models: dict[str, tuple], chunk: int, desc: str) -> dict[str, list[Record]]:
+def measure(runs: Sequence[Run], items: Sequence, models: dict[str, tuple], chunk: int, desc: str,
+            engine: EngineConfig) -> dict[str, list[Record]]:
     """Every run on every item, interleaved chunk by chunk; rows rotate their order each
     chunk so none always runs first after a switch of weights."""
-    warm_up(runs, items[0], models)
+    warm_up(runs, items[0], models, engine)
     records: dict[str, list[Record]] = {r.key: [] for r in runs}
     with tqdm(total=len(runs) * len(items), desc=desc, unit="decode", file=sys.stderr, mininterval=1.0) as bar:
         for c, start in enumerate(range(0, len(items), chunk)):
@@ -194,19 +195,19 @@ def measure(runs: Sequence[Run], items: Sequence, models: dict[str, tuple], chun
             for run in [*runs[shift:], *runs[:shift]]:
                 model, tokenizer = models[run.weights]
                 for i in range(start, min(start + chunk, len(items))):
-                    records[run.key].append(decode_one(model, tokenizer, items[i], i, run.cfg))
+                    records[run.key].append(decode_one(model, tokenizer, items[i], i, run.cfg, engine))
                     bar.update()
     return records
 
 
-def warm_up(runs: Sequence[Run], item, models: dict[str, tuple]) -> None:
+def warm_up(runs: Sequence[Run], item, models: dict[str, tuple], engine: EngineConfig) -> None:
     """One untimed decode per (weights, method), so first-call costs stay out of the figures."""
     seen = set()
     for run in runs:
         if (run.weights, run.cfg.method) not in seen:
             seen.add((run.weights, run.cfg.method))
             model, tokenizer = models[run.weights]
-            generate(model, tokenizer, [item.prompt], run.cfg)
+            generate(model, tokenizer, [item.prompt], run.cfg, engine_config=engine)
 
 
 def summarise(records: Sequence[Record]) -> dict[str, Any]:
@@ -331,7 +332,7 @@ def plot_sweep(points: list[dict[str, Any]], aups: dict[str, float], path: Path,
 # ---------------------------------------------------------------------------- the command
 def run(args: argparse.Namespace) -> int:
     args.model = args.model or args.model_pos
-    base = base_config(args)
+    base, engine = base_config(args), engine_config_from_args(args)
     items = select_items(args.limit, args.families)
     ar_path, note = resolve_ar_model(args.ar_model)
     sweep = None if args.no_sweep else sweep_runs(base, args, ar_path is not None)
@@ -350,7 +351,7 @@ def run(args: argparse.Namespace) -> int:
         print(note, file=sys.stderr)
 
     runs = table_runs(base, ar_path is not None)
-    rows = table_rows(runs, measure(runs, items, models, args.chunk, "table"))
+    rows = table_rows(runs, measure(runs, items, models, args.chunk, "table", engine))
     print_table(rows, items, base, args.device)
     result: dict[str, Any] = {
         "models": {"refusion": args.model or "bundled", "ar": ar_path},
@@ -359,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
     }
     if sweep is not None:
         sweep_items = items[: args.sweep_limit]
-        points, aups, y_max = sweep_points(sweep, measure(sweep, sweep_items, models, args.chunk, "sweep"))
+        points, aups, y_max = sweep_points(sweep, measure(sweep, sweep_items, models, args.chunk, "sweep", engine))
         print_sweep(points, aups, len(sweep_items))
         plot_sweep(points, aups, plot_path, f"held-out suite, {len(sweep_items)} items, batch size 1, {args.device}")
         print(f"figure: {plot_path}")

@@ -29,7 +29,8 @@ def generate(
 ) -> list[RequestOutput]:
     """Decode every prompt, with one config for all or one per prompt; outputs come back
     in the order given. Every prompt is checked before any compute. `on_output(i, out)`
-    sees prompt i's output each time its final left-to-right prefix grows."""
+    sees prompt i's output each time its final left-to-right prefix grows (its text then
+    streams; without it, text is decoded once per prompt, at the end)."""
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
     if not prompts:
@@ -40,7 +41,7 @@ def generate(
     engine = Engine(model, tokenizer, engine_config)
     ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
     for i in sorted(range(len(ids)), key=lambda i: len(ids[i])):  # similar lengths batch together
-        engine.add_request(ids[i], cfgs[i], request_id=str(i), trace=trace)
+        engine.add_request(ids[i], cfgs[i], request_id=str(i), trace=trace, stream=on_output is not None)
     outputs: list[RequestOutput | None] = [None] * len(prompts)
     while engine.has_unfinished():
         for out in engine.step():

@@ -25,9 +25,12 @@ class ARRow:
         self.pending = list(req.prompt)  # what the row feeds next
         self.done = False
 
+    stops_early = True  # finished once its output is final (EOS or gen_length)
+    width = 0  # after the prompt it feeds one token, which its growth already counts
+
     @property
-    def extra(self) -> int:
-        """Cache entries the row adds past its prompt."""
+    def growth(self) -> int:
+        """Cache entries the row adds past its prompt, at most."""
         return self.req.cfg.gen_length
 
     def feed(self) -> Feed:

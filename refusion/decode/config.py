@@ -198,8 +198,6 @@ def _check_scalar(name: str, kind: str, value: Any, meta: Any) -> Any:
 
 
 def bounds_text(lo: float | None, hi: float | None, kind: str = "float") -> str:
-    if lo is not None and hi is not None and (kind != "int" or hi < 2**16):
+    if lo is not None and hi is not None:
         return f"between {lo} and {hi}"
-    if lo is not None:
-        return f">= {lo}" if kind != "int" or lo != 1 else "a positive integer"
-    return f"<= {hi}"
+    return f">= {lo}" if lo is not None else f"<= {hi}"

@@ -82,10 +82,11 @@ class Engine:
         return bool(self.requests or self.finished_outputs)
 
     def add_request(self, prompt: Prompt, cfg: DecodeConfig | None = None, *, request_id: str | None = None,
-                    chat: bool = True, trace: bool = False) -> str:
+                    chat: bool = True, trace: bool = False, stream: bool = True) -> str:
         """Queue a request; it joins the batch at the next step. A text prompt goes through
-        the chat template (unless chat=False); token ids are taken as they are. Raises
-        (ConfigError, ContextLengthError, MissingMaskTokenError) before any compute."""
+        the chat template (unless chat=False); token ids are taken as they are. With
+        stream=False its text comes in the final output only (not decoded at every step).
+        Raises (ConfigError, ContextLengthError, MissingMaskTokenError) before any compute."""
         cfg = cfg or DecodeConfig()
         ids = encode_prompt(self.tokenizer, prompt, chat)
         self.check(ids, cfg)
@@ -93,7 +94,7 @@ class Engine:
         if rid in self.requests:
             raise ConfigError(f"request id {rid!r} is already in use")
         eos = set(cfg.stop_token_ids) if cfg.stop_token_ids is not None else self.eos_ids
-        req = Request(rid, ids, cfg, eos, Sampler(cfg, self.model.device), self.tokenizer, trace)
+        req = Request(rid, ids, cfg, eos, Sampler(cfg, self.model.device), self.tokenizer, trace, stream)
         self.requests[rid] = req
         self.waiting.append(req)
         return rid
@@ -105,6 +106,8 @@ class Engine:
             raise ConfigError("a prompt is empty: give at least one token")
         if any(not 0 <= t < c.vocab_size for t in ids):
             raise ConfigError(f"prompt token ids must be in [0, {c.vocab_size})")
+        if cfg.stop and self.tokenizer is None:
+            raise ConfigError("stop strings need a tokenizer (to read the text); pass stop_token_ids instead")
         if cfg.method in ("refusion", "mdm") and self.mask_id is None:
             raise MissingMaskTokenError(
                 f"method {cfg.method!r} needs a MASK token and this model has none: "
@@ -139,14 +142,18 @@ class Engine:
         whose final prefix grew or that finished. Runs under inference mode whatever the
         caller's thread (a server's engine loop): no autograd state is kept."""
         outputs, self.finished_outputs = self.finished_outputs, []
-        self._admit()
-        self.rows_last_step = self.num_running
-        if self.rows:
-            self._step_cached()
-        if self.mdm:
-            self._step_mdm()
+        try:
+            self._admit()
+            self.rows_last_step = self.num_running
+            if self.rows:
+                self._step_cached()
+            if self.mdm:
+                self._step_mdm()
+        except BaseException:  # the aborted requests' outputs are still owed to the caller
+            self.finished_outputs = outputs + self.finished_outputs
+            raise
         for row in self.rows + self.mdm:
-            out = row.req.advance(row.done)
+            out = row.req.advance(row.done, row.stops_early)
             if out is not None:
                 outputs.append(out)
                 if out.finished:
@@ -158,9 +165,9 @@ class Engine:
     def abort_running(self) -> list[str]:
         """Drop every running request and the cache (after a step failed half-way, its
         state is not to be trusted); waiting requests stay. Returns the dropped ids."""
-        ids = [r.req.id for r in self.rows + self.mdm]
+        ids = [rid for rid, r in self.requests.items() if r.started]
         for rid in ids:
-            self.requests.pop(rid, None)
+            self.requests.pop(rid)
         self.rows, self.mdm, self.cache, self.infill.scratch = [], [], None, None
         return ids
 
@@ -181,11 +188,32 @@ class Engine:
             else:
                 new.append(ReFusionRow(req) if req.cfg.method == "refusion" else ARRow(req))
         if new:
-            running = max((len(r.req.prompt) for r in self.rows), default=0)
-            extra = max(r.extra for r in self.rows + new)
-            reserve = min(self.config.max_batch_size, len(self.rows) + len(new) + len(self.waiting))
-            self.cache = make_room(self.model, self.cache, [r.req.prompt for r in new], running, extra, reserve)
+            try:
+                self._make_room(new)
+            except BaseException:  # (out of memory, say): the requests wait again, nothing is lost
+                for row in reversed(new):
+                    row.req.started = 0.0
+                    self.waiting.appendleft(row.req)
+                raise
             self.rows += new
+
+    def _make_room(self, new: list[CachedRow]) -> None:
+        """Cache rows for `new`. Every step must fit: the longest row grown by the most any
+        row grows, plus the widest feed (a prompt prefilled, or a block of MASKs)."""
+        rows = self.rows + new
+        extra = max(r.growth for r in rows) + max(r.width for r in rows)
+        running = max((len(r.req.prompt) for r in self.rows), default=0)
+        waiting = sum(q.cfg.method != "mdm" for q in self.waiting)
+        # storage for the rows that can be in flight, within the budget at this capacity
+        longest = max(running, *(len(r.req.prompt) for r in new))
+        per_row = self._bytes_per_entry() * (2 * longest + extra)
+        budget_rows = int(self.config.memory_budget_gb * 2**30 // max(per_row, 1))
+        reserve = max(len(rows), min(self.config.max_batch_size, len(rows) + waiting, budget_rows))
+        self.cache = make_room(self.model, self.cache, [r.req.prompt for r in new], running, extra, reserve)
+
+    def _bytes_per_entry(self) -> int:
+        c = self.model.config
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.model.dtype.itemsize
 
     def _fits(self, req: Request, new: list[CachedRow]) -> bool:
         """Would the KV cache of every running row, the rows admitted this step and `req`
@@ -194,10 +222,8 @@ class Engine:
         reqs = [r.req for r in self.rows + self.mdm + new] + [req]
         longest = max(len(q.prompt) for q in reqs)
         region = max(q.cfg.region_length for q in reqs)
-        c = self.model.config
-        per_entry = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.model.dtype.itemsize
         rows = sum(_rows_per_request(q.cfg) for q in reqs)
-        return rows * per_entry * (longest + 2 * region) <= self.config.memory_budget_gb * 2**30
+        return rows * self._bytes_per_entry() * (longest + 2 * region) <= self.config.memory_budget_gb * 2**30
 
     def _retire(self) -> None:
         """Finished rows leave; their cache storage stays for rows that join."""

@@ -27,6 +27,8 @@ class MDMRow:
     """One request's blocks: each engine step feeds its prompt and every block up to the
     current one, and fixes the scheduled number of the current block's masked positions."""
 
+    stops_early = False  # the baseline fixes its whole block, even past an EOS, as LLaDA does
+
     def __init__(self, req: Request, mask_id: int) -> None:
         cfg = req.cfg
         self.req, self.blk = req, cfg.mdm_block_length

@@ -68,11 +68,17 @@ class ReFusionRow:
         self.slots_per_block = cfg.region_length // self.s // self.n_blocks
         self.undecoded = self._block_slots(0)
 
+    stops_early = True  # finished once its output is final (EOS or gen_length), whatever slots are left
+
     @property
-    def extra(self) -> int:
-        """Cache entries the row may hold past its prompt at once: the region, and a block of MASKs."""
-        region = self.req.cfg.region_length
-        return region + region // self.n_blocks
+    def growth(self) -> int:
+        """Cache entries the row adds past its prompt, at most: its region."""
+        return self.req.cfg.region_length
+
+    @property
+    def width(self) -> int:
+        """The most it feeds in one forward past its prompt: a block of MASKs."""
+        return self.req.cfg.region_length // self.n_blocks
 
     def _block_slots(self, block: int) -> list[int]:
         return list(range(block * self.slots_per_block, (block + 1) * self.slots_per_block))

@@ -63,7 +63,7 @@ class RequestOutput:
     request_id: str
     token_ids: list[int]  # the final left-to-right prefix so far (cut after EOS and at gen_length)
     text: str  # its text, cut at a stop string; a tail that may still grow into one is held back
-    delta: str  # text added since this request's previous output
+    delta: str  # text added since this request's previous output (added with stream=False: all at the end)
     finished: bool
     finish_reason: str | None  # "stop" (EOS or a stop string), "length", "cancelled"; None while running
     stats: DecodeStats
@@ -76,9 +76,12 @@ class Request:
     offsets; the engine asks `advance` after each step what is new."""
 
     def __init__(self, request_id: str, prompt: list[int], cfg: DecodeConfig, eos_ids: set[int], sampler: Sampler,
-                 tokenizer: Any, trace: bool) -> None:
+                 tokenizer: Any, trace: bool, stream: bool = True) -> None:
         self.id, self.prompt, self.cfg, self.eos_ids, self.sampler = request_id, prompt, cfg, eos_ids, sampler
         self.tokenizer = tokenizer
+        # text is decoded as the prefix grows only when someone reads it (a stream) or a stop
+        # string may end it; otherwise once at the end (decoding every prefix is quadratic)
+        self.live_text = stream or bool(cfg.stop)
         self.filled: list[int | None] = []
         self.prefix_len = 0  # final left-to-right prefix (cut after EOS and at gen_length)
         self.reported = 0  # prefix length at the last output
@@ -119,15 +122,16 @@ class Request:
         return n == self.cfg.gen_length or (n > 0 and self.filled[n - 1] in self.eos_ids)
 
     # ------------------------------------------------------------------ engine side
-    def advance(self, decoder_done: bool) -> RequestOutput | None:
+    def advance(self, decoder_done: bool, stops_early: bool = True) -> RequestOutput | None:
         """After a step: the output if the prefix grew or the request finished, deciding
-        the finish (EOS, gen_length, a stop string, or the decoder ran out of region)."""
+        the finish (EOS, gen_length, a stop string, or the decoder ran out of region).
+        `stops_early`: the row may stop as soon as its output is final."""
         grew = self.prefix_len > self.reported
-        finishing = self.finish_reason is None and (decoder_done or self.complete)
+        finishing = self.finish_reason is None and (decoder_done or (stops_early and self.complete))
         if not grew and not finishing:
             return None
         delta = ""
-        if grew or finishing:
+        if finishing or self.live_text:
             delta, hit = self._text(final=finishing)
             if hit:
                 self.finish_reason = "stop"

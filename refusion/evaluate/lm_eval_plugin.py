@@ -215,10 +215,6 @@ def main() -> None:
     cli_evaluate()
 
 
-if __name__ == "__main__":
-    main()
-
-
 def _split_model_args(args: dict[str, Any], batch_size: int):
     """model_args into DecodeConfig fields (and `preset`) and an EngineConfig; a name that
     is neither is an error that lists the names accepted."""
@@ -235,3 +231,7 @@ def _split_model_args(args: dict[str, Any], batch_size: int):
     engine = {k: v for k, v in args.items() if k in engine_names and v is not None}
     engine.setdefault("max_batch_size", batch_size)
     return {k: v for k, v in args.items() if k in decode_names}, EngineConfig(**engine)
+
+
+if __name__ == "__main__":
+    main()
