@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ConfigError
-from .train_config import AR_REDUCTIONS
+from .train.config import AR_REDUCTIONS
 
 IGNORE = -100  # label of a token that carries no loss
 

@@ -12,7 +12,7 @@ import dataclasses
 import inspect
 import re
 
-from ..train_config import AR_REDUCTIONS, DTYPE_NAMES, OBJECTIVES, PRECISIONS, TrainConfig, config_fields
+from ..train.config import AR_REDUCTIONS, DTYPE_NAMES, OBJECTIVES, PRECISIONS, TrainConfig, config_fields
 
 _CHOICES = {"objective": OBJECTIVES, "precision": PRECISIONS, "dtype": DTYPE_NAMES, "ar_reduction": AR_REDUCTIONS}
 _COMMENT = re.compile(r"^\s+(\w+):[^#]*#\s*(.+)$")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from .errors import ConfigError, DataError
+from ..errors import ConfigError, DataError
 
 OBJECTIVES = ("refusion", "ar")
 PRECISIONS = ("auto", "no", "bf16", "fp16")
@@ -106,7 +106,7 @@ class TrainConfig:
 
     def objective_config(self):
         """The objective's settings (`objective.ObjectiveConfig`, validated)."""
-        from .objective import ObjectiveConfig
+        from ..objective import ObjectiveConfig
 
         return ObjectiveConfig(self.slot_sizes, self.mask_eps, self.ar_reduction)
 
