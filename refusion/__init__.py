@@ -6,8 +6,9 @@ The names below are imported when first used, so `import refusion` (and `refusio
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -28,14 +29,4 @@ if TYPE_CHECKING:
     from .errors import ReFusionError
     from .model import Transformer
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'refusion' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_attributes(__name__, _WHERE, __all__)

@@ -9,8 +9,9 @@ CLI can build its flags from them without loading it.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..lazy import lazy_attributes
 
 _WHERE = {
     "DecodeConfig": "config", "EngineConfig": "config", "METHODS": "config", "PRESETS": "config",
@@ -29,14 +30,4 @@ if TYPE_CHECKING:
     from .request import DecodeStats, RequestOutput, TraceEvent
     from .text import StopText, TextDeltas
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'refusion.decode' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_attributes(__name__, _WHERE, __all__)

@@ -30,8 +30,9 @@ the same machine and process count.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..lazy import lazy_attributes
 
 _WHERE = {
     "TrainConfig": "config", "config_fields": "config", "DTYPE_NAMES": "config", "OBJECTIVES": "config",
@@ -53,14 +54,4 @@ if TYPE_CHECKING:
     from .setup import (DTYPES, LossModel, clean_model, init_weights, load_model_and_tokenizer, lr_factor,
                         merged_state_dict, step_generator, step_inputs)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'refusion.train' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_attributes(__name__, _WHERE, __all__)
