@@ -12,16 +12,13 @@ are never attended to: the model masks them out.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import torch
 
 from .config import ModelConfig
 from .errors import ContextLengthError
-
-if TYPE_CHECKING:
-    from .model import Packing
 
 
 def storage_mask(query_cols: torch.Tensor, end: int) -> torch.Tensor:
@@ -131,10 +128,11 @@ class KVCache:
         return k[:, :, : slots.end], v[:, :, : slots.end]
 
     def write_packed(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, slots: "WriteSlots",
-                     packing: "Packing") -> tuple[torch.Tensor, torch.Tensor]:
-        """`write` for a packed forward: keys/values (N, H_kv, D) of the real tokens only,
-        each stored at its row's end (padding is neither computed nor stored)."""
-        rows, cols = slots.packed_index(packing)
+                     flat_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`write` for a packed forward: keys/values (N, H_kv, D) of the real tokens only
+        (at `flat_index` b * T + t of the padded layout), each stored at its row's end
+        (padding is neither computed nor stored)."""
+        rows, cols = slots.packed_index(flat_index)
         k, v = self.k[layer], self.v[layer]
         k[rows, :, cols] = k_new
         v[rows, :, cols] = v_new
@@ -155,6 +153,37 @@ class KVCache:
             self.tokens[slots.rows, slots.cols] = tokens
             self.positions[slots.rows, slots.cols] = positions
         return slots
+
+    def packed_write(self, tokens: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], *,
+                     whole_cache: bool = False, plan_runs: bool = False) -> "PackedWrite":
+        """The layout of a forward over ragged rows (row b feeds tokens[b], any number, none
+        included), as the tensors `Transformer.packed_hidden` takes: the real tokens packed,
+        where each sits in the rows' (B, T) layout, each query's column, and the storage it
+        reads and writes. Only the window in use (used + T columns) is read, unless
+        `whole_cache` (a contiguous read: what a compiled one-token step prefers). With
+        `plan_runs`, attention may run in two runs of rows (see `WriteSlots.split_rows`).
+        Nothing is written here; the caller keeps what it wants with `advance`."""
+        dev = self.device
+        T = max(1, max((len(t) for t in tokens), default=0))
+        if len(tokens) != self.batch_size:
+            raise ValueError(f"cache has {self.batch_size} rows, the forward feeds {len(tokens)}")
+        self.check_room(T)
+
+        def flat(xs) -> torch.Tensor:
+            return torch.tensor([x for row in xs for x in row], dtype=torch.long, device=dev)
+
+        where = flat([range(b * T, b * T + len(t)) for b, t in enumerate(tokens)])
+        query_cols = torch.tensor(self.lengths, dtype=torch.long, device=dev)[:, None] + torch.arange(T, device=dev)
+        end = self.capacity if whole_cache else self.used() + T
+        segments = None
+        if plan_runs:
+            slots = WriteSlots(self.lengths, T, dev)
+            slots.split_rows([len(t) for t in tokens])
+            segments = slots.segments
+        # one new token per row at equal lengths reads exactly the window: no mask is needed
+        masked = whole_cache or T > 1 or len(set(self.lengths)) > 1 or any(len(t) != 1 for t in tokens)
+        return PackedWrite(flat(tokens), flat(positions), where, query_cols, [t[:, :, :end] for t in self.k],
+                           [t[:, :, :end] for t in self.v], self.tokens[:, :end], self.positions[:, :end], segments, masked)
 
     def advance(self, n_new: int | Sequence[int]) -> None:
         """Make the entries just written valid (all of them, or the first n_new[b] per row)."""
@@ -290,6 +319,26 @@ class KVCache:
         return self.tokens[row, :n], self.positions[row, :n]
 
 
+@dataclass
+class PackedWrite:
+    """A forward's layout over the cache, tensors only (see `KVCache.packed_write`)."""
+
+    tokens: torch.Tensor  # (N,) every row's real tokens, row after row
+    positions: torch.Tensor  # (N,)
+    where: torch.Tensor  # (N,) each token's place b * T + t in the rows' (B, T) layout
+    query_cols: torch.Tensor  # (B, T) the cache column of row b's t-th token (its length + t)
+    k: list[torch.Tensor]  # per layer (B, H_kv, window, D): written in place
+    v: list[torch.Tensor]
+    cache_tokens: torch.Tensor  # (B, window), written in place
+    cache_positions: torch.Tensor
+    segments: list[tuple[int, int, int, int]] | None = None  # attention in runs of rows (eager only)
+    masked: bool = True  # False: every query sees its whole window (one token per row, equal lengths)
+
+    def tensors(self) -> tuple:
+        """The arguments of `Transformer.packed_hidden` (what a compiled graph takes)."""
+        return self.tokens, self.positions, self.where, self.query_cols, self.k, self.v, self.cache_tokens, self.cache_positions
+
+
 class WriteSlots:
     """Where each row of a forward pass writes: physical columns start[b] .. start[b]+T-1.
 
@@ -340,11 +389,11 @@ class WriteSlots:
         start_t = torch.tensor(self.starts, device=self.device, dtype=torch.long)  # (B,)
         return start_t[:, None] + torch.arange(self.T, device=self.device)[None, :]
 
-    def packed_index(self, packing: "Packing") -> tuple[torch.Tensor, torch.Tensor]:
+    def packed_index(self, flat_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, cols), each (N,): where each real token of a packed forward is stored
-        (`rows` and `cols` at the packing's flat indices)."""
+        (`rows` and `cols` at its flat index b * T + t)."""
         if self._packed is None:
-            self._packed = (torch.div(packing.idx, self.T, rounding_mode="floor"), self.cols.flatten()[packing.idx])
+            self._packed = (torch.div(flat_index, self.T, rounding_mode="floor"), self.cols.flatten()[flat_index])
         return self._packed
 
     @cached_property

@@ -4,6 +4,10 @@
 what is fed (cached entries first, then the new tokens); RoPE uses the explicit
 position ids. That is all ReFusion needs: out-of-order slots are the normal case.
 
+Two forwards: `hidden` over (B, T) rows (training, MDM, and with a cache the reference the
+tests hold the decoder to), and `packed_hidden`, the decoder's every forward with a cache
+(eager, or compiled as one graph), over the layout the cache builds (`KVCache.packed_write`).
+
 Parameter names equal Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...),
 so checkpoints load and save without renaming.
 """
@@ -129,13 +133,13 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(B, T, H * D)
         return self.o_proj(packing.pack(out) if packing is not None else out)
 
-    def packed_step(self, x, cos, sin, where, rows, cols, k_cache, v_cache, mask) -> torch.Tensor:
+    def packed_step(self, x, cos, sin, where, rows, cols, k_cache, v_cache, mask, B, T, segments=None) -> torch.Tensor:
         """`Transformer.packed_hidden` for one layer: x (N, hidden) real tokens only; keys and
         values go to (rows[n], cols[n]) of the cache; queries are scattered to the (B, T)
         layout (zeros where a row has no token: they attend, nothing reads them) for one
-        attention over every cache column under `mask`. Returns (N, hidden)."""
+        attention over the cache window under `mask` (None: each query sees it all), or
+        one per run of rows (`segments`). Returns (N, hidden)."""
         H, H_kv, D, N = self.n_heads, self.n_kv, self.head_dim, x.shape[0]
-        B, T = mask.shape[0], mask.shape[2]
         q, k, v = self.q_proj(x).view(N, H, D), self.k_proj(x).view(N, H_kv, D), self.v_proj(x).view(N, H_kv, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -143,15 +147,27 @@ class Attention(nn.Module):
         k_cache[rows, :, cols] = k
         v_cache[rows, :, cols] = v
         q_bt = q.new_zeros(B * T, H * D).index_copy(0, where, q.flatten(1)).view(B, T, H, D).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q_bt, k_cache, v_cache, attn_mask=mask, enable_gqa=H_kv != H)  # (B, H, T, D)
+        out = self._attend_runs(q_bt, k_cache, v_cache, mask, segments)  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B * T, H * D).index_select(0, where))
+
+    def _attend_runs(self, q, k, v, mask, segments) -> torch.Tensor:
+        """SDPA over the cache under `mask`, or per run of rows [(first row, end row,
+        queries, keys), ...], each with only the columns its rows need."""
+        gqa = self.n_kv != self.n_heads
+        if not segments:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        out = q.new_zeros(q.shape)  # each run of rows fills its own part
+        for a, b, t, e in segments:
+            m = None if mask is None else mask[a:b, :, :t, :e]
+            out[a:b, :, :t] = F.scaled_dot_product_attention(q[a:b, :, :t], k[a:b, :, :e], v[a:b, :, :e], attn_mask=m, enable_gqa=gqa)
+        return out
 
     def _store_packed(self, q, k, v, cos, sin, cache: KVCache, slots: WriteSlots, packing: "Packing"):
         """Rotate and store only the real tokens (N of them); queries alone go to the padded
         layout. Returns q (B, H, T, D) and the readable keys/values (B, H_kv, S, D)."""
         H, H_kv, D, N = self.n_heads, self.n_kv, self.head_dim, q.shape[0]
         q, k = apply_rope(q.view(N, H, D), cos, sin), apply_rope(k.view(N, H_kv, D), cos, sin)  # cos (N, 1, D)
-        k, v = cache.write_packed(self.layer, k, v.view(N, H_kv, D), slots, packing)
+        k, v = cache.write_packed(self.layer, k, v.view(N, H_kv, D), slots, packing.idx)
         q = packing.unpack_split(q.flatten(1), (H * D,))[0].view(packing.B, packing.T, H, D).transpose(1, 2)
         return q, k, v
 
@@ -171,16 +187,9 @@ class Attention(nn.Module):
 
     def _attend(self, q, k, v, cache: KVCache | None, slots: WriteSlots | None, mask: torch.Tensor | None) -> torch.Tensor:
         """SDPA (B, H, T, D); per run of rows when `split_rows` planned runs."""
-        gqa = self.n_kv != self.n_heads
         if mask is None and cache is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        if slots is None or not slots.segments:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        out = q.new_zeros(q.shape)  # each run of rows fills its own part
-        for a, b, t, e in slots.segments:
-            m = None if mask is None else mask[a:b, :, :t, :e]
-            out[a:b, :, :t] = F.scaled_dot_product_attention(q[a:b, :, :t], k[a:b, :, :e], v[a:b, :, :e], attn_mask=m, enable_gqa=gqa)
-        return out
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+        return self._attend_runs(q, k, v, mask, slots.segments if slots is not None else None)
 
 
 class MLP(nn.Module):
@@ -256,11 +265,12 @@ class Transformer(nn.Module):
         n_new: int | list[int] | None = None,
         lengths: list[int] | None = None,
     ) -> torch.Tensor:
-        """Final hidden states (B, T, hidden). With a cache, the new entries are written at
-        each row's end and the row grows by n_new[b] (default: all T; pass fewer when a
-        row's input is right-padded). `lengths[b]` says how many of row b's tokens are
-        real (the rest is right padding, whose outputs are zeros): with enough padding the
-        rows are packed (see `Packing`)."""
+        """Final hidden states (B, T, hidden). With a cache (the reference form of the
+        decoder's `packed_hidden`, and how a test or benchmark fills a cache), the new
+        entries are written at each row's end and the row grows by n_new[b] (default: all
+        T; pass fewer when a row's input is right-padded). `lengths[b]` says how many of row
+        b's tokens are real (the rest is right padding, whose outputs are zeros): with
+        enough padding the rows are packed (see `Packing`)."""
         if tokens.shape != positions.shape:
             raise ValueError(f"tokens {tuple(tokens.shape)} and positions {tuple(positions.shape)} differ in shape")
         B, T = tokens.shape
@@ -310,22 +320,25 @@ class Transformer(nn.Module):
         v: list[torch.Tensor],
         cache_tokens: torch.Tensor,  # (B, capacity) int64, written in place
         cache_positions: torch.Tensor,
+        segments: list[tuple[int, int, int, int]] | None = None,  # eager only: attention per run of rows
+        masked: bool = True,  # False: every query sees the whole window (no mask needed)
     ) -> torch.Tensor:
-        """Final hidden states (N, hidden) of a ragged forward whose every input is a tensor:
-        no cache object, no Python that depends on the rows' lengths. `torch.compile(dynamic=
-        True)` therefore captures it as one graph that serves every batch, prompt length and
-        cache size (see `decode.engine.CompiledStep`). Its numbers are `hidden`'s with a
-        cache: the new entries are written at each row's end (the caller advances the
-        cache's lengths) and query t of row b sees columns <= query_cols[b, t]."""
-        T = query_cols.shape[1]
+        """Final hidden states (N, hidden) of a ragged forward whose every input is a tensor
+        (`KVCache.packed_write` builds them): no cache object, no Python that depends on the
+        rows' lengths. `torch.compile(dynamic=True)` therefore captures it as one graph that
+        serves every batch, prompt length and cache size (see `decode.forward.CompiledStep`);
+        eagerly, `segments` may split attention into runs of rows. Its numbers are
+        `hidden`'s with a cache: the new entries are written at each row's end (the caller
+        advances the cache's lengths) and query t of row b sees columns <= query_cols[b, t]."""
+        B, T = query_cols.shape
         rows, cols = where // T, query_cols.flatten().index_select(0, where)  # (N,) each
         cache_tokens[rows, cols] = tokens
         cache_positions[rows, cols] = positions
-        mask = storage_mask(query_cols, cache_tokens.shape[1])  # (B, 1, T, capacity)
+        mask = storage_mask(query_cols, cache_tokens.shape[1]) if masked else None  # (B, 1, T, capacity)
         x = self.model.embed_tokens(tokens)  # (N, hidden)
         cos, sin = (c[0, 0, :, None] for c in self.rope(positions[None], x.dtype))  # (N, 1, D)
         for block, k_l, v_l in zip(self.model.layers, k, v):
-            x = x + block.self_attn.packed_step(block.input_layernorm(x), cos, sin, where, rows, cols, k_l, v_l, mask)
+            x = x + block.self_attn.packed_step(block.input_layernorm(x), cos, sin, where, rows, cols, k_l, v_l, mask, B, T, segments)
             x = x + block.mlp(block.post_attention_layernorm(x))
         return self.model.norm(x)
 

@@ -14,12 +14,14 @@ MASK_TOKEN = "<|mask|>"
 Prompt = str | Sequence[int]
 
 
-def chat_text(tokenizer: Any, messages: Sequence[dict[str, str]]) -> str:
+def chat_text(tokenizer: Any, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
     """A conversation as the text the model continues: the tokenizer's chat template with
-    the assistant's turn opened, or, for a tokenizer without one, each message's content
+    the assistant's turn opened (or, with add_generation_prompt=False, the last message
+    left open to be continued), or, for a tokenizer without one, each message's content
     on its own line (the format training uses for such tokenizers)."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             continue_final_message=not add_generation_prompt)
     return "".join(m["content"] + "\n" for m in messages)
 
 

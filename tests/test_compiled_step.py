@@ -72,6 +72,31 @@ def test_packed_hidden_equals_the_ragged_forward(kind):
         assert cache.tokens[b, L : L + len(t)].tolist() == t and cache.positions[b, L : L + len(t)].tolist() == positions[b]
 
 
+@pytest.mark.parametrize("lengths, n_new, runs, masked", [
+    ([6, 6, 6, 6, 2], [1, 1, 1, 1, 12], True, True),  # a join: four one-token steps beside a prefill
+    ([4, 9, 2], [2, 0, 3], False, True),  # ragged, one run
+    ([7, 7, 7], [1, 1, 1], False, False),  # one token per row at equal lengths: no mask needed
+])
+@torch.inference_mode()
+def test_the_decoders_eager_forward_equals_the_reference(lengths, n_new, runs, masked):
+    """What `Forward` runs eagerly for every forward with a cache (`packed_hidden` over
+    `KVCache.packed_write`, attention in runs of rows where a prompt is prefilled beside
+    one-token steps) gives the hidden states and cache entries of `hidden` with a cache."""
+    model = _model("qwen3")
+    cache, twin = _filled(model, lengths, 40), _filled(model, lengths, 40)
+    tokens, positions = _feeds(lengths, n_new)
+    layout = cache.packed_write(tokens, positions, plan_runs=True)
+    assert (layout.segments is not None) == runs and layout.masked == masked
+    got = model.packed_hidden(*layout.tensors(), segments=layout.segments, masked=layout.masked)
+    T = max(n_new)
+    pad = lambda xs: torch.tensor([x + [0] * (T - len(x)) for x in xs])  # noqa: E731
+    ref = model.hidden(pad(tokens), pad(positions), twin, n_new=0, lengths=n_new)
+    torch.testing.assert_close(got, torch.cat([ref[b, :n] for b, n in enumerate(n_new)]), rtol=1e-5, atol=1e-5)
+    for layer in range(model.config.num_hidden_layers):
+        for b, (L, n) in enumerate(zip(lengths, n_new)):
+            torch.testing.assert_close(cache.k[layer][b, :, : L + n], twin.k[layer][b, :, : L + n])
+
+
 def test_compiled_ar_decodes_what_eager_decodes(monkeypatch):
     """AR with the compiled forward, five prompts of different lengths through two places
     (rows leave and join: a join prefills in the same forward as the others' next token):

@@ -25,22 +25,28 @@ def tiny():
 
 
 class CountingModel:
-    """Counts forward passes by wrapping `hidden` (every decoder forward goes through it)."""
+    """Counts forward passes by wrapping `packed_hidden` (every forward with a KV cache)
+    and `hidden` (MDM's, without one)."""
+
+    NAMES = ("hidden", "packed_hidden")
 
     def __init__(self, model):
         self.model, self.calls = model, 0
-        self._orig = model.hidden
 
     def __enter__(self):
-        def counted(*a, **k):
-            self.calls += 1
-            return self._orig(*a, **k)
+        for name in self.NAMES:
+            orig = getattr(self.model, name)
 
-        self.model.hidden = counted
+            def counted(*a, _orig=orig, **k):
+                self.calls += 1
+                return _orig(*a, **k)
+
+            setattr(self.model, name, counted)
         return self
 
     def __exit__(self, *exc):
-        del self.model.hidden
+        for name in self.NAMES:
+            delattr(self.model, name)
 
 
 @st.composite

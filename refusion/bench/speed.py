@@ -15,7 +15,7 @@ what is compared is measured in the same minute):
 
 MODEL is anything `refusion.load` takes, or `random:NAME` (a randomly initialised model of
 one of RANDOM_SHAPES, for speed only). `--compile` adds the compiled forward
-(`decode.engine.CompiledStep`) to sections b and c: its forwards against the same floors,
+(`decode.forward.CompiledStep`) to sections b and c: its forwards against the same floors,
 and its AR decode against `generate`, with its tokens checked against our eager decode.
 """
 
@@ -196,8 +196,9 @@ class MachineProbe:
 
 # ---------------------------------------------------------------------------- timing
 class OurForward:
-    """`model.hidden` + `lm_head` on s new tokens against a cache of cache_len entries,
-    rolled back after each call so every call sees the same cache."""
+    """The decoder's eager forward (`Forward`'s: `packed_hidden` over the cache's packed
+    layout) + `lm_head` on s new tokens against a cache of cache_len entries; the cache is
+    not advanced, so every call sees the same cache."""
 
     def __init__(self, model: Transformer, prefix: torch.Tensor, max_new: int) -> None:  # prefix (1, C)
         self.model, self.C = model, prefix.shape[1]
@@ -205,13 +206,13 @@ class OurForward:
         model.hidden(prefix, torch.arange(self.C, device=model.device)[None], self.cache)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # (1, s) each
-        logits = self.model.lm_head(self.model.hidden(tokens, positions, self.cache))
-        self.cache.truncate([self.C])
-        return logits
+        layout = self.cache.packed_write(tokens.tolist(), positions.tolist(), plan_runs=True)
+        hidden = self.model.packed_hidden(*layout.tensors(), segments=layout.segments, masked=layout.masked)  # (s, hidden)
+        return self.model.lm_head(hidden)
 
 
 class CompiledForward(OurForward):
-    """Our forward as the compiled graph (`--compile`): `decode.engine.CompiledStep`."""
+    """Our forward as the compiled graph (`--compile`): `decode.forward.CompiledStep`."""
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # (1, s) each
         hidden = compiled_step()(self.model, tokens.tolist(), positions.tolist(), self.cache)  # (s, hidden); not advanced

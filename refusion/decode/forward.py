@@ -60,23 +60,13 @@ class CompiledStep:
         """Row b's tokens (any number, none included) are written at its end, not advanced
         (the caller keeps what it wants with `cache.advance`). Returns the final hidden
         states of the real tokens, row after row: (sum of lengths, hidden)."""
-        dev = cache.device
-        T = max(1, max(len(t) for t in tokens))
-        cache.check_room(T)
-
-        def flat(xs: Sequence[Sequence[int]]) -> torch.Tensor:
-            return torch.tensor([x for row in xs for x in row], dtype=torch.long, device=dev)
-
-        where = flat([range(b * T, b * T + len(t)) for b, t in enumerate(tokens)])
-        if where.numel() == 0:  # nothing fed, nothing written: no graph for an empty batch
+        T = max(1, max((len(t) for t in tokens), default=0))
+        # a one-token step reads the whole, contiguous cache, which measured faster compiled
+        # than a strided window of most of it; wider forwards read only the window in use
+        layout = cache.packed_write(tokens, positions, whole_cache=T == 1)
+        if layout.where.numel() == 0:  # nothing fed, nothing written: no graph for an empty batch
             return cache.k[0].new_zeros(0, model.config.hidden_size)
-        query_cols = torch.tensor(cache.lengths, dtype=torch.long, device=dev)[:, None] + torch.arange(T, device=dev)
-        # columns past used + T are never seen: a forward of several tokens per row reads only the
-        # window before them (a plan's cache is often half empty); a one-token step reads the
-        # whole, contiguous cache, which measured faster than a strided window of most of it
-        end = cache.used() + T if T > 1 else cache.capacity
-        k, v = [t[:, :, :end] for t in cache.k], [t[:, :, :end] for t in cache.v]
-        args = (flat(tokens), flat(positions), where, query_cols, k, v, cache.tokens[:, :end], cache.positions[:, :end])
+        args = layout.tensors()
         try:
             with torch._dynamo.config.patch(recompile_limit=self.graph_limit):
                 return self.fn(model, *args)
@@ -130,15 +120,15 @@ class Forward:
     ) -> list[torch.Tensor]:
         device = self.model.device
         t0 = time.perf_counter()
-        if self.compiled is not None and cache is not None:
-            hidden = self.compiled(self.model, tokens, positions, cache)  # (N, hidden), row after row
+        if cache is not None:
+            hidden = self._packed(tokens, positions, cache)  # (N, hidden), row after row
             start = [0]
             for t in tokens[:-1]:
                 start.append(start[-1] + len(t))
             index = [start[b] + i for b, (a, e) in enumerate(want) for i in range(a, e)]
             picked = hidden[torch.tensor(index, dtype=torch.long, device=device)]  # (n_logits, hidden)
         else:
-            picked = self._ragged(tokens, positions, cache, want)
+            picked = self._plain(tokens, positions, want)
         logits = self.model.lm_head(picked).float()  # (n_logits, V)
         sync(device)
         seconds = time.perf_counter() - t0
@@ -154,18 +144,29 @@ class Forward:
             req.stats.forward_time += seconds
         return list(logits.split([e - a for a, e in want]))
 
-    def _ragged(self, tokens: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], cache: KVCache | None,
-                want: Sequence[tuple[int, int]]) -> torch.Tensor:
-        """The eager forward over right-padded rows; the hidden states at the wanted entries."""
+    def _packed(self, tokens: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], cache: KVCache) -> torch.Tensor:
+        """Every forward with a cache: `Transformer.packed_hidden` over the cache's packed
+        layout, compiled (`CompiledStep`) or eager (attention then in runs of rows when a
+        prompt is prefilled beside one-token steps)."""
+        if self.compiled is not None:
+            return self.compiled(self.model, tokens, positions, cache)
+        layout = cache.packed_write(tokens, positions, plan_runs=True)
+        if layout.where.numel() == 0:
+            return cache.k[0].new_zeros(0, self.model.config.hidden_size)
+        return self.model.packed_hidden(*layout.tensors(), segments=layout.segments, masked=layout.masked)
+
+    def _plain(self, tokens: Sequence[Sequence[int]], positions: Sequence[Sequence[int]],
+               want: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """A forward without a cache (MDM), over right-padded rows: the hidden states at the
+        wanted entries."""
         device = self.model.device
-        T = max(1, max(len(t) for t in tokens))  # a row may feed nothing this step
+        T = max(1, max(len(t) for t in tokens))
         tok = torch.full((len(tokens), T), self.pad_id, dtype=torch.long)
         pos = torch.zeros((len(tokens), T), dtype=torch.long)
         for b, (t, p) in enumerate(zip(tokens, positions)):
             tok[b, : len(t)] = torch.as_tensor(t, dtype=torch.long)
             pos[b, : len(p)] = torch.as_tensor(p, dtype=torch.long)
-        lengths = [len(t) for t in tokens]
-        hidden = self.model.hidden(tok.to(device), pos.to(device), cache, n_new=0 if cache is not None else None, lengths=lengths)
+        hidden = self.model.hidden(tok.to(device), pos.to(device), lengths=[len(t) for t in tokens])
         rows = [b for b, (a, e) in enumerate(want) for _ in range(e - a)]
         cols = [i for a, e in want for i in range(a, e)]
         idx = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731

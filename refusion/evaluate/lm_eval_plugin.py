@@ -83,10 +83,9 @@ class ReFusionLM(LM):
         return getattr(self.tokenizer, "chat_template", None) or ""
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(
-            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=not add_generation_prompt,
-        )
+        from refusion.prompts import chat_text
+
+        return chat_text(self.tokenizer, chat_history, add_generation_prompt)
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

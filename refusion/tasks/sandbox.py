@@ -1,27 +1,23 @@
-"""Run untrusted Python functions against test cases, safely enough.
+"""Run untrusted Python functions against test cases, in the evaluator's sandbox.
 
-The code family checks a model's output by running it, and a model's output
-is arbitrary text. Three layers keep that harmless:
+The code family checks a model's output by running it, and a model's output is
+arbitrary text. Three layers keep that harmless and its verdict honest:
 
-1. a static check of the syntax tree: no imports, no names or attributes
-   starting with an underscore, no class/with/try/global statements, only a
-   short list of attribute names (``xs.append``);
-2. a separate, isolated interpreter (``python -I -S``, empty environment,
-   fresh temporary working directory) whose ``exec`` sees only a few harmless
-   builtins, under CPU, memory and file-size limits where the platform has
-   them;
-3. a wall-clock timeout, after which the process is killed (infinite loops
-   count as failures, never as hangs).
+1. a static check of the syntax tree: no imports, no names or attributes starting with
+   an underscore, no class/with/try/global statements, only a short list of attribute
+   names (``xs.append``);
+2. the candidate is ``exec``-ed with only a few harmless builtins (no ``print``, no
+   ``exit``, no ``open``): it cannot end the test program early or write a verdict;
+3. the test program runs in the one sandbox the evaluator uses for every benchmark's
+   code (``refusion.evaluate.sandbox``: its own interpreter, namespaces and uid where
+   the machine allows, resource limits, a wall-clock timeout after which it is killed:
+   infinite loops count as failures, never as hangs).
 """
 
 from __future__ import annotations
 
 import ast
 import json
-import secrets
-import subprocess
-import sys
-import tempfile
 
 SAFE_BUILTINS = (
     "abs", "all", "any", "bool", "dict", "enumerate", "int", "len", "list", "max",
@@ -40,37 +36,18 @@ FORBIDDEN_NODES = (
 TIMEOUT_S = 2.0
 MEMORY_BYTES = 512 * 2**20
 
-# Runs in the child: reads {source, name, tests, nonce} from stdin and prints
-# nonce + "1" when every test passes. The tested code cannot print (print is
-# not among its builtins), so it cannot fake the verdict.
-_RUNNER = r"""
-import builtins, json, sys
-job = json.loads(sys.stdin.read())
-try:
-    import resource
-    for limit, value in ((resource.RLIMIT_CPU, job["cpu_s"]), (resource.RLIMIT_AS, job["memory"]),
-                         (resource.RLIMIT_FSIZE, 0)):
-        try:
-            resource.setrlimit(limit, (value, value))
-        except (ValueError, OSError):
-            pass
-except ImportError:  # not on POSIX: the wall-clock timeout still applies
-    pass
-safe = {k: getattr(builtins, k) for k in job["builtins"]}
-ok = False
-try:
-    ns = {"__builtins__": safe}
-    exec(compile(job["source"], "<candidate>", "exec"), ns)
-    fn = ns[job["name"]]
-    ok = True
-    for args, expected in job["tests"]:
-        got = fn(*json.loads(json.dumps(args)))
-        if type(got) is not type(expected) or got != expected:
-            ok = False
-            break
-except BaseException:
-    ok = False
-sys.stdout.write("\n" + job["nonce"] + ("1" if ok else "0") + "\n")
+# The test program: defines the candidate with the safe builtins only, then runs every
+# test; it runs to its end (the sandbox's "passed") only when every test passes.
+_PROGRAM = """
+import builtins, json
+job = json.loads({job!r})
+ns = {{"__builtins__": {{k: getattr(builtins, k) for k in job["builtins"]}}}}
+exec(compile(job["source"], "<candidate>", "exec"), ns)
+fn = ns[job["name"]]
+for args, expected in job["tests"]:
+    got = fn(*json.loads(json.dumps(args)))
+    if type(got) is not type(expected) or got != expected:
+        raise SystemExit(1)
 """
 
 
@@ -101,22 +78,13 @@ def validate(source: str) -> ast.Module:
 def run_tests(source: str, func_name: str, tests: list, timeout: float = TIMEOUT_S) -> bool:
     """True when ``source`` defines ``func_name`` and it returns the expected
     value (same type, equal) for every ``(args, expected)`` in ``tests``."""
+    from ..evaluate.sandbox import Limits, run_program
+
     try:
         validate(source)
     except UnsafeCode:
         return False
-    nonce = secrets.token_hex(8)
-    job = json.dumps({"source": source, "name": func_name, "tests": tests,
-                      "nonce": nonce, "builtins": SAFE_BUILTINS,
-                      "cpu_s": int(timeout) + 1, "memory": MEMORY_BYTES})
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-I", "-S", "-c", _RUNNER],
-                input=job, capture_output=True, text=True, timeout=timeout, cwd=tmp,
-                env={},
-            )
-        except subprocess.TimeoutExpired:
-            return False
-    lines = proc.stdout.strip().splitlines()
-    return proc.returncode == 0 and bool(lines) and lines[-1] == nonce + "1"
+    job = json.dumps({"source": source, "name": func_name, "tests": tests, "builtins": SAFE_BUILTINS})
+    # the limit includes the interpreter's start (a few tens of ms in the sandbox)
+    result = run_program(_PROGRAM.format(job=job), Limits(timeout=timeout, memory_mb=MEMORY_BYTES >> 20))
+    return result.passed
