@@ -22,7 +22,8 @@ def chat_text(tokenizer: Any, messages: Sequence[dict[str, str]], add_generation
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=False,
                                              continue_final_message=not add_generation_prompt)
-    return "".join(m["content"] + "\n" for m in messages)
+    text = "".join(m["content"] + "\n" for m in messages)
+    return text if add_generation_prompt else text[:-1]  # the last message stays open
 
 
 def chat_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:

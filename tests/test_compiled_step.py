@@ -92,9 +92,13 @@ def test_the_decoders_eager_forward_equals_the_reference(lengths, n_new, runs, m
     pad = lambda xs: torch.tensor([x + [0] * (T - len(x)) for x in xs])  # noqa: E731
     ref = model.hidden(pad(tokens), pad(positions), twin, n_new=0, lengths=n_new)
     torch.testing.assert_close(got, torch.cat([ref[b, :n] for b, n in enumerate(n_new)]), rtol=1e-5, atol=1e-5)
-    for layer in range(model.config.num_hidden_layers):
-        for b, (L, n) in enumerate(zip(lengths, n_new)):
+    assert cache.lengths == lengths  # written, not kept: the caller advances
+    for b, (L, n) in enumerate(zip(lengths, n_new)):
+        for layer in range(model.config.num_hidden_layers):
             torch.testing.assert_close(cache.k[layer][b, :, : L + n], twin.k[layer][b, :, : L + n])
+            torch.testing.assert_close(cache.v[layer][b, :, : L + n], twin.v[layer][b, :, : L + n])
+        assert cache.tokens[b, : L + n].tolist() == twin.tokens[b, : L + n].tolist()
+        assert cache.positions[b, : L + n].tolist() == twin.positions[b, : L + n].tolist()
 
 
 def test_compiled_ar_decodes_what_eager_decodes(monkeypatch):

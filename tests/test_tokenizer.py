@@ -112,3 +112,16 @@ def test_training_is_deterministic(tmp_path):
     a, b = train_tokenizer(texts, 400), train_tokenizer(texts, 400, tmp_path)
     assert a.get_vocab() == b.get_vocab()
     assert (tmp_path / "tokenizer.json").exists()
+
+
+def test_chat_text_without_a_template_continues_or_opens_a_turn():
+    """The one chat formatter, for a tokenizer without a template: each message on its own
+    line (as training formats it); with add_generation_prompt=False the last one stays open."""
+    from types import SimpleNamespace
+
+    from refusion.prompts import chat_text
+
+    tok = SimpleNamespace(chat_template=None)
+    messages = [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "The answer is"}]
+    assert chat_text(tok, messages) == "Q?\nThe answer is\n"
+    assert chat_text(tok, messages, add_generation_prompt=False) == "Q?\nThe answer is"

@@ -99,10 +99,10 @@ def compiled_step() -> CompiledStep:
 
 @dataclass
 class Forward:
-    """The counted forward pass. Each row feeds its own token list (ragged: padded on the
-    right and written with n_new=0, so the caller decides afterwards how many entries
-    each row keeps with `cache.advance`). Returns logits only at the requested entries,
-    so the vocabulary projection is not paid for prompt tokens."""
+    """The counted forward pass. Each row feeds its own token list (ragged, none included);
+    with a cache the new entries are written at each row's end but not kept, so the caller
+    decides afterwards how many each row keeps with `cache.advance`. Returns logits only
+    at the requested entries, so the vocabulary projection is not paid for prompt tokens."""
 
     model: Transformer
     pad_id: int
