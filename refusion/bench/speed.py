@@ -54,8 +54,8 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=4096, mask_token_id=32767,
     ),
 }
-TARGET_AR_VS_HF = 1.5  # issue #8: our AR decode at least this many times transformers' tokens/s
-TARGET_FORWARD_VS_FLOOR = 1.5  # issue #8: a 1-token forward within this factor of the floor
+TARGET_AR_VS_HF = 1.5  # speed target: our AR decode at least this many times transformers' tokens/s
+TARGET_FORWARD_VS_FLOOR = 1.5  # speed target: a 1-token forward within this factor of the machine's floor
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -376,13 +376,13 @@ def print_report(fig: dict[str, Any]) -> None:
             print(f"{m:10} {r['tokens']:7.0f} {r['nfe']:6.0f} {r['tpf']:6.2f} {r['tps']:8.1f} {1e3 * r['wall'] / r['nfe']:7.2f} {overhead}")
         print("overhead: share of decode time outside forward passes (decoder logic, sampling, bookkeeping)")
         print(f"ReFusion / AR tokens/s: {d['refusion']['vs_ar']:.2f}x")
-    print("\ntargets (issue #8):")
+    print("\nspeed targets (1-token forward vs floor, AR decode vs transformers):")
     for t in fig["targets"]:
         print(f"  {t['name']}: {t['value']:.2f} (want {t['want']}) {'met' if t['met'] else 'NOT met'}")
 
 
 def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's two targets, each with the figure it reads."""
+    """The two speed targets (forward vs floor, AR decode vs transformers), each with the figure it reads."""
     out = []
     one = next((r for r in fig["forward"] if r["tokens"] == 1), None)
     if one is not None:
