@@ -83,6 +83,24 @@ def test_outputs_stream_the_final_prefix_and_text(tiny, tiny_tokenizer):
     assert "".join(o.delta for o in seen) == seen[-1].text
 
 
+def test_a_request_not_streamed_is_reported_once_when_finished(tiny, tiny_tokenizer):
+    """stream=False: no output until the end, then one with all the text as its delta, the
+    same text and tokens as the streamed request."""
+    cfg = DecodeConfig(method="ar", gen_length=16, stop_token_ids=())
+    engine = Engine(tiny, tiny_tokenizer)
+    engine.add_request([5, 6, 7], cfg, request_id="live")
+    engine.add_request([5, 6, 7], cfg, request_id="quiet", stream=False)
+    seen: dict[str, list] = {"live": [], "quiet": []}
+    with torch.inference_mode():
+        while engine.has_unfinished():
+            for o in engine.step():
+                seen[o.request_id].append(o)
+    (quiet,) = seen["quiet"]
+    live = seen["live"][-1]
+    assert len(seen["live"]) > 1 and quiet.finished and quiet.delta == quiet.text == live.text
+    assert quiet.token_ids == live.token_ids and quiet.text
+
+
 def test_gen_length_cuts_the_output_and_stops_the_row(tiny):
     """gen_length 10 with slots of 8: the region is 16 positions, the output 10 tokens,
     and the row stops as soon as its first 10 tokens are final."""

@@ -458,14 +458,27 @@ def test_loadtest_compare_interleaves_rounds_and_reports_the_median(server, caps
     assert len(PROMPTS) > 2  # each client cycles through them all (see run_phase)
 
 
-def test_loadtest_compares_same_and_mixed_settings(server, capsys):
+def test_loadtest_compares_same_and_mixed_settings(server, capsys, monkeypatch):
+    import refusion.serve.loadtest as lt
     from refusion.serve.loadtest import MIXED, main as loadtest
 
+    bodies: list[dict] = []
+    send = lt.one_request
+
+    async def recorded(client, url, body, phase):
+        bodies.append((phase.label, body))
+        await send(client, url, body, phase)
+
+    monkeypatch.setattr(lt, "one_request", recorded)
     code = loadtest(["--url", server.url, "--compare", "same,mixed", "--clients", "3", "--seconds", "0.4", "--max-tokens", "4", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and [(ph["phase"], ph["clients"]) for ph in report["phases"]] == [("same", 3), ("mixed", 3)]
     assert all(ph["requests_ok"] >= 3 and not ph["errors"] for ph in report["phases"])
     assert len({json.dumps(m, sort_keys=True) for m in MIXED}) == len(MIXED) >= 8
+    knobs = {k for m in MIXED for k in m}
+    extras = {ph: {json.dumps({k: b[k] for k in knobs if k in b}, sort_keys=True) for p, b in bodies if p == ph}
+              for ph in ("same", "mixed")}
+    assert extras["same"] == {"{}"} and len(extras["mixed"]) == 3  # 3 clients: the first 3 settings of MIXED
 
 
 def test_cli_wires_flags_to_the_server(model_dirs, monkeypatch):

@@ -17,8 +17,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from ..decode import Engine
     from ..prompts import chat_ids
 
@@ -40,10 +38,9 @@ def run(args: argparse.Namespace) -> int:
         # the reply gets what the context leaves after the conversation so far
         engine.add_request(ids, cfg.fit(model.config.max_position_embeddings - len(ids)))
         out = None
-        with torch.inference_mode():
-            while engine.has_unfinished():
-                for out in engine.step():
-                    print(out.delta, end="", flush=True)
+        while engine.has_unfinished():
+            for out in engine.step():
+                print(out.delta, end="", flush=True)
         print()
         if args.stats:
             s = out.stats

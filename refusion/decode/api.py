@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
-import torch
-
 from ..errors import ConfigError
 from ..model import Transformer
 from ..prompts import Prompt, encode_prompt
@@ -15,7 +13,6 @@ from .engine import Engine
 from .request import RequestOutput
 
 
-@torch.inference_mode()
 def generate(
     model: Transformer,
     tokenizer,
@@ -53,21 +50,16 @@ def generate(
     return outputs  # type: ignore[return-value]
 
 
-@torch.inference_mode()
-def _steps(engine: Engine, rid: str) -> Iterator[RequestOutput]:
-    try:
-        while engine.has_unfinished():
-            yield from engine.step()
-    finally:
-        engine.abort(rid)  # the consumer stopped early: nothing more is computed
-
-
 def stream(model: Transformer, tokenizer, prompt: Prompt, cfg: DecodeConfig | None = None, *,
            engine_config: EngineConfig | None = None, chat: bool = True) -> Iterator[str]:
     """Yield text as soon as a left-to-right prefix of the generation is final. Slots
     decoded further right show up once the gap before them is filled."""
     engine = Engine(model, tokenizer, engine_config)
     rid = engine.add_request(prompt, cfg, chat=chat)
-    for out in _steps(engine, rid):
-        if out.delta:
-            yield out.delta
+    try:
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.delta:
+                    yield out.delta
+    finally:
+        engine.abort(rid)  # the consumer stopped early: nothing more is computed

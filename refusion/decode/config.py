@@ -99,6 +99,11 @@ class DecodeConfig:
         return -(-self.gen_length // self.unit) * self.unit
 
     @property
+    def slots_per_block(self) -> int:
+        """ReFusion: slots in each of the serial blocks of the region."""
+        return self.region_length // self.slot_size // self.serial_blocks
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
@@ -193,11 +198,11 @@ def _check_scalar(name: str, kind: str, value: Any, meta: Any) -> Any:
         raise ConfigError(f"{name} must be one of {', '.join(meta['choices'])}, got {value!r}")
     lo, hi = meta.get("lo"), meta.get("hi")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ConfigError(f"{name} must be {bounds_text(lo, hi, kind)}, got {value!r}")
+        raise ConfigError(f"{name} must be {bounds_text(lo, hi)}, got {value!r}")
     return value
 
 
-def bounds_text(lo: float | None, hi: float | None, kind: str = "float") -> str:
+def bounds_text(lo: float | None, hi: float | None) -> str:
     if lo is not None and hi is not None:
         return f"between {lo} and {hi}"
     return f">= {lo}" if lo is not None else f"<= {hi}"

@@ -85,7 +85,7 @@ class Engine:
                     chat: bool = True, trace: bool = False, stream: bool = True) -> str:
         """Queue a request; it joins the batch at the next step. A text prompt goes through
         the chat template (unless chat=False); token ids are taken as they are. With
-        stream=False its text comes in the final output only (not decoded at every step).
+        stream=False it is reported once, when finished (its text decoded then, not at every step).
         Raises (ConfigError, ContextLengthError, MissingMaskTokenError) before any compute."""
         cfg = cfg or DecodeConfig()
         ids = encode_prompt(self.tokenizer, prompt, chat)
@@ -286,6 +286,4 @@ class Engine:
 
 def _rows_per_request(cfg: DecodeConfig) -> int:
     """Cache rows a request may hold at once: ReFusion forks one per slot of a block."""
-    if cfg.method != "refusion":
-        return 1
-    return 1 + cfg.region_length // cfg.slot_size // cfg.serial_blocks
+    return 1 + cfg.slots_per_block if cfg.method == "refusion" else 1

@@ -65,7 +65,7 @@ class ReFusionRow:
         cfg = self.req.cfg
         self.s, self.tau = cfg.slot_size, cfg.token_threshold
         self.n_blocks = cfg.serial_blocks
-        self.slots_per_block = cfg.region_length // self.s // self.n_blocks
+        self.slots_per_block = cfg.slots_per_block
         self.undecoded = self._block_slots(0)
 
     stops_early = True  # finished once its output is final (EOS or gen_length), whatever slots are left
@@ -78,7 +78,7 @@ class ReFusionRow:
     @property
     def width(self) -> int:
         """The most it feeds in one forward past its prompt: a block of MASKs."""
-        return self.req.cfg.region_length // self.n_blocks
+        return self.slots_per_block * self.s
 
     def _block_slots(self, block: int) -> list[int]:
         return list(range(block * self.slots_per_block, (block + 1) * self.slots_per_block))

@@ -79,8 +79,10 @@ class Request:
                  tokenizer: Any, trace: bool, stream: bool = True) -> None:
         self.id, self.prompt, self.cfg, self.eos_ids, self.sampler = request_id, prompt, cfg, eos_ids, sampler
         self.tokenizer = tokenizer
-        # text is decoded as the prefix grows only when someone reads it (a stream) or a stop
-        # string may end it; otherwise once at the end (decoding every prefix is quadratic)
+        # with stream=False only the final output is reported; text is decoded as the prefix
+        # grows only when someone reads it (a stream) or a stop string may end it, otherwise
+        # once at the end (decoding every prefix is quadratic)
+        self.stream = stream
         self.live_text = stream or bool(cfg.stop)
         self.filled: list[int | None] = []
         self.prefix_len = 0  # final left-to-right prefix (cut after EOS and at gen_length)
@@ -138,12 +140,17 @@ class Request:
         if self.finish_reason is None and finishing:
             ids = self.token_ids
             self.finish_reason = "stop" if ids and ids[-1] in self.eos_ids else "length"
+        if not self.stream:
+            if self.finish_reason is None:
+                return None  # nobody reads the prefix before the end
+            delta = self.text
         self.reported = self.prefix_len
         return self.output(delta)
 
     def cancel(self) -> RequestOutput:
         self.finish_reason = self.finish_reason or "cancelled"
-        return self.output(self._text(final=True)[0])
+        delta = self._text(final=True)[0]
+        return self.output(delta if self.stream else self.text)
 
     def output(self, delta: str = "") -> RequestOutput:
         finished = self.finish_reason is not None

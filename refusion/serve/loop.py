@@ -87,6 +87,14 @@ class Job:
                     self.metrics.tpf.observe(out.stats.tpf)
             self._send(("done", out.finish_reason, self.completion_tokens))
 
+    def finish_cancelled(self) -> None:
+        """Cancelled before it reached the engine: done, with nothing generated."""
+        if not self.finished:
+            self.finished = True
+            if self.metrics:
+                self.metrics.finished.inc(1, "cancelled")
+            self._send(("done", "cancelled", 0))
+
     def fail(self, error: BaseException) -> None:
         if not self.finished:
             self.finished = True
@@ -198,7 +206,7 @@ class EngineLoop:
     def _add(self, jobs: list[Job]) -> None:
         for job in jobs:
             if job.cancelled.is_set():
-                self._finish_cancelled(job)
+                job.finish_cancelled()
                 continue
             try:
                 self.engine.add_request(job.ids, job.cfg, request_id=job.id)
@@ -256,10 +264,3 @@ class EngineLoop:
     def _is_running(self, job: Job) -> bool:
         req = self.engine.requests.get(job.id)
         return req is None or req.started > 0  # gone from the engine: it ran (and finished)
-
-    @staticmethod
-    def _finish_cancelled(job: Job) -> None:
-        job.finished = True
-        if job.metrics:
-            job.metrics.finished.inc(1, "cancelled")
-        job._send(("done", "cancelled", 0))
