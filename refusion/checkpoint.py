@@ -29,6 +29,7 @@ from .config import DTYPE_NAMES, ModelConfig
 from .errors import CheckpointError, ConfigError
 from .model import Transformer, rope_inv_freq
 from .prompts import MASK_TOKEN, mask_id_of, tokenizer_mask_id
+from .recommended import Recommended, recommended_of
 
 BUNDLED_DIR = Path(__file__).parent / "bundled" / "refusion-tiny"
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -68,7 +69,9 @@ def load(
     headers = _read_headers(_weight_files(source))
     _check_tensors(model, headers, where=str(source))
     state = _read_tensors(headers, set(_expected_shapes(model)), dev, wanted or _config_dtype(config, dev))
-    return _fill(model, state, dev), tokenizer
+    model = _fill(model, state, dev)
+    model.recommended = Recommended.read(source)  # decode settings that travel with the weights
+    return model, tokenizer
 
 
 def load_metadata(path: PathLike | None = None) -> tuple[ModelConfig, Any]:
@@ -92,7 +95,8 @@ def load_metadata(path: PathLike | None = None) -> tuple[ModelConfig, Any]:
 def describe(path: PathLike | None = None) -> dict[str, Any]:
     """What `refusion info` reports. Reads no weights: the parameter count comes from
     the shapes the config implies (a model built on the meta device)."""
-    config, tokenizer = load_metadata(path)
+    source = _resolve(path)
+    config, tokenizer = load_metadata(source)
     return {
         "path": str(BUNDLED_DIR if path is None else path),
         "architecture": config.to_hf_dict()["architectures"][0],
@@ -109,6 +113,7 @@ def describe(path: PathLike | None = None) -> dict[str, Any]:
         "num_key_value_heads": config.num_key_value_heads,
         "head_dim": config.head_dim,
         "tie_word_embeddings": config.tie_word_embeddings,
+        "recommended": (Recommended() if source.suffix == ".gguf" else Recommended.read(source)).as_dict(),
     }
 
 
@@ -389,13 +394,27 @@ def _write_checkpoint(model: Transformer, tokenizer: Any, directory: Path) -> No
     _write_weights(model, directory / "model.safetensors")
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
+    recommended_of(model).write(directory)
 
 
 def _write_weights(model: Transformer, file: Path) -> None:
     state = model.state_dict()
     if model.config.tie_word_embeddings:  # one tensor on disk, as transformers writes it
-        del state["lm_head.weight"]
+        drop_tied_head(state)
     save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, file, metadata={"format": "pt"})
+
+
+def drop_tied_head(state: dict[str, torch.Tensor]) -> None:
+    """Delete, in place, each output matrix (`[prefix]lm_head.weight`) that is its model's
+    input embedding (`[prefix]model.embed_tokens.weight`, same storage): a tied matrix is
+    stored once, and the loaders tie it again. Left to the libraries (safetensors through
+    accelerate), the copy is dropped too, but with a "Removed shared tensor" warning at
+    every save."""
+    head = "lm_head.weight"
+    for name in [k for k in state if k.endswith(head)]:
+        embed = state.get(name[: -len(head)] + "model.embed_tokens.weight")
+        if embed is not None and embed.data_ptr() == state[name].data_ptr():
+            del state[name]
 
 
 def _move_into_place(staging: Path, out: Path) -> None:

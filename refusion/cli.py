@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 
 from .errors import ReFusionError
 
@@ -37,15 +38,25 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(verb, help=help_text, description=help_text)
         p.set_defaults(_module=f"refusion.commands.{verb}")
         if argv is None or verb == chosen:
+            module = _command(verb)
             if verb == "bench":
-                _command(verb).add_arguments(p, words[1] if words and len(words) > 1 else None)
+                module.add_arguments(p, words[1] if words and len(words) > 1 else None)
             else:
-                _command(verb).add_arguments(p)
+                module.add_arguments(p)
+            p.epilog = getattr(module, "EPILOG", None)  # what a verb's --help says after its flags
     return parser
 
 
 def _command(verb: str):
     return importlib.import_module(f"refusion.commands.{verb}")
+
+
+def _one_line_warnings(verb: str) -> None:
+    """Warnings as one line each, `refusion VERB: warning: ...`, as errors are printed."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"refusion {verb}: warning: {str(message).strip()}", file=file or sys.stderr)
+
+    warnings.showwarning = show
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "verb", None):
         parser.print_help()
         return 2
+    _one_line_warnings(args.verb)
     try:
         return int(_command(args.verb).run(args) or 0)
     except ReFusionError as e:

@@ -65,8 +65,14 @@ def _given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     return out
 
 
-def decode_config_from_args(args: argparse.Namespace, base: DecodeConfig | None = None) -> DecodeConfig:
-    """Preset (on `base`, or the defaults), then every flag the user gave on top."""
+def decode_config_from_args(args: argparse.Namespace, base: DecodeConfig | None = None, model: Any = None) -> DecodeConfig:
+    """Preset (on `base`; else on the settings `model`'s checkpoint recommends, its
+    decode_config.json; else on the defaults), then every flag the user gave on top.
+    Called before loading a model, it checks the flags."""
+    if base is None and model is not None:
+        from .recommended import recommended_of
+
+        base = recommended_of(model).decode_config()
     base = base or DecodeConfig(method=getattr(args, "_default_method", "refusion"))
     cfg = DecodeConfig.preset(args.preset, base) if getattr(args, "preset", None) else base
     return cfg.replace(**_given(args, DecodeConfig))

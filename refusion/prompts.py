@@ -38,6 +38,8 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, chat: bool = True) -> list[int
         return [int(t) for t in prompt]
     if tokenizer is None:
         raise ConfigError("text prompts need a tokenizer; pass token ids to decode without one")
+    if not prompt.strip():
+        raise ConfigError("the prompt is empty: give some text to continue")
     if chat and getattr(tokenizer, "chat_template", None):
         return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
     return list(tokenizer(prompt)["input_ids"])

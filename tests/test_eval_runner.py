@@ -279,7 +279,9 @@ def test_a_prompt_too_long_for_the_model_is_recorded_and_the_run_goes_on(tmp_pat
         return inner(prompts)
 
     summary = evaluate("gsm8k", generate, data=str(gsm8k_file), out_dir=tmp_path / "o", batch_size=4, progress=False)
-    assert summary["n"] == 6 and summary["errors"] == 1 and summary["correct"] == 3
+    assert summary["n"] == 6 and summary["generation_errors"] == 1 and summary["correct"] == 3
+    assert "exceeds" in summary["first_generation_error"] and "1 failed to generate" in summary["line"]
     records = {r["index"]: r for r in lines(tmp_path / "o" / "samples.jsonl")}
     assert "exceeds" in records[2]["detail"]["error"] and records[2]["output"] == "" and not records[2]["correct"]
+    assert records[2]["detail"]["reason"] == "generation_error"
     assert len(inner.prompts) == 5  # the rest of the failed batch was retried one by one

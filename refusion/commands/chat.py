@@ -1,11 +1,29 @@
-"""`refusion chat [MODEL]`: an interactive chat that streams each reply as it becomes final."""
+"""`refusion chat [MODEL]`: an interactive chat that streams each reply as it becomes final.
+
+The loop (`chat_loop`) takes its input and output as arguments, so it runs the same under
+a terminal, a pipe or a test. A turn that fails (a library error, a message too long for
+the context, Ctrl-C during the reply) is reported on one line and leaves the conversation
+as it was: the chat only ends on an empty line or end of input.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TextIO
 
+from ..decode.config import DecodeConfig
+from ..errors import ContextLengthError, ReFusionError
 from ..flags import add_decode_arguments, add_model_arguments, decode_config_from_args, engine_config_from_args, load_from_args
+
+if TYPE_CHECKING:
+    from ..decode import Engine, RequestOutput
+
+Message = dict[str, str]
+Turn = tuple[str, str]  # (user, assistant)
+SINGLE_TURN_NOTE = ("this model knows single turns only: each message is answered on its own "
+                    "(--history to keep the conversation)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -13,37 +31,180 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--system", default=None, help="a system message")
     parser.add_argument("--stats", action="store_true", help="print NFE, TPF and TPS after each reply")
+    g = parser.add_mutually_exclusive_group()
+    g.add_argument("--history", action="store_true", default=None,
+                   help="keep the conversation, even for a model that knows single turns only")
+    g.add_argument("--no-history", dest="history", action="store_false", default=None,
+                   help="answer each message on its own (the system message and that message)")
     add_decode_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..decode import Engine
-    from ..prompts import chat_ids
+    from ..recommended import recommended_of
 
     args.model = args.model or args.model_pos
-    cfg = decode_config_from_args(args)
+    decode_config_from_args(args)  # bad flags fail before the model loads
     model, tokenizer = load_from_args(args)
+    cfg = decode_config_from_args(args, model=model)
     engine = Engine(model, tokenizer, engine_config_from_args(args))
-    history = [{"role": "system", "content": args.system}] if args.system else []
-    print("refusion chat: an empty line or Ctrl-D ends the session.", file=sys.stderr)
+    rec = recommended_of(model)
+    keep, note = keeps_history(args.history, rec.single_turn)
+    if rec.about:
+        print(f"model: {rec.about}", file=sys.stderr)
+    if note:
+        print(note, file=sys.stderr)
+    print("refusion chat: an empty line or Ctrl-D ends the session; Ctrl-C stops a reply.", file=sys.stderr)
+    if sys.stdin.isatty():
+        enable_line_editing()
+    chat_loop(engine, tokenizer, cfg, keep_history=keep, system=args.system, stats=args.stats)
+    return 0
+
+
+def keeps_history(flag: bool | None, single_turn: bool) -> tuple[bool, str | None]:
+    """Whether to keep the conversation, and a note to show when the model's own settings
+    decided it: a single-turn model fed a conversation answers worse than one fed the last
+    message alone, so it gets that unless the user asks otherwise."""
+    if flag is not None:
+        return flag, None
+    if single_turn:
+        return False, SINGLE_TURN_NOTE
+    return True, None
+
+
+def enable_line_editing() -> None:
+    """Arrow keys edit the line and recall earlier ones (input() uses readline once it is
+    imported); where the platform has no readline the chat works without it."""
+    try:
+        import readline  # noqa: F401
+    except ImportError:
+        pass
+
+
+# ---------------------------------------------------------------------- the loop
+def chat_loop(engine: Engine, tokenizer: Any, cfg: DecodeConfig, *, keep_history: bool = True, system: str | None = None,
+              stats: bool = False, read: Callable[[str], str] | None = None, write: TextIO | None = None,
+              err: TextIO | None = None) -> list[Turn]:
+    """Read a message, stream its reply, until an empty line or end of input. Returns the
+    turns kept (empty without history). `read` defaults to input(), `write` and `err` to
+    stdout and stderr, looked up at call time (so a redirected stream is honoured)."""
+    read = read or input
+    write, err = write or sys.stdout, err or sys.stderr
+    turns: list[Turn] = []
     while True:
         try:
-            user = input("> ")
+            user = read("> ")
+        except KeyboardInterrupt:  # like Python's prompt: a fresh line, ask again
+            write.write("\n")
+            continue
         except EOFError:
+            write.write("\n")
             break
         if not user.strip():
             break
-        history.append({"role": "user", "content": user})
-        ids = chat_ids(tokenizer, history)
-        # the reply gets what the context leaves after the conversation so far
-        engine.add_request(ids, cfg.fit(model.config.max_position_embeddings - len(ids)))
-        out = None
+        try:
+            kept = answer(engine, tokenizer, cfg, system, turns if keep_history else [], user, stats, write, err)
+        except ReFusionError as e:
+            print(f"error: {e}", file=err)
+            continue
+        if keep_history:
+            turns = kept
+    return turns
+
+
+def answer(engine: Engine, tokenizer: Any, cfg: DecodeConfig, system: str | None, turns: list[Turn], user: str, stats: bool,
+           write: TextIO, err: TextIO) -> list[Turn]:
+    """One turn: fit the prompt into the context, stream the reply, and return the turns
+    with this one added. A cancelled reply returns `turns` unchanged (nothing dropped,
+    nothing added); errors propagate with the conversation untouched."""
+    context = engine.model.config.max_position_embeddings
+    ids, fitted, dropped = fit_prompt(tokenizer, cfg, context, system, turns, user)
+    if dropped:
+        print(f"[dropped {dropped} earlier turn{'s' if dropped > 1 else ''} to fit the model's context "
+              f"of {context} positions]", file=err)
+    out = stream_reply(engine, ids, fitted, write)
+    if out is None:
+        print("[reply cancelled]", file=err)
+        return turns
+    if stats:
+        s = out.stats
+        print(f"[{fitted.method}] tokens={s.tokens} nfe={s.nfe} tpf={s.tpf:.2f} tps={s.tps:.1f}", file=err)
+    return turns[dropped:] + [(user, out.text)]
+
+
+def messages_of(system: str | None, turns: list[Turn], user: str) -> list[Message]:
+    """The conversation the model sees: the system message, the kept turns, the new one."""
+    msgs = [{"role": "system", "content": system}] if system else []
+    for u, a in turns:
+        msgs += [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
+    return msgs + [{"role": "user", "content": user}]
+
+
+def fit_prompt(tokenizer: Any, cfg: DecodeConfig, context: int, system: str | None, turns: list[Turn],
+               user: str) -> tuple[list[int], DecodeConfig, int]:
+    """The prompt ids, the config fitted to the room they leave, and how many of the oldest
+    turns were dropped to make room. Earlier turns go before the reply is shortened: a
+    full-length answer to the new message matters more than the oldest context. Raises
+    ContextLengthError when even the new message alone leaves less than one decoding unit."""
+    for dropped in range(len(turns) + 1):
+        ids = measured_ids(tokenizer, messages_of(system, turns[dropped:], user))
+        if context - len(ids) >= cfg.region_length:
+            return ids, cfg, dropped
+    room = context - len(ids)
+    if room < cfg.unit:
+        raise ContextLengthError(
+            f"message too long: its prompt is {len(ids)} tokens and the model's context of {context} positions "
+            f"holds at most {context - cfg.unit} (a reply needs {cfg.unit}); send a shorter message"
+        )
+    return ids, cfg.fit(room), len(turns)
+
+
+def measured_ids(tokenizer: Any, messages: list[Message]) -> list[int]:
+    """`chat_ids`, without the tokenizer's warning that a sequence is longer than the
+    model takes: the chat measures every prompt against the context itself and says what
+    to do about one that does not fit."""
+    import logging
+
+    from ..prompts import chat_ids
+
+    log = logging.getLogger("transformers.tokenization_utils_base")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        return chat_ids(tokenizer, messages)
+    finally:
+        log.setLevel(level)
+
+
+def stream_reply(engine: Engine, ids: list[int], cfg: DecodeConfig, write: TextIO) -> RequestOutput | None:
+    """Stream one reply to `write`; its final RequestOutput, or None when Ctrl-C cancelled
+    it. Any failure during the steps leaves the engine empty and ready for the next turn."""
+    rid = engine.add_request(ids, cfg)
+    out = None
+    try:
         while engine.has_unfinished():
-            for out in engine.step():
-                print(out.delta, end="", flush=True)
-        print()
-        if args.stats:
-            s = out.stats
-            print(f"[{cfg.method}] tokens={s.tokens} nfe={s.nfe} tpf={s.tpf:.2f} tps={s.tps:.1f}", file=sys.stderr)
-        history.append({"role": "assistant", "content": out.text})
-    return 0
+            for o in engine.step():
+                if o.request_id == rid:
+                    write.write(o.delta)
+                    write.flush()
+                    out = o
+    except KeyboardInterrupt:
+        clear(engine, rid)
+        write.write("\n")
+        return None
+    except BaseException:
+        clear(engine, rid)
+        if out is not None:  # end the partial reply's line before the error's
+            write.write("\n")
+        raise
+    write.write("\n")
+    return out
+
+
+def clear(engine: Engine, rid: str) -> None:
+    """Abort the request, drain what the engine still owes, and drop its cache: a step
+    stopped half-way may have left the cache half-written."""
+    engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    engine.abort_running()

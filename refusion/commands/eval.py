@@ -51,22 +51,52 @@ def run(args: argparse.Namespace) -> int:
         out = args.out or f"runs/eval/{bench.name}-predictions"
         summary = evaluate(bench, predictions=args.predictions, out_dir=out, **common)
     else:
-        import refusion
-
-        args.preset = args.preset or bench.preset
-        cfg = decode_config_from_args(args)
-        engine_cfg = engine_config_from_args(args)
-        model, tokenizer = refusion.load(args.model, device=args.device, dtype=args.dtype)
-
-        def generate(prompts: list[str]):
-            return refusion.generate(model, tokenizer, prompts, cfg, engine_config=engine_cfg)
-
-        out = args.out or f"runs/eval/{bench.name}-{cfg.method}"
-        summary = evaluate(bench, generate, batch_size=args.batch_size, out_dir=out, config=cfg,
-                           model=args.model or "bundled", **common)
+        summary = _evaluate_model(args, bench, common)
     if args.json:
         print(json.dumps({k: v for k, v in summary.items() if k != "line"}, indent=2, default=str))
     else:
         print(summary["line"])
         print(f"results: {summary['files']['summary']}, per sample: {summary['files']['samples']}", file=sys.stderr)
-    return 0
+    return _report_errors(summary)
+
+
+def _evaluate_model(args: argparse.Namespace, bench, common: dict) -> dict:
+    """Load the model and evaluate it. Settings not given as flags come from the task's
+    preset on top of the checkpoint's recommendation; a gen_length not given by number is
+    lowered to what the context leaves after each prompt (said once, at the end)."""
+    import refusion
+    from ..decode.api import fit_to_context, lowered_note
+    from ..evaluate import evaluate
+
+    args.preset = args.preset or bench.preset
+    decode_config_from_args(args)  # bad flags fail before the model loads
+    engine_cfg = engine_config_from_args(args)
+    model, tokenizer = refusion.load(args.model, device=args.device, dtype=args.dtype)
+    cfg = decode_config_from_args(args, model=model)
+    lowered = [0, 0]  # prompts lowered, prompts seen
+
+    def generate(prompts: list[str]):
+        if args.gen_length is not None:
+            return refusion.generate(model, tokenizer, prompts, cfg, engine_config=engine_cfg)
+        ids, cfgs, n = fit_to_context(model, tokenizer, prompts, cfg)
+        lowered[0] += n
+        lowered[1] += len(prompts)
+        return refusion.generate(model, tokenizer, ids, cfgs, engine_config=engine_cfg)
+
+    out = args.out or f"runs/eval/{bench.name}-{cfg.method}"
+    summary = evaluate(bench, generate, batch_size=args.batch_size, out_dir=out, config=cfg,
+                       model=args.model or "bundled", **common)
+    if lowered[0]:
+        source = f"preset {args.preset}" if args.preset else "the checkpoint's recommendation or the default"
+        print(lowered_note(cfg, lowered[0], lowered[1], model.config.max_position_embeddings, source), file=sys.stderr)
+    return summary
+
+
+def _report_errors(summary: dict) -> int:
+    """One line on samples that failed to generate; exit 1 when every sample did."""
+    failed = summary.get("generation_errors") or 0
+    if not failed:
+        return 0
+    print(f"refusion eval: warning: {failed} of {summary['n']} samples failed to generate and count as wrong; "
+          f"the first error: {summary['first_generation_error']}", file=sys.stderr)
+    return 1 if failed == summary["n"] else 0

@@ -5,17 +5,26 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from ..flags import add_decode_arguments, add_model_arguments, decode_config_from_args, engine_config_from_args, load_from_args
+
+EPILOG = (
+    "The bundled model answers single-turn prompts of four families only: arithmetic word problems, "
+    "list operations, word-list rewrites and short Python functions (arithmetic is its weakest). "
+    "`refusion generate --examples` prints one prompt of each to try. Decoding settings not given "
+    "as flags come from the checkpoint's decode_config.json (`refusion info` shows them)."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="*", metavar="[MODEL] PROMPT", help="prompts; with two or more, the first is the model")
     add_model_arguments(parser)
     parser.add_argument("--prompt-file", type=Path, help="one prompt per line ('-' for stdin), decoded as one batch")
+    parser.add_argument("--examples", action="store_true", help="print prompts the model answers (from its checkpoint) and exit")
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     parser.add_argument("--json", action="store_true", help="print text and stats as JSON (one object per prompt)")
     parser.add_argument("--stats", action="store_true", help="print tokens, NFE, TPF, wall time and TPS")
@@ -27,30 +36,81 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def split_inputs(args: argparse.Namespace) -> list[str]:
     """The prompts, after taking the model from the positionals if it was given there."""
     inputs = list(args.inputs)
-    if len(inputs) >= 2 and args.model is None:
+    args.model_from_positional = len(inputs) >= 2 and args.model is None
+    if args.model_from_positional:
         args.model = inputs.pop(0)
     if args.prompt_file is not None:
         text = sys.stdin.read() if str(args.prompt_file) == "-" else args.prompt_file.read_text()
         inputs += [line for line in text.splitlines() if line.strip()]
     if not inputs:
-        raise ConfigError("no prompt given: refusion generate [MODEL] \"your prompt\" (or --prompt-file FILE)")
+        raise ConfigError("no prompt given: refusion generate [MODEL] \"your prompt\" (or --prompt-file FILE; "
+                          "--examples prints prompts to try)")
     return inputs
+
+
+def _load(args: argparse.Namespace):
+    """The model and tokenizer; a positional taken as the model that is none gets a hint."""
+    try:
+        return load_from_args(args)
+    except CheckpointError as e:
+        if not getattr(args, "model_from_positional", False) or Path(args.model).exists():
+            raise
+        raise ConfigError(
+            f"{e}. With two or more positionals the first is the model, and {args.model!r} is none: to decode "
+            "several prompts with the bundled model, put them one per line in a file and pass --prompt-file FILE "
+            "(or - for stdin)"
+        ) from None
+
+
+def print_examples(args: argparse.Namespace) -> int:
+    """The checkpoint's example prompts, one command per line, ready to paste."""
+    from ..checkpoint import describe
+
+    examples = describe(args.model)["recommended"].get("examples") or {}
+    if not examples:
+        print("this checkpoint lists no example prompts (its decode_config.json has no \"examples\")", file=sys.stderr)
+        return 1
+    model = f" {shlex.quote(args.model)}" if args.model else ""
+    width = max(map(len, examples))
+    for label, prompt in examples.items():
+        print(f"{label:<{width}}  refusion generate{model} {shlex.quote(prompt)}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     from ..decode import generate
+    from ..decode.api import fit_to_context, lowered_note
 
+    if args.examples:
+        if len(args.inputs) > 1 or (args.inputs and args.model):
+            raise ConfigError("--examples takes at most a model: refusion generate [MODEL] --examples")
+        args.model = args.model or (args.inputs[0] if args.inputs else None)
+        return print_examples(args)
     prompts = split_inputs(args)
-    cfg = decode_config_from_args(args)
+    decode_config_from_args(args)  # bad flags fail before the model loads
     engine_cfg = engine_config_from_args(args)
-    model, tokenizer = load_from_args(args)
+    model, tokenizer = _load(args)
+    cfg = decode_config_from_args(args, model=model)
+    ids, cfgs = prompts, cfg
+    if args.gen_length is None:  # a length not asked for by number is lowered to fit, and said so
+        ids, cfgs, lowered = fit_to_context(model, tokenizer, prompts, cfg, chat=not args.no_chat)
+        source = f"preset {args.preset}" if args.preset else "the checkpoint's recommendation or the default"
+        note = lowered_note(cfg, lowered, len(prompts), model.config.max_position_embeddings, source)
+        if note:
+            print(note, file=sys.stderr)
     on_output = None
     if args.stream and not args.json and len(prompts) == 1:
         def on_output(_i: int, out) -> None:
             print(out.delta, end="\n" if out.finished else "", flush=True)
 
-    outs = generate(model, tokenizer, prompts, cfg, engine_config=engine_cfg, chat=not args.no_chat,
-                    trace=args.trace is not None, on_output=on_output)
+    def decode(callback=None):
+        return generate(model, tokenizer, ids, cfgs, engine_config=engine_cfg, chat=not args.no_chat,
+                        trace=args.trace is not None, on_output=callback)
+
+    if args.stats and engine_cfg.compile:
+        print("compiling (a warm-up decode of the same prompts, not counted in the stats) ...", file=sys.stderr)
+        decode()
+    outs = decode(on_output)
     for prompt, out in zip(prompts, outs):
         if args.json:
             print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,

@@ -40,5 +40,15 @@ def format_info(info: dict[str, Any]) -> str:
         ("head dim", info["head_dim"]),
         ("tied embeddings", "yes" if info["tie_word_embeddings"] else "no"),
     ]
+    rec = info.get("recommended") or {}
+    decode = rec.get("decode")
+    rows.append(("decoding", ", ".join(f"{k}={v}" for k, v in decode.items()) if decode
+                 else "no decode_config.json: DecodeConfig's defaults"))
+    if rec.get("about"):
+        rows.append(("about", rec["about"]))
+    if rec.get("single_turn"):
+        rows.append(("chat", "single turns only (`refusion chat` keeps no history)"))
+    if rec.get("examples"):
+        rows.append(("examples", f"{len(rec['examples'])} prompts: `refusion generate --examples`"))
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)

@@ -30,9 +30,10 @@ def run(args: argparse.Namespace) -> int:
     args.model = args.model or args.model_pos
     if args.max_queue < 1 or args.shutdown_timeout < 0:
         raise ReFusionError("--max-queue must be >= 1 and --shutdown-timeout >= 0")
-    cfg = decode_config_from_args(args)
+    decode_config_from_args(args)  # bad flags fail before the model loads
     engine_cfg = engine_config_from_args(args)
     model, tokenizer = load_from_args(args)
+    cfg = decode_config_from_args(args, model=model)
     name = args.served_model_name or (Path(args.model).name if args.model else "refusion")
     serve(
         model, tokenizer, cfg, engine_config=engine_cfg,

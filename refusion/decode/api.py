@@ -24,15 +24,15 @@ def generate(
     trace: bool = False,
     on_output: Callable[[int, RequestOutput], None] | None = None,
 ) -> list[RequestOutput]:
-    """Decode every prompt, with one config for all or one per prompt; outputs come back
-    in the order given. Every prompt is checked before any compute. `on_output(i, out)`
+    """Decode every prompt, with one config for all or one per prompt (None: what the
+    checkpoint recommends, its decode_config.json); outputs come back in the order given. Every prompt is checked before any compute. `on_output(i, out)`
     sees prompt i's output each time its final left-to-right prefix grows (its text then
     streams; without it, text is decoded once per prompt, at the end)."""
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
     if not prompts:
         raise ConfigError("no prompts given")
-    cfgs = list(cfg) if isinstance(cfg, Sequence) else [cfg or DecodeConfig()] * len(prompts)
+    cfgs = list(cfg) if isinstance(cfg, Sequence) else [cfg] * len(prompts)
     if len(cfgs) != len(prompts):
         raise ConfigError(f"{len(cfgs)} configs for {len(prompts)} prompts: give one config, or one per prompt")
     engine = Engine(model, tokenizer, engine_config)
@@ -48,6 +48,26 @@ def generate(
             if out.finished:
                 outputs[i] = out
     return outputs  # type: ignore[return-value]
+
+
+def fit_to_context(model: Transformer, tokenizer, prompts: Sequence[Prompt], cfg: DecodeConfig, *,
+                   chat: bool = True) -> tuple[list[list[int]], list[DecodeConfig], int]:
+    """The prompts as token ids, each with `cfg`'s gen_length lowered to what the model's
+    context leaves after it, and how many were lowered. For lengths the user did not ask
+    for by number (a preset's 512, a checkpoint's recommendation); drivers say in one line
+    that they lowered them. Raises ContextLengthError for a prompt that leaves no room."""
+    context = model.config.max_position_embeddings
+    ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
+    cfgs = [cfg.fit(context - len(i)) for i in ids]
+    return ids, cfgs, sum(c.gen_length < cfg.gen_length for c in cfgs)
+
+
+def lowered_note(cfg: DecodeConfig, lowered: int, total: int, context: int, source: str) -> str | None:
+    """The one line that says a gen_length was lowered to fit the context (None if none was)."""
+    if not lowered:
+        return None
+    return (f"note: gen_length {cfg.gen_length} ({source}) lowered to fit the model's context of {context} positions "
+            f"for {lowered} of {total} prompt{'s' if total > 1 else ''}; --gen-length N sets it (and errors if it does not fit)")
 
 
 def stream(model: Transformer, tokenizer, prompt: Prompt, cfg: DecodeConfig | None = None, *,

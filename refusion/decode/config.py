@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ContextLengthError
 
 METHODS = ("refusion", "ar", "mdm")
 
@@ -133,7 +133,8 @@ class DecodeConfig:
         if self.region_length <= room:
             return self
         if room < self.unit:
-            raise ConfigError(f"{self.method} decodes in units of {self.unit} tokens; only {room} positions are left after the prompt")
+            raise ContextLengthError(f"{self.method} decodes in units of {self.unit} tokens; only {max(room, 0)} positions "
+                                     "are left after the prompt")
         return self.replace(gen_length=min(self.gen_length, room // self.unit * self.unit))
 
 

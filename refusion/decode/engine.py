@@ -29,6 +29,7 @@ import torch
 from ..errors import ConfigError, ContextLengthError, MissingMaskTokenError
 from ..model import Transformer
 from ..prompts import Prompt, encode_prompt, eos_ids_of, mask_id_of
+from ..recommended import recommended_of
 from .ar import ARRow, Feed
 from .config import DecodeConfig, EngineConfig
 from .forward import Forward, compiled_step, make_room
@@ -52,6 +53,8 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.eos_ids = eos_ids_of(model.config, tokenizer)
         self.mask_id = mask_id_of(model.config, tokenizer)
+        # a request without a config gets what the checkpoint recommends (its decode_config.json)
+        self.default_config = recommended_of(model).decode_config()
         pad_id = self.mask_id if self.mask_id is not None else next(iter(self.eos_ids), 0)
         self.fwd = Forward(model, pad_id, compiled_step() if config.compile else None)
         self.infill = Infill(self.fwd, self.mask_id)
@@ -87,7 +90,7 @@ class Engine:
         the chat template (unless chat=False); token ids are taken as they are. With
         stream=False it is reported once, when finished (its text decoded then, not at every step).
         Raises (ConfigError, ContextLengthError, MissingMaskTokenError) before any compute."""
-        cfg = cfg or DecodeConfig()
+        cfg = cfg or self.default_config
         ids = encode_prompt(self.tokenizer, prompt, chat)
         self.check(ids, cfg)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -115,9 +118,11 @@ class Engine:
             )
         limit = c.max_position_embeddings
         if len(ids) + cfg.region_length > limit:
+            room = (limit - len(ids)) // cfg.unit * cfg.unit
+            fix = f"lower gen_length to {room} or shorten the prompt" if room > 0 else "shorten the prompt"
             raise ContextLengthError(
                 f"prompt ({len(ids)} tokens) + generation ({cfg.region_length}) exceeds the model's context of {limit} "
-                "positions; shorten the prompt or lower gen_length"
+                f"positions; {fix}"
             )
 
     @torch.inference_mode()

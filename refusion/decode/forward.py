@@ -109,6 +109,7 @@ class Forward:
     compiled: "CompiledStep | None" = None  # the compiled forward (EngineConfig.compile), for forwards with a cache
 
     forwards: int = 0  # forward passes run so far
+    nonfinite: bool = False  # a forward gave NaN or infinite logits (broken weights, an overflowing dtype)
 
     def run(
         self,
@@ -130,6 +131,7 @@ class Forward:
         else:
             picked = self._plain(tokens, positions, want)
         logits = self.model.lm_head(picked).float()  # (n_logits, V)
+        self._check_finite(logits)
         sync(device)
         seconds = time.perf_counter() - t0
         self.forwards += 1
@@ -143,6 +145,15 @@ class Forward:
             req.stats.nfe += 1
             req.stats.forward_time += seconds
         return list(logits.split([e - a for a, e in want]))
+
+    def _check_finite(self, logits: torch.Tensor) -> None:
+        """Warn once when logits are not finite: the tokens sampled from them are noise.
+        Checked on the first forward and every 64th after it, which costs next to nothing."""
+        if self.nonfinite or self.forwards % 64 or logits.numel() == 0 or bool(torch.isfinite(logits).all()):
+            return
+        self.nonfinite = True
+        warnings.warn("the model's logits are not finite (NaN or inf): its output is meaningless. Check the weights "
+                      "(a broken or mis-converted checkpoint) or run in float32 (--dtype float32)", RuntimeWarning, stacklevel=2)
 
     def _packed(self, tokens: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], cache: KVCache) -> torch.Tensor:
         """Every forward with a cache: `Transformer.packed_hidden` over the cache's packed

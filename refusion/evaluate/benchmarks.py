@@ -45,6 +45,7 @@ class Benchmark:
     preset: str | None = None  # DecodeConfig preset with the authors' settings
     hub: HubSource | None = None
     fields: str = ""  # the record fields we read, for error messages
+    extracts: bool = True  # scoring finds an answer in the output (else a checker judges the whole text)
 
     def records(self, data: str | None = None) -> list[dict]:
         if data:
@@ -275,6 +276,7 @@ class Suite(Benchmark):
     with a prompt) and `check(item, text)` (True/False, or (correct, extracted))."""
 
     name, preset, fields = "suite", None, "(the items of refusion.tasks)"
+    extracts = False
 
     def _tasks(self):
         try:

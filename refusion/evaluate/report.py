@@ -6,6 +6,7 @@ import math
 from collections.abc import Iterable, Sequence
 
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
+GENERATION_ERROR = "generation_error"  # a sample's reason when the model gave no output (too long a prompt, say)
 
 
 def wilson_interval(correct: int, n: int, z: float = Z95) -> tuple[float, float]:
@@ -34,8 +35,11 @@ def _sum(records: Iterable[dict], key: str) -> float | None:
     return sum(values) if values else None
 
 
-def summarize(records: Sequence[dict]) -> dict:
+def summarize(records: Sequence[dict], extracts: bool = True) -> dict:
     """Accuracy and speed over per-sample records (as written to samples.jsonl).
+    `no_answer` counts outputs with no answer found in them, for benchmarks that look for
+    one (`extracts`); None for those whose checker judges the whole text. Samples that
+    failed to generate are `generation_errors`.
 
     tps is single-stream speed, tokens / seconds each sequence took (the paper's figure
     at batch size 1); throughput is tokens / generation seconds of the run (batching helps).
@@ -48,7 +52,8 @@ def summarize(records: Sequence[dict]) -> dict:
         "correct": correct,
         "accuracy": correct / n if n else None,
         "ci95": [lo, hi],
-        "no_answer": sum(r.get("extracted") is None for r in records),
+        "no_answer": sum(r.get("extracted") is None for r in records) if extracts else None,
+        "generation_errors": sum(_reason(r) == GENERATION_ERROR for r in records),
     }
     tokens, nfe, wall = _sum(records, "tokens"), _sum(records, "nfe"), _sum(records, "wall_time")
     gen_seconds = sum(r.get("gen_seconds") or 0.0 for r in records)
@@ -71,6 +76,10 @@ def summarize(records: Sequence[dict]) -> dict:
     return summary
 
 
+def _reason(record: dict) -> str | None:
+    return (record.get("detail") or {}).get("reason")
+
+
 def one_line(task: str, summary: dict) -> str:
     if not summary["n"]:
         return f"{task}: no samples"
@@ -78,4 +87,8 @@ def one_line(task: str, summary: dict) -> str:
     line = f"{task}: accuracy {100 * summary['accuracy']:.2f}% ({summary['correct']}/{summary['n']}, 95% CI {100 * lo:.1f}-{100 * hi:.1f})"
     if summary.get("tps") is not None:
         line += f", {summary['tps']:.1f} tok/s, TPF {summary['tpf']:.2f}, NFE {summary['nfe_mean']:.1f}"
+    if summary.get("resumed"):
+        line += f"; {summary['resumed']} of {summary['n']} samples resumed from an earlier run"
+    if summary.get("generation_errors"):
+        line += f"; {summary['generation_errors']} failed to generate (scored wrong)"
     return line

@@ -21,10 +21,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ..errors import ContextLengthError
+from ..errors import ConfigError
 from .benchmarks import Benchmark, CodeBenchmark, Sample, Scored, get_benchmark
 from .errors import PredictionsError, ResumeMismatchError
-from .report import one_line, summarize
+from .report import GENERATION_ERROR, one_line, summarize
 from .sandbox import Limits, isolation
 
 GenerateFn = Callable[[list[str]], Sequence[Any]]
@@ -184,22 +184,26 @@ def evaluate(
     chunk = max(1, batch_size) if predictions is None else 64  # predictions: batch the sandbox
     started = time.perf_counter()
     with _progress(len(samples), len(records), bench.name, progress) as bar:
+        if records:
+            bar.write(f"{bench.name}: resuming {results.path}: {len(records)} of {len(samples)} samples already scored "
+                      "(--overwrite starts afresh)")
         for i in range(0, len(pending), chunk):
             batch = pending[i : i + chunk]
             t0 = time.perf_counter()
             completions = complete(batch)
             gen_seconds = (time.perf_counter() - t0) if predictions is None else None
-            scored = bench.score(batch, [c.text for c in completions], limits=limits, workers=workers)
+            scored = _score(bench, batch, completions, limits, workers)
             share = None if gen_seconds is None else gen_seconds / len(batch)
             new = [_record(s, c, sc, share) for s, c, sc in zip(batch, completions, scored)]
             results.append(new)
             records.extend(new)
             bar.update(len(batch))
             bar.set_postfix(acc=f"{sum(r['correct'] for r in records) / len(records):.3f}")
-    summary = {"task": bench.name, "model": model, **summarize(records), "config": config_dict,
+    first_error = next((r["detail"]["error"] for r in records if (r.get("detail") or {}).get("reason") == GENERATION_ERROR), None)
+    summary = {"task": bench.name, "model": model, **summarize(records, bench.extracts), "config": config_dict,
+               "first_generation_error": first_error,
                "data": settings["data"], "predictions": settings["predictions"], "limit": limit,
                "resumed": len(wanted & done.keys()), "missing_predictions": missing,
-               "errors": sum(1 for r in records if (r.get("detail") or {}).get("error")),
                "elapsed_s": time.perf_counter() - started,
                "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                "files": {"samples": str(results.samples), "summary": str(results.summary)}}
@@ -222,13 +226,14 @@ def _unique_ids(samples: Sequence[Sample]) -> list[Sample]:
 
 
 def _from_generate(generate_fn: GenerateFn) -> Callable[[list[Sample]], list[Completion]]:
-    """A prompt too long for the model is recorded as an error (and a wrong answer), as
-    harnesses do, instead of ending the run; the rest of its batch is retried alone."""
+    """A prompt the model refuses (too long for its context, say) is recorded as a
+    generation error (and a wrong answer), as harnesses do, instead of ending the run; the
+    rest of its batch is retried alone."""
 
     def complete(batch: list[Sample]) -> list[Completion]:
         try:
             outputs = list(generate_fn([s.prompt for s in batch]))
-        except ContextLengthError as e:
+        except ConfigError as e:  # ContextLengthError among them: the request's fault, not the run's
             if len(batch) == 1:
                 return [Completion("", error=str(e))]
             return [c for s in batch for c in complete([s])]
@@ -246,6 +251,18 @@ def _from_predictions(samples, path):
     if not kept:
         raise PredictionsError(f"{path}: no prediction matches a sample of this task (by id or index)")
     return kept, (lambda batch: [Completion(text[s.id]) for s in batch]), len(samples) - len(kept)
+
+
+def _score(bench: Benchmark, batch: list[Sample], completions: list[Completion], limits: Limits | None,
+           workers: int | None) -> list[Scored]:
+    """Scores of a batch; a sample that failed to generate is not scored (nor run) but
+    marked as a generation error, so that it is not mistaken for a wrong answer."""
+    ok = [i for i, c in enumerate(completions) if c.error is None]
+    scored = bench.score([batch[i] for i in ok], [completions[i].text for i in ok], limits=limits, workers=workers) if ok else []
+    out = [Scored(None, False, {"reason": GENERATION_ERROR})] * len(batch)
+    for i, sc in zip(ok, scored):
+        out[i] = sc
+    return out
 
 
 def _record(sample: Sample, completion: Completion, scored: Scored, gen_seconds: float | None) -> dict:

@@ -50,13 +50,13 @@ def create_app(
     engine: Engine | None = None,
 ) -> FastAPI:
     """The server for one model. `cfg` is the server's default DecodeConfig (requests
-    override it field by field); `engine_config` its resources; `api_key` turns on
+    override it field by field; default: the engine's, what the checkpoint recommends); `engine_config` its resources; `api_key` turns on
     bearer-token auth for everything but /health; `engine` replaces the engine made from
     the model (tests wrap its step)."""
     if tokenizer is None:
         raise ReFusionError("serving needs a tokenizer: this checkpoint has none")
-    cfg = cfg or DecodeConfig()
     engine = engine or Engine(model, tokenizer, engine_config)
+    cfg = cfg or engine.default_config
     metrics = Metrics()
     engine_loop = EngineLoop(engine, max_queue=max_queue, metrics=metrics)
     server = _Server(engine, cfg, model_name, engine_loop)
