@@ -436,7 +436,7 @@ def _move_into_place(staging: Path, out: Path) -> None:
 
 # ---------------------------------------------------------------------------- MASK token
 def add_mask_token(model: Transformer, tokenizer: Any) -> int:
-    """Make the model ReFusion-ready: ensure a `<|mask|>` token and return its id.
+    """Prepare the model for ReFusion training: ensure a `<|mask|>` token and return its id.
 
     Adds `<|mask|>` to the tokenizer as an additional special token, and gives the
     model a row for it in the embedding and the output layer, initialised to the mean

@@ -17,7 +17,7 @@ from .errors import ReFusionError
 
 VERBS = {
     "info": "print a checkpoint's architecture, size, vocabulary, context and MASK id",
-    "convert": "make an AR checkpoint ReFusion-ready (add <|mask|>)",
+    "convert": "prepare an AR checkpoint for ReFusion training (add <|mask|>)",
     "generate": "generate text from prompts (refusion, ar or mdm decoding)",
     "chat": "interactive chat that streams",
     "train": "train with the ReFusion objective (or plain AR)",

@@ -4,6 +4,7 @@ evaluators all format and resolve through here, so they cannot drift apart."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,7 +29,20 @@ def chat_text(tokenizer: Any, messages: Sequence[dict[str, str]], add_generation
 
 def chat_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
     """`chat_text` tokenised (the template carries its own special tokens)."""
-    return list(tokenizer(chat_text(tokenizer, messages), add_special_tokens=False)["input_ids"])
+    return tokenize(tokenizer, chat_text(tokenizer, messages), add_special_tokens=False)
+
+
+def tokenize(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of `text`, without `transformers`' warning that a sequence is longer than
+    the model takes ("... will result in indexing errors"): the engine measures every
+    prompt against the context itself and says what to do about one that does not fit."""
+    log = logging.getLogger("transformers.tokenization_utils_base")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+    finally:
+        log.setLevel(level)
 
 
 def encode_prompt(tokenizer: Any, prompt: Prompt, chat: bool = True) -> list[int]:
@@ -42,7 +56,7 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, chat: bool = True) -> list[int
         raise ConfigError("the prompt is empty: give some text to continue")
     if chat and getattr(tokenizer, "chat_template", None):
         return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
-    return list(tokenizer(prompt)["input_ids"])
+    return tokenize(tokenizer, prompt)
 
 
 def tokenizer_mask_id(tokenizer: Any) -> int | None:

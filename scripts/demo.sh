@@ -3,5 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+# the bundled model answers prompts of four kinds: `.venv/bin/refusion generate --examples` prints one of each;
+# its decoding settings come from its decode_config.json
 prompt="${1:-Write these words in capital letters: leaf, frog, coin, star}"
-.venv/bin/refusion generate "$prompt" --gen-length 128 --slot-size 8 --serial-blocks 4 --slot-threshold 0.7 --token-threshold 0.3 --stats
+.venv/bin/refusion generate "$prompt" --stats

@@ -154,8 +154,9 @@ def ceiling_tps(model, rates: dict[tuple[int, int], float], tokens: float, fed: 
 
 def run(args: argparse.Namespace) -> int:
     args.model = args.model or args.model_pos
+    decode_config_from_args(args)  # bad flags fail before the model loads
     model, tokenizer = load_from_args(args)
-    base, engine = decode_config_from_args(args), engine_config_from_args(args)
+    base, engine = decode_config_from_args(args, model=model), engine_config_from_args(args)
     prompts = bench_prompts(args.prompts)
     methods = args.methods.split(",")
     for m in methods:

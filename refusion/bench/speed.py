@@ -325,7 +325,7 @@ def refusion_section(model: Transformer, tokenizer: Any, prompts: list[list[int]
     """Section d: ReFusion against our AR (EOS honoured: real decoding), batch 1."""
     if mask_id_of(model.config, tokenizer) is None:
         return {"skipped": "the model has no MASK token (run `refusion convert`, then train)"}
-    base, one = decode_config_from_args(args), engine_config_from_args(args).replace(max_batch_size=1)
+    base, one = decode_config_from_args(args, model=model), engine_config_from_args(args).replace(max_batch_size=1)
     rows: dict[str, list[dict[str, Any]]] = {"ar": [], "refusion": []}
     for _ in range(args.decode_rounds):
         for m in rows:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from ..decode.config import DecodeConfig
 from ..errors import ContextLengthError, ReFusionError
 from ..flags import add_decode_arguments, add_model_arguments, decode_config_from_args, engine_config_from_args, load_from_args
+from ..prompts import chat_ids
 
 if TYPE_CHECKING:
     from ..decode import Engine, RequestOutput
@@ -147,7 +148,7 @@ def fit_prompt(tokenizer: Any, cfg: DecodeConfig, context: int, system: str | No
     full-length answer to the new message matters more than the oldest context. Raises
     ContextLengthError when even the new message alone leaves less than one decoding unit."""
     for dropped in range(len(turns) + 1):
-        ids = measured_ids(tokenizer, messages_of(system, turns[dropped:], user))
+        ids = chat_ids(tokenizer, messages_of(system, turns[dropped:], user))
         if context - len(ids) >= cfg.region_length:
             return ids, cfg, dropped
     room = context - len(ids)
@@ -157,23 +158,6 @@ def fit_prompt(tokenizer: Any, cfg: DecodeConfig, context: int, system: str | No
             f"holds at most {context - cfg.unit} (a reply needs {cfg.unit}); send a shorter message"
         )
     return ids, cfg.fit(room), len(turns)
-
-
-def measured_ids(tokenizer: Any, messages: list[Message]) -> list[int]:
-    """`chat_ids`, without the tokenizer's warning that a sequence is longer than the
-    model takes: the chat measures every prompt against the context itself and says what
-    to do about one that does not fit."""
-    import logging
-
-    from ..prompts import chat_ids
-
-    log = logging.getLogger("transformers.tokenization_utils_base")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        return chat_ids(tokenizer, messages)
-    finally:
-        log.setLevel(level)
 
 
 def stream_reply(engine: Engine, ids: list[int], cfg: DecodeConfig, write: TextIO) -> RequestOutput | None:

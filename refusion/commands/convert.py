@@ -1,4 +1,4 @@
-"""`refusion convert BASE OUT`: make an AR checkpoint ReFusion-ready by adding `<|mask|>`."""
+"""`refusion convert BASE OUT`: prepare an AR checkpoint for ReFusion training by adding `<|mask|>`."""
 
 from __future__ import annotations
 
@@ -22,4 +22,6 @@ def run(args: argparse.Namespace) -> int:
 
     mask_id = convert(args.base, args.out, device=args.device, dtype=args.dtype, overwrite=args.force)
     print(f"wrote {args.out} (MASK token <|mask|> = id {mask_id})")
+    print("It decodes as it is with --method ar. ReFusion and MDM decoding need ReFusion training first: "
+          f"refusion train --model {args.out} --data FILE --out RUN")
     return 0

@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--examples", action="store_true", help="print prompts the model answers (from its checkpoint) and exit")
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     parser.add_argument("--json", action="store_true", help="print text and stats as JSON (one object per prompt)")
-    parser.add_argument("--stats", action="store_true", help="print tokens, NFE, TPF, wall time and TPS")
+    parser.add_argument("--stats", action="store_true", help="print tokens, NFE, TPF, wall time and TPS (of a second decode: "
+                        "the first, untimed, pays the process's one-time setup and any compilation)")
     parser.add_argument("--stream", action="store_true", help="print text as soon as a left-to-right prefix is final")
     parser.add_argument("--trace", type=Path, metavar="FILE.html", help="write a page that replays the decoding order")
     add_decode_arguments(parser)
@@ -107,8 +108,9 @@ def run(args: argparse.Namespace) -> int:
         return generate(model, tokenizer, ids, cfgs, engine_config=engine_cfg, chat=not args.no_chat,
                         trace=args.trace is not None, on_output=callback)
 
-    if args.stats and engine_cfg.compile:
-        print("compiling (a warm-up decode of the same prompts, not counted in the stats) ...", file=sys.stderr)
+    if args.stats:  # the first forwards of a process pay one-time setup (and compilation): not counted
+        if engine_cfg.compile:
+            print("compiling (a warm-up decode of the same prompts, not counted in the stats) ...", file=sys.stderr)
         decode()
     outs = decode(on_output)
     for prompt, out in zip(prompts, outs):

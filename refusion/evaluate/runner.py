@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
@@ -186,7 +187,7 @@ def evaluate(
     with _progress(len(samples), len(records), bench.name, progress) as bar:
         if records:
             bar.write(f"{bench.name}: resuming {results.path}: {len(records)} of {len(samples)} samples already scored "
-                      "(--overwrite starts afresh)")
+                      "(--overwrite starts afresh)", file=sys.stderr)
         for i in range(0, len(pending), chunk):
             batch = pending[i : i + chunk]
             t0 = time.perf_counter()
