@@ -41,6 +41,9 @@ class DataStats:
     records: int = 0  # records (lines of JSONL, items of a JSON list) seen
     kept: int = 0
     too_long: int = 0  # skipped: prompt + response + EOS longer than max_length
+    max_length: int = 0  # the limit in tokens that "too long" was measured against
+    context: int | None = None  # the model's max_position_embeddings, the ceiling of max_length
+    too_long_lengths: list[int] = field(default_factory=list)  # tokens of each record skipped as too long
     bad: Counter = field(default_factory=Counter)  # reason -> count of skipped records
     examples: list[str] = field(default_factory=list)  # the first few bad records, located
     notes: list[str] = field(default_factory=list)
@@ -52,15 +55,34 @@ class DataStats:
 
     def summary(self) -> str:
         parts = [f"{self.path}: {self.kept} of {self.records} records kept"]
-        if self.too_long:
-            parts.append(f"{self.too_long} too long")
         parts += [f"{n} {reason}" for reason, n in sorted(self.bad.items())]
+        if self.too_long:
+            parts.append(f"{self.too_long} too long ({self.too_long_reason()})")
         text = ", ".join(parts)
         if self.examples:
             text += "\n  first skipped: " + "; ".join(self.examples)
         for note in self.notes:
             text += f"\n  note: {note}"
         return text
+
+    def too_long_reason(self) -> str:
+        """Why records were too long and what would keep them: the limit that applied, how
+        long the skipped records are, and how far --max-length can go (never past the
+        model's context, the positions it was built for)."""
+        lengths = sorted(self.too_long_lengths)
+        if not lengths:  # counted by hand, lengths not recorded
+            return f"over the limit of {self.max_length} tokens"
+        longest, context = lengths[-1], self.context
+        text = f"over the limit of {self.max_length} tokens: median {lengths[len(lengths) // 2]}, longest {longest}"
+        if context is None:
+            return text
+        fit = sum(n <= context for n in lengths)
+        if self.max_length >= context or not fit:
+            return (f"{text}; {context} tokens is the model's context (max_position_embeddings), which --max-length "
+                    "cannot exceed: shorten those records or train a model with a longer context")
+        if fit == len(lengths):
+            return f"{text}; pass --max-length {longest} to keep them"
+        return f"{text}; pass --max-length {context} (the model's context, the most it allows) to keep {fit} of them"
 
 
 @dataclass
@@ -170,13 +192,16 @@ def record_messages(record: Any) -> tuple[list[dict[str, str]], str]:
 
 # --------------------------------------------------------------------------- tokenising
 def load_dataset(
-    path: str | Path, tokenizer, max_length: int, eos_id: int | None = None
+    path: str | Path, tokenizer, max_length: int, eos_id: int | None = None, context: int | None = None
 ) -> tuple[TokenizedDataset, DataStats]:
-    """Read and tokenise a data file. Raises DataError when nothing usable is left."""
+    """Read and tokenise a data file. Raises DataError when nothing usable is left.
+
+    context: the model's max_position_embeddings, when max_length was capped to it; named
+    in the summary so that it says whether --max-length can keep the records too long."""
     eos_id = tokenizer.eos_token_id if eos_id is None else eos_id
     if eos_id is None:
         raise DataError("the tokenizer has no EOS token; cannot end the responses")
-    stats = DataStats(str(path))
+    stats = DataStats(str(path), max_length=max_length, context=context)
     if getattr(tokenizer, "chat_template", None) is None:
         stats.notes.append("the tokenizer has no chat template: prompts are the plain message texts")
     tokens: list[np.ndarray] = []
@@ -188,6 +213,7 @@ def load_dataset(
         for p, r in _tokenise_chunk(tokenizer, chunk, eos_id):
             if len(p) + len(r) > max_length:
                 stats.too_long += 1
+                stats.too_long_lengths.append(len(p) + len(r))
                 continue
             tokens.append(np.asarray(p + r, dtype=np.int32))
             lens.append(len(p) + len(r))
@@ -216,8 +242,10 @@ def _tokenise_chunk(tokenizer, chunk, eos_id: int) -> list[tuple[list[int], list
     if not chunk:
         return []
     texts = [chat_text(tokenizer, p) for _, p, _ in chunk]
-    prompts = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
-    responses = tokenizer([r for _, _, r in chunk], add_special_tokens=False)["input_ids"]
+    # verbose=False: no "sequence length is longer than the specified maximum" from the
+    # tokenizer; records too long are counted and explained in DataStats instead.
+    prompts = tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]
+    responses = tokenizer([r for _, _, r in chunk], add_special_tokens=False, verbose=False)["input_ids"]
     return [(list(p), list(r) + [eos_id]) for p, r in zip(prompts, responses)]
 
 

@@ -4,7 +4,6 @@ evaluators all format and resolve through here, so they cannot drift apart."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,13 +35,7 @@ def tokenize(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list
     """Token ids of `text`, without `transformers`' warning that a sequence is longer than
     the model takes ("... will result in indexing errors"): the engine measures every
     prompt against the context itself and says what to do about one that does not fit."""
-    log = logging.getLogger("transformers.tokenization_utils_base")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-    finally:
-        log.setLevel(level)
+    return list(tokenizer(text, add_special_tokens=add_special_tokens, verbose=False)["input_ids"])
 
 
 def encode_prompt(tokenizer: Any, prompt: Prompt, chat: bool = True) -> list[int]:
@@ -52,7 +45,7 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, chat: bool = True) -> list[int
         return [int(t) for t in prompt]
     if tokenizer is None:
         raise ConfigError("text prompts need a tokenizer; pass token ids to decode without one")
-    if not prompt.strip():
+    if not (prompt.strip() if chat else prompt):  # without the template, whitespace is text to continue
         raise ConfigError("the prompt is empty: give some text to continue")
     if chat and getattr(tokenizer, "chat_template", None):
         return chat_ids(tokenizer, [{"role": "user", "content": prompt}])

@@ -2,7 +2,7 @@
 # The device check, prepared to run unattended on a machine with a GPU and no network
 # (the venv set up by `scripts/setup.sh "dev,gguf"` or scripts/test.sh):
 #   1. the model-parity and decode tests, with their models and inputs on the device;
-#   2. `refusion bench speed` on SmolLM2-135M (float32, the issue #8 targets; bfloat16 too on cuda),
+#   2. `refusion bench speed` on SmolLM2-135M (float32, against the speed targets; bfloat16 too on cuda),
 #      then its forwards and AR decode compiled (--compile);
 #   3. AR vs ReFusion vs MDM at batch 1 and 16 on the bundled model and on a randomly
 #      initialised Qwen3-0.6B-shaped model (bfloat16 on cuda), printed as one table.

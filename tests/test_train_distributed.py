@@ -24,7 +24,21 @@ torch.save({k: v.detach().clone() for k, v in result.model.state_dict().items()}
 """
 
 
-def test_two_processes_train_in_step(tmp_path, tokenizer_dir):
+REFUSED_WORKER = """
+import json, os, sys
+from refusion.errors import ConfigError
+from refusion.train import TrainConfig, train
+try:
+    train(TrainConfig(**json.loads(sys.argv[1])))
+except ConfigError as e:
+    with open(os.path.join(sys.argv[2], f"refused{os.environ['RANK']}.txt"), "w") as f:
+        f.write(str(e))
+"""
+
+
+def torchrun(tmp_path: Path, tokenizer_dir: Path, worker: str, *args: str) -> subprocess.CompletedProcess:
+    """A tiny model and copy data in tmp_path, and `worker` run on them by two CPU processes,
+    given the run's TrainConfig fields (out = tmp_path/out) as JSON, then `args`."""
     from transformers import AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(tokenizer_dir)) + 4
@@ -36,17 +50,20 @@ def test_two_processes_train_in_step(tmp_path, tokenizer_dir):
         for _ in range(64):
             q = " ".join(rng.choice("abcdefgh") for _ in range(6))
             f.write(json.dumps({"query": q, "response": q}) + "\n")
-    out = tmp_path / "out"
     cfg = dict(init_config=str(tmp_path / "config.json"), tokenizer=str(tokenizer_dir), add_mask_token=True,
-               data=str(tmp_path / "data.jsonl"), out=str(out), max_steps=3, batch_size=4, lr=1e-2, log_every=1,
-               eval_every=0, save_every=2, progress=False, tensorboard=False)
-    (tmp_path / "worker.py").write_text(WORKER)
+               data=str(tmp_path / "data.jsonl"), out=str(tmp_path / "out"), max_steps=3, batch_size=4, lr=1e-2,
+               log_every=1, eval_every=0, save_every=2, progress=False, tensorboard=False)
+    (tmp_path / "worker.py").write_text(worker)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(tmp_path / "worker.py"), json.dumps(cfg)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+           str(tmp_path / "worker.py"), json.dumps(cfg), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
 
+
+def test_two_processes_train_in_step(tmp_path, tokenizer_dir):
+    proc = torchrun(tmp_path, tokenizer_dir, WORKER)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "out"
     ranks = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
     for name in ranks[0]:
         assert torch.equal(ranks[0][name], ranks[1][name]), f"{name} differs between the ranks"
@@ -63,3 +80,20 @@ def test_two_processes_train_in_step(tmp_path, tokenizer_dir):
     step2 = load_file(out / "checkpoints" / "step-00000002" / "model.safetensors")
     assert all(torch.equal(value, ranks[0][name]) for name, value in final.items())
     assert any(not torch.equal(step2[name], final[name]) for name in final)
+
+
+def test_a_locked_output_directory_stops_every_rank(tmp_path, tokenizer_dir):
+    """Only the main process takes the lock, and every rank hears that it is taken: all of
+    them refuse (none waits in a collective for a rank that left)."""
+    from refusion.train.lock import OutLock
+
+    lock = OutLock(tmp_path / "out")
+    assert lock.acquire() is None
+    try:
+        proc = torchrun(tmp_path, tokenizer_dir, REFUSED_WORKER, str(tmp_path))
+    finally:
+        lock.release()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        said = (tmp_path / f"refused{rank}.txt").read_text()
+        assert f"another trainer (pid {os.getpid()}) is writing {tmp_path / 'out'}" in said

@@ -12,7 +12,8 @@ import dataclasses
 import inspect
 import re
 
-from ..train.config import AR_REDUCTIONS, DTYPE_NAMES, OBJECTIVES, PRECISIONS, TrainConfig, config_fields
+from ..train.config import (AR_REDUCTIONS, DTYPE_NAMES, OBJECTIVES, PRECISIONS, TrainConfig, config_fields,
+                            flag_name)
 
 _CHOICES = {"objective": OBJECTIVES, "precision": PRECISIONS, "dtype": DTYPE_NAMES, "ar_reduction": AR_REDUCTIONS}
 _COMMENT = re.compile(r"^\s+(\w+):[^#]*#\s*(.+)$")
@@ -31,7 +32,7 @@ def _field_help() -> dict[str, str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     helps = _field_help()
     for f in config_fields():
-        flag = "--" + f.name.replace("_", "-")
+        flag = flag_name(f.name)
         default = f.default if f.default is not dataclasses.MISSING else None
         text = helps.get(f.name, "")
         kind = str(f.type)
@@ -60,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
     from ..train import train
 
     values = {f.name: getattr(args, f.name) for f in config_fields()}
-    result = train(TrainConfig(**values))
+    cfg = TrainConfig(**values)
+    cfg.validate(flags=True)  # here, so that a bad setting is named by its flag
+    result = train(cfg)
     print(f"trained {result.step} steps; model saved to {result.out_dir}")
     return 0

@@ -204,7 +204,7 @@ class _Server:
             for p in req.prompts:
                 if not isinstance(p, str) and any(not 0 <= t < self.vocab for t in p):
                     raise bad(f"prompt token ids must be in [0, {self.vocab})", "prompt")
-                prompts.append(encode_prompt(tok, p, chat=False))
+                prompts.append(encode_prompt(tok, p, chat=False) if p != "" else [])
         if any(not p for p in prompts):
             raise bad("the prompt is empty after tokenisation: give at least one token", "messages" if req.kind == "chat" else "prompt", "empty_prompt")
         return prompts

@@ -4,7 +4,8 @@ wrapper over it.
 
 The parts: `config.py` (TrainConfig, no torch), `setup.py` (model, LoRA, optimizer,
 schedule, micro-batch inputs), `data.py` (datasets, stream, micro-batches), `run.py` (one
-optimizer step, the held-out evaluation), `checkpoints.py`, `log.py`, `loop.py`.
+optimizer step, the held-out evaluation), `checkpoints.py`, `lock.py` (one trainer per
+output directory), `log.py`, `loop.py`.
 
 A step: take the next window of the seeded index stream (data.py), build the objective's
 batch on the CPU (objective.py) and copy it to the device, run the model up to the logits
@@ -15,6 +16,7 @@ The output directory:
 
     OUT/                  the final model: config.json, model.safetensors, tokenizer files
     OUT/log.jsonl         one JSON record per log step, eval and event
+    OUT/.train.lock       flock'd by the trainer writing OUT (a second one is refused)
     OUT/tensorboard/      the same scalars, when tensorboard is installed
     OUT/checkpoints/step-00000500/
                           a normal model directory too, plus train_state/ (weights,
@@ -23,9 +25,11 @@ The output directory:
 
 Checkpoints are written to a temporary directory and renamed when complete, so a run
 killed at any moment leaves either a whole checkpoint or none; `resume=True` continues
-from the latest. Randomness that shapes a step (data order, objective draws) is a pure
-function of (seed, step, rank), so a resumed run repeats the uninterrupted one bitwise on
-the same machine and process count.
+from the latest, with the settings it was trained with (a changed learning rate, schedule,
+batch, ... is refused unless `allow_config_change=True`; checkpoints.RESUME_FREE lists
+what may change freely). Randomness that shapes a step (data order, objective draws) is a
+pure function of (seed, step, rank), so a resumed run repeats the uninterrupted one
+bitwise on the same machine and process count.
 """
 
 from __future__ import annotations

@@ -15,12 +15,24 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ModelConfig
+from ..errors import ConfigError
 from ..model import Transformer
-from .config import TrainConfig
+from .config import TrainConfig, flag_name
 from .log import RunLog
 from .setup import clean_model, merged_state_dict
 
 _CKPT = re.compile(r"^step-(\d{8})$")
+
+# Settings a resumed run may change freely: where and how often it reports, evaluates and
+# saves, and how the machine computes a step (device, recomputed activations). Every other
+# field shapes the optimisation trajectory: the data and its held-out split (eval_data,
+# eval_fraction and eval_max_examples decide what is held out of training), the model and
+# tokenizer, the objective, the schedule, the optimizer, the batch, the precision and the
+# seed; resuming with one of those changed needs allow_config_change.
+RESUME_FREE = frozenset({
+    "out", "eval_every", "log_every", "save_every", "keep_checkpoints", "resume", "allow_config_change",
+    "tensorboard", "progress", "cpu", "gradient_checkpointing",
+})
 
 
 def list_checkpoints(out: Path) -> list[Path]:
@@ -34,6 +46,42 @@ def list_checkpoints(out: Path) -> list[Path]:
 
 def jsonable(cfg: TrainConfig) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()}
+
+
+def config_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """name -> (saved value, new value) of the trajectory settings that differ from the
+    saved run's. A field the saved config lacks (an older version wrote it) is not compared."""
+    new = jsonable(cfg)
+    return {k: (saved[k], v) for k, v in new.items() if k not in RESUME_FREE and k in saved and saved[k] != v}
+
+
+def resume_changes(out: Path, cfg: TrainConfig, log: RunLog) -> dict[str, tuple[Any, Any]]:
+    """The settings a resume would change, checked before anything is loaded: refused unless
+    cfg.allow_config_change, then named in one line."""
+    ckpts = list_checkpoints(out)
+    if not (cfg.resume and ckpts):
+        return {}
+    saved = json.loads((ckpts[-1] / "trainer_state.json").read_text()).get("config", {})
+    changes = config_changes(saved, cfg)
+    if not changes:
+        return {}
+    listed = ", ".join(f"{flag_name(k)} {old} -> {new}" for k, (old, new) in changes.items())
+    if not cfg.allow_config_change:
+        raise ConfigError(f"{ckpts[-1]} was trained with other settings ({listed}): pass --allow-config-change "
+                          "to resume with the new values, or give the old ones to continue the run as it was")
+    log.print(f"resume: continuing with changed settings: {listed}")
+    return changes
+
+
+def drop_tied_copies(models: list, weights: list[dict[str, Any]], output_dir: str) -> None:
+    """accelerate's save-state hook: the model states it is about to write lose their tied
+    output matrix, stored once as in the model directory (`checkpoint.drop_tied_head`);
+    loading the state ties it again. Under FSDP and DeepSpeed, which save the model
+    themselves, `weights` is empty."""
+    from ..checkpoint import drop_tied_head
+
+    for state in weights:
+        drop_tied_head(state)
 
 
 class Checkpoints:

@@ -66,6 +66,7 @@ class TrainConfig:
     save_every: int = 500  # steps between checkpoints (and one at the end); 0 = only at the end
     keep_checkpoints: int = 2  # newest checkpoints kept; 0 = keep all
     resume: bool = False  # continue from the latest checkpoint in out/checkpoints
+    allow_config_change: bool = False  # with resume: accept settings that differ from the run's (listed when refused)
     seed: int = 0  # seeds initialisation, data order, the eval split and the objective's draws
     tensorboard: bool = True  # also log to out/tensorboard when tensorboard is installed
     progress: bool = True  # tqdm progress bar on the main process
@@ -74,27 +75,34 @@ class TrainConfig:
         self.slot_sizes = tuple(int(s) for s in self.slot_sizes)
         self.lora_targets = tuple(self.lora_targets)
 
-    def validate(self) -> None:
+    def validate(self, flags: bool = False) -> None:
+        """Raise ConfigError / DataError on the first bad setting. The messages name the
+        settings as arguments (`model=...`), or with `flags` as the `refusion train` flags
+        (`--model ...`), so that each reader is told what they can change."""
+        say = _flag if flags else _argument
         if not self.data:
-            raise ConfigError("no training data given (data=...)")
+            raise ConfigError(f"no training data given ({say('data', 'FILE')})")
         if not self.out:
-            raise ConfigError("no output directory given (out=...)")
+            raise ConfigError(f"no output directory given ({say('out', 'DIR')})")
         if (self.model is None) == (self.init_config is None):
-            raise ConfigError("give exactly one of a base model (model=...) or init_config=config.json")
+            raise ConfigError(f"give exactly one of {say('model', 'BASE')} or {say('init_config', 'config.json')}: "
+                              "a base model to train on, or a model config to initialise randomly")
         if self.init_config is not None and self.tokenizer is None:
-            raise ConfigError("training from init_config needs a tokenizer directory (tokenizer=...)")
+            raise ConfigError(
+                f"training from {say('init_config')} needs a tokenizer directory ({say('tokenizer', 'DIR')})"
+            )
         checks = [
-            (self.objective in OBJECTIVES, f"objective must be one of {OBJECTIVES}"),
-            (self.precision in PRECISIONS, f"precision must be one of {PRECISIONS}"),
-            (self.dtype in DTYPE_NAMES, f"dtype must be one of {DTYPE_NAMES}"),
-            (self.batch_size >= 1 and self.grad_accum >= 1, "batch_size and grad_accum must be >= 1"),
-            (self.max_length >= 2, "max_length must be >= 2"),
-            (self.max_steps >= 0 and self.epochs > 0, "max_steps must be >= 0 and epochs > 0"),
-            (self.lr > 0 and 0 <= self.min_lr_ratio <= 1, "need lr > 0 and 0 <= min_lr_ratio <= 1"),
-            (0 <= self.eval_fraction < 1, "eval_fraction must lie in [0, 1)"),
-            (self.log_every >= 1, "log_every must be >= 1"),
-            (self.eval_every >= 0 and self.save_every >= 0, "eval_every and save_every must be >= 0"),
-            (self.lora_r >= 1, "lora_r must be >= 1"),
+            (self.objective in OBJECTIVES, f"{say('objective')} must be one of {OBJECTIVES}"),
+            (self.precision in PRECISIONS, f"{say('precision')} must be one of {PRECISIONS}"),
+            (self.dtype in DTYPE_NAMES, f"{say('dtype')} must be one of {DTYPE_NAMES}"),
+            (self.batch_size >= 1 and self.grad_accum >= 1, f"{say('batch_size')} and {say('grad_accum')} must be >= 1"),
+            (self.max_length >= 2, f"{say('max_length')} must be >= 2"),
+            (self.max_steps >= 0 and self.epochs > 0, f"{say('max_steps')} must be >= 0 and {say('epochs')} > 0"),
+            (self.lr > 0 and 0 <= self.min_lr_ratio <= 1, f"need {say('lr')} > 0 and 0 <= {say('min_lr_ratio')} <= 1"),
+            (0 <= self.eval_fraction < 1, f"{say('eval_fraction')} must lie in [0, 1)"),
+            (self.log_every >= 1, f"{say('log_every')} must be >= 1"),
+            (self.eval_every >= 0 and self.save_every >= 0, f"{say('eval_every')} and {say('save_every')} must be >= 0"),
+            (self.lora_r >= 1, f"{say('lora_r')} must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:
@@ -114,3 +122,16 @@ class TrainConfig:
 def config_fields() -> list:
     """The fields of TrainConfig, for the CLI."""
     return list(fields(TrainConfig))
+
+
+def flag_name(name: str) -> str:
+    """The `refusion train` flag of a TrainConfig field: max_length -> --max-length."""
+    return "--" + name.replace("_", "-")
+
+
+def _flag(name: str, metavar: str = "") -> str:
+    return f"{flag_name(name)} {metavar}".rstrip()
+
+
+def _argument(name: str, metavar: str = "") -> str:
+    return f"{name}={metavar}" if metavar else name

@@ -19,14 +19,15 @@ class RunData:
     def __init__(self, cfg: TrainConfig, tokenizer, model_config: ModelConfig, eos: int | None, pad_id: int,
                  log: RunLog) -> None:
         self.cfg, self.pad_id = cfg, pad_id
-        max_length = min(cfg.max_length, model_config.max_position_embeddings)
+        context = model_config.max_position_embeddings
+        max_length = min(cfg.max_length, context)
         if max_length < cfg.max_length:
             log.print(f"max_length {cfg.max_length} capped at the model's context, {max_length}")
-        ds, stats = load_dataset(cfg.data, tokenizer, max_length, eos)
+        ds, stats = load_dataset(cfg.data, tokenizer, max_length, eos, context)
         log.print(stats.summary())
         self.summary = {"data": stats.summary()}
         if cfg.eval_data:
-            eval_ds, eval_stats = load_dataset(cfg.eval_data, tokenizer, max_length, eos)
+            eval_ds, eval_stats = load_dataset(cfg.eval_data, tokenizer, max_length, eos, context)
             log.print(eval_stats.summary())
             self.train, self.eval = ds, eval_ds
         else:

@@ -37,8 +37,16 @@ def _train(cfg: TrainConfig, on_step: Callable[[int], None] | None) -> TrainResu
     from accelerate.utils import set_seed
 
     run = Run(cfg)
-    set_seed(cfg.seed)
-    run.setup()
+    try:
+        set_seed(cfg.seed)
+        run.setup()
+        return _loop(run, on_step)
+    finally:
+        run.release()  # OUT is free for the next trainer, also when this one failed
+
+
+def _loop(run: Run, on_step: Callable[[int], None] | None) -> TrainResult:
+    cfg = run.cfg
     start_step = last_saved = run.step
     if run.main:
         run.log.log({"event": "start", "step": run.step, "total_steps": run.total_steps, "world_size": run.world,

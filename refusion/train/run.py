@@ -13,12 +13,13 @@ import torch
 
 from ..errors import ConfigError
 from ..objective import weighted_loss
-from .checkpoints import Checkpoints, list_checkpoints
+from .checkpoints import Checkpoints, drop_tied_copies, list_checkpoints, resume_changes
 from .config import TrainConfig
 from .data import RunData
+from .lock import OutLock
 from .log import RunLog
-from .setup import (LossModel, apply_lora, has_accelerator, load_model_and_tokenizer, lr_factor, make_optimizer,
-                    precision, step_generator, step_inputs)
+from .setup import (LossModel, apply_lora, apply_settings, has_accelerator, load_model_and_tokenizer, lr_factor,
+                    make_optimizer, precision, step_generator, step_inputs)
 
 _EVAL_KEY = 2**31 - 1  # seeds the eval draws, apart from every training step
 
@@ -39,16 +40,19 @@ class Run:
         self.rank, self.world = self.acc.process_index, self.acc.num_processes
         self.obj_cfg = cfg.objective_config()
         self.log = RunLog(self.out, self.main)
+        self.lock = OutLock(self.out)  # taken by the main process only, in setup
         self.step = 0
         self.samples = 0  # global stream position: examples consumed by all processes
 
     # ---- set-up
     def setup(self) -> None:
         cfg, acc = self.cfg, self.acc
+        self._lock_out()
         if list_checkpoints(self.out) and not cfg.resume:
             raise ConfigError(
                 f"{self.out} holds checkpoints of an earlier run: pass --resume to continue it, or choose another --out"
             )
+        changes = resume_changes(self.out, cfg, self.log)  # refused here, before anything is loaded
         self.lm, tokenizer = load_model_and_tokenizer(cfg)
         self.mask_id = self.lm.config.mask_token_id
         eos = tokenizer.eos_token_id
@@ -69,7 +73,36 @@ class Run:
         restored = self.checkpoints.prepare()
         if restored is not None:
             self.step, self.samples = restored
+            if changes:
+                apply_settings(self.scheduler, cfg)
+                # accelerate syncs gradients when its micro-batch count is a multiple of
+                # grad_accum: count as if the run had always used the new one
+                acc.step = self.step * cfg.grad_accum
         self.log.open_tensorboard(cfg.tensorboard)
+
+    def _lock_out(self) -> None:
+        """Refuse to write OUT while another trainer writes it. Only the main process takes
+        the lock (the other ranks of this run write there in step with it); every process
+        learns the answer, so that all of them stop together."""
+        from accelerate.utils import broadcast_object_list
+
+        problem = None
+        if self.main:
+            try:
+                holder = self.lock.acquire()
+            except OSError as e:
+                problem = f"cannot write {self.out} ({e}): choose another --out"
+            else:
+                if holder is not None:
+                    problem = (f"another trainer (pid {holder}) is writing {self.out}: wait for it to finish, "
+                               "or choose another --out")
+        problem = broadcast_object_list([problem])[0]
+        if problem is not None:
+            raise ConfigError(problem)
+
+    def release(self) -> None:
+        """Let another trainer write OUT (also done by the kernel when the process dies)."""
+        self.lock.release()
 
     def _prepare_model(self) -> None:
         """The loss model and AdamW through accelerate; the LR schedule beside them."""
@@ -87,6 +120,7 @@ class Run:
             lambda s: lr_factor(s, self.total_steps, self.warmup, cfg.min_lr_ratio),
         )
         acc.register_for_checkpointing(self.scheduler)
+        acc.register_save_state_pre_hook(drop_tied_copies)
 
     # ---- one optimizer step
     def train_step(self, timed: bool) -> dict[str, Any]:

@@ -139,13 +139,33 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def group_settings(cfg: TrainConfig) -> list[dict[str, Any]]:
+    """AdamW's settings of its two parameter groups: matrices decay, norms and biases do not."""
+    common = {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps}
+    return [{**common, "weight_decay": cfg.weight_decay}, {**common, "weight_decay": 0.0}]
+
+
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    settings = group_settings(cfg)
+    return torch.optim.AdamW([{"params": decay, **settings[0]}, {"params": no_decay, **settings[1]}])
+
+
+def apply_settings(scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: TrainConfig) -> None:
+    """Put cfg's optimizer settings into an optimizer and schedule restored from a checkpoint.
+    Loading their state brings back the saved lr, betas, eps and weight decay, which a
+    resume with changed settings must replace; the learning rate becomes the new peak
+    times the new schedule's factor at the restored step."""
+    groups = scheduler.optimizer.param_groups
+    for group, settings in zip(groups, group_settings(cfg)):
+        group.update(settings, initial_lr=cfg.lr)
+    scheduler.base_lrs = [cfg.lr] * len(groups)
+    for group, base, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in groups]
 
 
 def make_batch(
