@@ -203,6 +203,17 @@ def make_hf_dir(
 
 
 @pytest.fixture
+def model_dir(make_hf_dir: Callable[..., Path], tmp_path: Path) -> Path:
+    """A tiny random Qwen3 checkpoint converted by `refusion convert` (MASK added), with
+    the tiny tokenizer: what a user's converted model directory looks like."""
+    from refusion.checkpoint import convert
+
+    out = tmp_path / "rf"
+    convert(make_hf_dir("qwen3"), out)
+    return out
+
+
+@pytest.fixture
 def tiny_model() -> Transformer:
     """A small random ReFusion `Transformer` built in memory (Qwen3 shape: GQA, q/k norm),
     float32, eval mode. Vocabulary of 64; no tokenizer."""

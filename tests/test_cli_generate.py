@@ -6,15 +6,7 @@ import re
 import pytest
 
 import refusion
-from refusion.checkpoint import convert
 from refusion.cli import main
-
-
-@pytest.fixture
-def model_dir(make_hf_dir, tmp_path):
-    out = tmp_path / "rf"
-    convert(make_hf_dir("qwen3"), out)
-    return out
 
 
 def test_generate_json_matches_the_library(model_dir, capsys):

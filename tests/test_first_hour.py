@@ -8,19 +8,12 @@ import pytest
 import torch
 
 import refusion
-from refusion.checkpoint import convert, describe, save_pretrained
+from refusion.checkpoint import describe, save_pretrained
 from refusion.cli import main
 from refusion.decode import DecodeConfig, Engine
 from refusion.errors import CheckpointError, ConfigError, ContextLengthError
 from refusion.evaluate import evaluate, get_benchmark
 from refusion.recommended import FILE, Recommended, recommended_of
-
-
-@pytest.fixture
-def model_dir(make_hf_dir, tmp_path):
-    out = tmp_path / "rf"
-    convert(make_hf_dir("qwen3"), out)
-    return out
 
 
 # ------------------------------------------------------------------ decode_config.json
