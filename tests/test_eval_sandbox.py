@@ -1,4 +1,7 @@
-"""The code sandbox: correct programs pass, wrong ones fail, hostile ones are contained."""
+"""The code sandbox: correct programs pass, wrong ones fail, hostile ones are contained.
+
+Most programs here are top-level code with a function `f` that the checker's test calls
+(`run`): whatever the top level does happens before the test can pass."""
 
 from __future__ import annotations
 
@@ -10,31 +13,44 @@ import time
 import pytest
 
 from refusion.evaluate import get_benchmark, sandbox
-from refusion.evaluate.sandbox import Isolation, Limits, isolation, run_program, run_programs
+from refusion.evaluate.sandbox import Check, Isolation, Limits, isolation, run_check, run_checks
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="the sandbox needs POSIX")
 
 FAST = Limits(timeout=3.0)
+F = "\ndef f(n):\n    return n + 1\n"
+TEST = "assert f(1) == 2\n"
+
+
+def run(program: str, limits: Limits = FAST, test: str = TEST) -> "sandbox.ExecResult":
+    """The program (top-level code + `f`), judged by a test that calls f."""
+    return run_check(Check(program=program + F, test=test, calls=("f",)), limits)
 
 
 def test_passing_failing_and_crashing_programs():
-    assert run_program("assert sum(range(4)) == 6\n", FAST).passed
-    failed = run_program("assert 1 == 2, 'wrong'\n", FAST)
-    assert failed.status == "failed" and "wrong" in failed.reason
-    assert run_program("def f(:\n", FAST).status == "failed"  # syntax error
-    assert run_program("raise RuntimeError('boom')\n", FAST).status == "failed"
+    assert run("").passed
+    failed = run_check(Check("def f(n):\n    return n\n", TEST, ("f",)), FAST)
+    assert failed.status == "failed" and failed.reason == "assertion: line 1: assert f(1) == 2"
+    syntax = run("def g(:\n")
+    assert syntax.status == "failed" and syntax.reason.startswith("load: SyntaxError")
+    boom = run("raise RuntimeError('boom')\n")
+    assert boom.status == "failed" and "boom" in boom.reason
+    raised = run_check(Check("def f(n):\n    raise KeyError('k')\n", TEST, ("f",)), FAST)
+    assert raised.reason.startswith("error: KeyError")
 
 
 def test_exit_before_the_tests_is_not_a_pass():
     for early_exit in ("import sys\nsys.exit(0)\n", "exit()\n", "import os\nos._exit(0)\n", "raise SystemExit\n"):
-        result = run_program(early_exit + "assert False, 'the tests'\n", FAST)
+        result = run(early_exit)
         assert result.status == "failed", early_exit
+    inside = run_check(Check("import os\ndef f(n):\n    os._exit(0)\n", TEST, ("f",)), FAST)
+    assert inside.status == "failed" and inside.reason.startswith("exit:")
 
 
 def test_infinite_loop_times_out_and_is_killed():
     start = time.perf_counter()
-    result = run_program("while True:\n    pass\n", Limits(timeout=1.5))
-    assert result.status == "timeout"
+    result = run("while True:\n    pass\n", Limits(timeout=1.5))
+    assert result.status == "timeout" and result.reason.startswith("timeout")
     assert time.perf_counter() - start < 10
 
 
@@ -48,7 +64,7 @@ def test_sleeping_child_of_a_timed_out_program_is_killed_too(tmp_path):
         f"    open({str(marker)!r}, 'w').write('x')\n    libc._exit(0)\n"
         "time.sleep(60)\n"
     )
-    assert run_program(src, Limits(timeout=1.0)).status == "timeout"
+    assert run(src, Limits(timeout=1.0)).status == "timeout"
     time.sleep(3.5)
     assert not marker.exists()
 
@@ -57,15 +73,15 @@ def test_fork_bomb_is_contained():
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except Exception:\n        pass\n"
     raw_bomb = "import ctypes\nlibc = ctypes.CDLL(None)\nwhile True:\n    libc.fork()\n"  # past the guards
     for src in (bomb, raw_bomb):
-        result = run_program(src, Limits(timeout=2.0))
+        result = run(src, Limits(timeout=2.0))
         assert not result.passed
     # the machine still works and nothing of the bomb is left
-    assert run_program("assert True\n", FAST).passed
+    assert run("").passed
 
 
 def test_memory_hog_is_contained():
     for src in ("x = bytearray(64 * 1024**3)\n", "x = []\nwhile True:\n    x.append(' ' * 10**7)\n"):
-        result = run_program(src, Limits(timeout=5.0, memory_mb=512))
+        result = run(src, Limits(timeout=5.0, memory_mb=512))
         assert result.status == "failed" and "MemoryError" in result.reason
 
 
@@ -85,18 +101,18 @@ def test_writes_outside_the_sandbox_do_not_happen(tmp_path, attack):
     target = tmp_path / "precious"
     target.mkdir()
     (target / "keep.txt").write_text("keep")
-    run_program(attack.format(target=target), FAST)
+    run(attack.format(target=target))
     assert (target / "keep.txt").read_text() == "keep"
 
 
 def test_writes_inside_the_sandbox_directory_work():
     src = "import os\nopen('scratch.txt', 'w').write('ok')\nos.remove('scratch.txt')\nos.mkdir('d')\n"
-    assert run_program(src, FAST).passed
+    assert run(src).passed
 
 
 def test_segfault_is_contained():
-    result = run_program("import ctypes\nctypes.string_at(0)\n", FAST)
-    assert result.status == "failed" and result.returncode != 0
+    result = run("import ctypes\nctypes.string_at(0)\n")
+    assert result.status == "failed" and result.reason.startswith("signal: ") and "SIGSEGV" in result.reason
 
 
 def test_network_is_disabled():
@@ -113,18 +129,19 @@ def test_network_is_disabled():
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
-        result = run_program(src.replace("9)", f"{port})"), FAST)
+        result = run(src.replace("9)", f"{port})"))
     assert result.passed, result.stderr
 
 
 def test_output_flood_is_capped():
-    result = run_program("while True:\n    print('x' * 100000)\n", Limits(timeout=3.0, max_output_mb=1))
+    result = run("while True:\n    print('x' * 100000)\n", Limits(timeout=3.0, max_output_mb=1))
     assert result.status in ("failed", "timeout") and len(result.stdout) <= 2000
 
 
 def test_parallel_runs_keep_order_and_one_crash_does_not_stop_the_rest():
-    sources = [f"assert {i} % 3 != 0\n" if i != 5 else "import ctypes\nctypes.string_at(0)\n" for i in range(12)]
-    results = run_programs(sources, FAST, workers=4)
+    checks = [Check(F, f"assert {i} % 3 != 0 and f({i}) == {i + 1}\n", ("f",)) if i != 5
+              else Check("import ctypes\nctypes.string_at(0)\n" + F, TEST, ("f",)) for i in range(12)]
+    results = run_checks(checks, FAST, workers=4)
     assert [r.passed for r in results] == [i % 3 != 0 and i != 5 for i in range(12)]
 
 
@@ -133,6 +150,7 @@ def guards_only(monkeypatch):
     """The weakest walls (no namespaces, no own uid), as on a machine that allows nothing
     else: the in-process guards and rlimits must still contain the usual accidents."""
     monkeypatch.setattr(sandbox, "isolation", lambda: Isolation(sys.executable, namespaces=False, own_uid=False))
+    assert not sandbox.isolation().mounts
 
 
 def test_guards_alone_block_deletes_processes_and_network(guards_only, tmp_path):
@@ -141,25 +159,25 @@ def test_guards_alone_block_deletes_processes_and_network(guards_only, tmp_path)
     (target / "keep.txt").write_text("keep")
     for attack in ("import os\nos.system('rm -rf {t}')\n", "import shutil\nshutil.rmtree('{t}')\n",
                    "import subprocess\nsubprocess.run(['rm', '-rf', '{t}'])\n", "import os\nos.fork()\n"):
-        result = run_program(attack.format(t=target), FAST)
+        result = run(attack.format(t=target))
         assert result.status == "failed" and "PermissionError" in result.reason
     assert (target / "keep.txt").read_text() == "keep"
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         src = f"import socket\nsocket.create_connection(('127.0.0.1', {listener.getsockname()[1]}), timeout=1)\n"
-        result = run_program(src, FAST)
+        result = run(src)
     assert result.status == "failed" and "network access is disabled" in result.reason
 
 
 def test_guards_alone_still_time_out_and_catch_early_exit(guards_only):
-    assert run_program("while True:\n    pass\n", Limits(timeout=1.0)).status == "timeout"
-    assert run_program("import sys\nsys.exit(0)\n", FAST).status == "failed"
-    assert run_program("assert True\n", FAST).passed
+    assert run("while True:\n    pass\n", Limits(timeout=1.0)).status == "timeout"
+    assert run("import sys\nsys.exit(0)\n").status == "failed"
+    assert run("").passed
 
 
 def test_isolation_is_reported():
-    assert "rlimits" in isolation().describe()
+    assert "rlimits" in isolation().describe() and "trusted checker" in isolation().describe()
     if sys.platform.startswith("linux") and os.geteuid() == 0:
         assert isolation().own_uid
 

@@ -16,11 +16,12 @@ from .errors import (
 )
 from .report import summarize, wilson_interval
 from .runner import evaluate, read_predictions
-from .sandbox import ExecResult, Limits, run_program, run_programs
+from .sandbox import Check, ExecResult, Limits, run_check, run_checks
 
 __all__ = [
     "BENCHMARKS",
     "Benchmark",
+    "Check",
     "DatasetUnavailableError",
     "ExecResult",
     "Limits",
@@ -33,8 +34,8 @@ __all__ = [
     "evaluate",
     "get_benchmark",
     "read_predictions",
-    "run_program",
-    "run_programs",
+    "run_check",
+    "run_checks",
     "summarize",
     "wilson_interval",
 ]

@@ -1,15 +1,18 @@
-"""The script the sandbox runs in each child process (copied into the child's temp dir).
+"""The candidate's side of a check, run in the sandbox (copied into its folder with
+`wire.py`; it never runs inside the evaluator).
 
-It is ordinary Python, but it never runs inside the evaluator: `sandbox.py` writes this
-file next to `program.py` and starts a fresh interpreter on it. In order it: reads its
-settings from the environment (and removes them), lowers its own resource limits, installs
-best-effort guards against writes outside its directory, process creation and (where the
-OS gave us no private network namespace) sockets, then executes `program.py`. Only when
-the program ran to its end does it write the nonce to the result pipe: a program that
-calls sys.exit, os._exit, crashes or is killed before its tests finished cannot pass.
+In order it: reads its settings and the program; where asked, builds its private mounts
+(fresh tmpfs on /tmp, /var/tmp and /dev/shm, everything else remounted read-only; the
+evaluator started it in new mount, PID and network namespaces, /proc already the new PID
+namespace's) and drops to its own user id; lowers its resource limits; installs
+best-effort guards; runs the program's definitions; then answers calls. Each call comes
+from the trusted checker as one line (a function name and plain-data arguments) and is
+answered with one line: the plain-data result, the exception raised, or "not plain
+data". The verdict is the checker's alone: nothing this process writes is more than an
+answer to a call.
 
-The guards are a seatbelt against generated code doing something silly; the real walls
-are the separate user id, the namespaces and the rlimits that `sandbox.py` arranges.
+The guards are a seatbelt against generated code doing something silly; the walls are
+the namespaces, the user id and the rlimits.
 """
 
 import builtins
@@ -19,6 +22,12 @@ import os
 import resource
 import sys
 import traceback
+
+_TMPFS = ("/tmp", "/var/tmp", "/dev/shm")
+# mounts left as they are: the new /proc, the fresh tmpfs, devices (writing /dev/null
+# must work) and kernel interfaces
+_KEEP_WRITABLE = ("/proc", "/dev", "/sys") + _TMPFS
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
 
 
 def _set_limits(limits):
@@ -34,7 +43,7 @@ def _set_limits(limits):
     cap(resource.RLIMIT_CORE, 0)
     cap(resource.RLIMIT_NOFILE, 256)
     nproc = limits["max_processes"]
-    if not limits["own_uid"]:
+    if not limits["uid"]:
         # shared uid: the limit counts every process of this user, so leave room for them
         uid = os.getuid()
         nproc += sum(1 for p in os.listdir("/proc") if p.isdigit() and _owner(p) == uid)
@@ -48,6 +57,64 @@ def _owner(pid):
         return None
 
 
+# ------------------------------------------------------------------ private mounts
+def _mount(libc, source, target, fstype, flags, data):
+    import ctypes
+
+    def c(s):
+        return None if s is None else s.encode()
+
+    if libc.mount(c(source), c(target), c(fstype), ctypes.c_ulong(flags), c(data)) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mount {target}: {os.strerror(errno)}")
+
+
+def _mount_points():
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4].replace("\\040", " ") for line in f]
+    return sorted(set(points), key=len)
+
+
+def _private_mounts(file_bytes):
+    """Fresh, empty, bounded tmpfs on the shared temporary folders; the rest read-only.
+    Everything dies with the namespace: nothing written outlives the run."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    _mount(libc, None, "/", None, MS_REC | MS_PRIVATE, None)
+    size = max(1 << 20, file_bytes)
+    for target in _TMPFS:
+        if os.path.isdir(target):
+            _mount(libc, "tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=1777")
+    for point in _mount_points():
+        if any(point == k or point.startswith(k + "/") for k in _KEEP_WRITABLE):
+            continue
+        try:
+            _mount(libc, None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
+        except OSError:
+            if point == "/":
+                raise
+            # a mount this namespace may not remount (locked flags) stays as it was;
+            # the uid's permissions still apply to it
+
+
+def _enter_workdir(uid):
+    """A fresh folder in the private /tmp, owned by the program's uid."""
+    work = "/tmp/work"
+    os.mkdir(work, 0o700)
+    if uid:
+        os.chown(work, uid, uid)
+    os.chdir(work)
+    return work
+
+
+def _drop_privileges(uid):
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+
+
+# ------------------------------------------------------------------ guards
 def _install_guards(root, block_network):
     import shutil
     import subprocess
@@ -132,43 +199,83 @@ def _install_guards(root, block_network):
             deny(socket, name, "network access")
 
 
+# ------------------------------------------------------------------ serving calls
+def _answer(wire, namespace, message):
+    """The reply to one call message."""
+    try:
+        name = message["call"]
+        args = wire.from_json(message["args"])
+        kwargs = wire.from_json(message["kwargs"])
+    except (KeyError, TypeError, wire.NotPlainData) as e:
+        return {"raise": ["TypeError", f"malformed call: {e}"]}
+    fn = namespace.get(name)
+    if not callable(fn):
+        return {"raise": ["NameError", f"the program defines no function {name!r}"]}
+    try:
+        result = fn(*args, **kwargs)
+    except Exception as e:  # the program's own error: the checker decides what it means
+        return {"raise": [type(e).__name__, str(e)[:1000]]}
+    try:
+        return {"ok": wire.to_json(result)}
+    except wire.NotPlainData as e:
+        return {"notplain": str(e)}
+    except RecursionError:
+        return {"notplain": "nested too deep"}
+
+
+def _serve(wire, namespace, calls, replies):
+    while True:
+        line = wire.read_line(calls)
+        if not line:
+            return
+        replies.write(wire.dumps(_answer(wire, namespace, wire.loads(line))))
+        replies.flush()
+
+
 def _main():
-    env = os.environ
-    nonce = env.pop("REFUSION_SANDBOX_NONCE").encode()
-    result_fd = int(env.pop("REFUSION_SANDBOX_FD"))
-    settings = json.loads(env.pop("REFUSION_SANDBOX_SETTINGS"))
-    write, exit_now = os.write, os._exit
-    root = os.path.realpath(os.getcwd())
-    with open("program.py", encoding="utf-8") as f:
+    settings = json.loads(os.environ.pop("REFUSION_SANDBOX_SETTINGS"))
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    import wire  # noqa: E402 - the plain-data codec copied beside this file
+
+    sys.path.remove(here)
+    with open(os.path.join(here, "program.py"), encoding="utf-8") as f:
         source = f.read()
-
-    def finish(code):
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        exit_now(code)
-
+    calls = os.fdopen(settings["calls_fd"], "rb")
+    replies = os.fdopen(settings["replies_fd"], "wb")
+    uid = settings["uid"]
+    root = os.path.realpath(os.getcwd())
+    try:
+        if settings["mounts"]:
+            _private_mounts(settings["file_bytes"])
+            root = _enter_workdir(uid)
+        if uid:
+            _drop_privileges(uid)
+    except OSError as e:
+        print(f"sandbox: cannot set up the isolation: {e}", file=sys.stderr)
+        os._exit(97)
     try:
         code = compile(source, "program.py", "exec")
-    except BaseException:
-        traceback.print_exc()
-        finish(2)
+    except BaseException as e:
+        replies.write(wire.dumps({"load_error": f"{type(e).__name__}: {e}"}))
+        replies.flush()
+        os._exit(2)
     sys.path.extend(settings["site_packages"])
     _set_limits(settings)
     _install_guards(root, settings["block_network"])
-    del settings, env, source
+    del settings, source
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
     try:
-        exec(code, {"__name__": "__main__", "__builtins__": builtins})
-    except SystemExit as e:
-        print(f"sandbox: SystemExit({e.code!r}) before the program finished", file=sys.stderr)
-        finish(3)
-    except BaseException:
+        exec(code, namespace)
+    except BaseException as e:
         traceback.print_exc()
-        finish(1)
-    write(result_fd, nonce)
-    finish(0)
+        replies.write(wire.dumps({"load_error": f"{type(e).__name__}: {str(e)[:500]}"}))
+        replies.flush()
+        os._exit(1)
+    replies.write(wire.dumps({"ready": True}))
+    replies.flush()
+    _serve(wire, namespace, calls, replies)
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from typing import Any
 from . import answers, programs
 from .data import HubSource, load_hub, read_records
 from .errors import DatasetUnavailableError, UnknownTaskError
-from .sandbox import Limits, run_programs
+from .sandbox import Check, Limits, run_checks
 
 
 @dataclass
@@ -201,15 +201,15 @@ class MMLUPro(MultipleChoice):
 class CodeBenchmark(Benchmark):
     """Scored by running the program built from the output against the benchmark's tests."""
 
-    def program(self, sample: Sample, output: str) -> str:
+    def program(self, sample: Sample, output: str) -> Check:
         raise NotImplementedError
 
     def extract(self, sample: Sample, output: str) -> str:
         return programs.extract_code(output, sample.data.get("entry_point"))
 
     def score(self, samples, outputs, *, limits=None, workers=None):
-        sources = [self.program(s, o) for s, o in zip(samples, outputs)]
-        results = run_programs(sources, limits or Limits(), workers=workers)
+        checks = [self.program(s, o) for s, o in zip(samples, outputs)]
+        results = run_checks(checks, limits or Limits(), workers=workers)
         return [
             Scored(self.extract(s, o), r.passed, {"status": r.status, "reason": r.reason, "seconds": round(r.duration, 3)})
             for s, o, r in zip(samples, outputs, results)

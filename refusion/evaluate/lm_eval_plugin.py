@@ -101,13 +101,16 @@ class ReFusionLM(LM):
 
     # ------------------------------------------------------------------- generation
     def _config(self, gen_kwargs: dict):
-        """The request's DecodeConfig: the preset, the model_args' fields, then the task's
-        generation kwargs (temperature, max_gen_toks, until as stop strings)."""
+        """The request's DecodeConfig: the checkpoint's recommended settings, the preset, the
+        model_args' fields, then the task's generation kwargs (temperature, max_gen_toks,
+        until as stop strings)."""
         from refusion.decode.config import DecodeConfig
+        from refusion.recommended import recommended_of
 
         d = dict(self._decode)
         preset = d.pop("preset", None)
-        cfg = DecodeConfig.preset(preset) if preset else DecodeConfig()
+        base = recommended_of(self.model).decode_config()
+        cfg = DecodeConfig.preset(preset, base) if preset else base
         overrides = {k: v for k, v in d.items() if v is not None}
         if gen_kwargs.get("do_sample") is False:
             overrides["temperature"] = 0.0

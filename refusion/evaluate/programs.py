@@ -5,12 +5,17 @@ block (generation ran out of length), sometimes with bare code, sometimes with o
 function body (HumanEval completion style). `extract_code` finds the code; `sanitize`
 keeps the definitions and imports and drops top-level statements (example calls, prints,
 the model's own asserts) that would run, and could fail, before the benchmark's tests.
+The `*_program` functions build the sandbox's `Check`: the program, and the benchmark's
+tests for the trusted checker.
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
 import re
+
+from .sandbox import Check
 
 _FENCE = re.compile(r"```[ \t]*([\w+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _CODE_START = re.compile(r"^(?:def |async def |class |import |from \S+ import |@)", re.MULTILINE)
@@ -77,8 +82,10 @@ def _compiles(source: str) -> bool:
         return False
 
 
-def humaneval_program(problem: dict, completion: str) -> str:
-    """prompt + completion + the benchmark's tests + check(entry_point).
+def humaneval_program(problem: dict, completion: str) -> Check:
+    """The program: prompt + completion. The test: the benchmark's `check(entry_point)`,
+    run in the checker after the prompt (its imports and helpers, which some tests call;
+    the entry point there is the proxy of the program's).
 
     A completion that defines the entry point itself is sanitised and placed after the
     prompt (the prompt keeps its imports and helpers; the new definition wins). A bare
@@ -93,13 +100,39 @@ def humaneval_program(problem: dict, completion: str) -> str:
         body = problem["prompt"] + code
         if not _compiles(body):
             body = problem["prompt"] + "\n" + solution
-    return f"{body}\n\n{problem['test']}\n\ncheck({entry})\n"
+    return Check(program=body, setup=problem["prompt"], test=f"{problem['test']}\n\ncheck({entry})\n", calls=(entry,))
 
 
-def mbpp_program(record: dict, completion: str) -> str:
-    """The model's code (sanitised), then MBPP's setup code, imports and test asserts."""
+def mbpp_program(record: dict, completion: str) -> Check:
+    """The program: MBPP's imports, then the model's code (sanitised). The test: its
+    asserts, after its imports and setup code, in the checker; the functions they call
+    that the test does not define are the program's."""
     code = sanitize(extract_code(completion))
-    setup = record.get("test_setup_code") or ""
-    imports = "\n".join(record.get("test_imports") or [])
-    tests = "\n".join(record["test_list"])
-    return f"{imports}\n{code}\n{setup}\n\n{tests}\n"
+    setup = "\n".join(record.get("test_imports") or []) + "\n" + (record.get("test_setup_code") or "") + "\n"
+    tests = "\n".join(record["test_list"]) + "\n"
+    program = "\n".join(record.get("test_imports") or []) + "\n" + code
+    return Check(program=program, setup=setup, test=tests, calls=called_names(tests, setup))
+
+
+def called_names(test: str, setup: str = "") -> tuple[str, ...]:
+    """The names a test uses that neither it nor its setup defines, nor Python's builtins
+    provide: the functions it expects the program to define."""
+    defined = set(dir(builtins))
+    used: list[str] = []
+    for source in (setup, test):
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+                defined.add(node.id)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                defined.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, ast.arg):
+                defined.add(node.arg)
+            elif isinstance(node, ast.Name) and source is test and node.id not in used:
+                used.append(node.id)
+    return tuple(n for n in used if n not in defined)

@@ -1,27 +1,36 @@
-"""Run untrusted generated programs (HumanEval, MBPP) and tell whether they ran to the end.
+"""Check untrusted generated programs (HumanEval, MBPP, the suite's code family) with a
+verdict the program cannot forge.
 
-Each program gets its own fresh interpreter in its own temporary directory, started by
-`_harness.py`. The walls, strongest first, where the OS allows them:
+A check is two processes. The candidate's program runs in the sandbox (`_harness.py`)
+and only answers calls. The benchmark's test runs in a separate, trusted checker process
+(`_checker.py`): each call of the candidate's function there sends plain-data arguments
+over a pipe and gets plain data back (`wire.py`), and the assertions run on those values.
+The checker's verdict reaches the evaluator on a pipe the candidate does not hold: there
+is no nonce to steal, no exit code to fake, no object whose `__eq__` says yes.
 
-- a private network and PID namespace (`unshare --net --pid --fork --kill-child`): no
-  network at all, and every process the program starts dies with it;
-- a user id of its own (when we are root: `setpriv` to an unused uid per worker slot), so
-  file permissions keep it out of everything it does not own, RLIMIT_NPROC bounds a fork
+The sandbox's walls, strongest first, where the OS allows them:
+
+- private mount, PID and network namespaces (`unshare --mount --pid --net --fork
+  --mount-proc`): a fresh /proc that shows only the program's own processes, fresh empty
+  tmpfs on /tmp, /var/tmp and /dev/shm that vanish with it, every other mount read-only,
+  no network, and every process it starts dies with it;
+- a user id of its own (when we are root: an unused uid per worker slot), so file
+  permissions keep it out of everything it does not own, RLIMIT_NPROC bounds a fork
   bomb, and afterwards every process of that uid is killed;
 - resource limits: address space (memory), CPU seconds, file size, no core dumps;
 - a new session, killed as a process group at the wall-clock timeout;
 - in-process guards (`_harness.py`): no process creation, no writes outside its
   directory, no sockets when there is no network namespace.
 
-Which walls are up is probed once per process (`isolation()`) and written into results.
-Programs run in parallel across cores: a thread pool where each thread waits on its child.
+Which walls are up is probed once per process (`isolation()`), said once when the
+namespaces are missing, and written into results. Checks run in parallel across cores:
+a thread pool where each thread waits on its processes.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -29,32 +38,50 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-_HARNESS = Path(__file__).with_name("_harness.py")
+_HERE = Path(__file__).parent
+_HARNESS, _CHECKER, _WIRE = _HERE / "_harness.py", _HERE / "_checker.py", _HERE / "wire.py"
 _TAIL = 2000  # characters of stdout/stderr kept in a result
 
 
 @dataclass(frozen=True)
 class Limits:
-    """What one program may use."""
+    """What one check may use."""
 
-    timeout: float = 10.0  # wall-clock seconds, start of the interpreter included
-    memory_mb: int = 1024  # address space
+    timeout: float = 10.0  # wall-clock seconds for the whole check, interpreters' start included
+    memory_mb: int = 1024  # address space of the program (the checker gets twice as much)
     max_processes: int = 16  # processes + threads of its uid (RLIMIT_NPROC)
     max_output_mb: int = 16  # largest file it may write, its stdout/stderr included
 
 
+@dataclass(frozen=True)
+class Check:
+    """One program and the trusted test that judges it.
+
+    `program` (the candidate's code, with whatever it needs to define its functions) runs
+    in the sandbox. `test` runs in the checker after `setup` (trusted code too: imports,
+    helpers the test uses); each name in `calls` is there a proxy of the program's
+    function of that name."""
+
+    program: str
+    test: str
+    calls: tuple[str, ...]
+    setup: str = ""
+
+
 @dataclass
 class ExecResult:
-    """How one program ended. `status` is passed, failed or timeout."""
+    """How one check ended. `status` is passed, failed or timeout; `reason` starts with
+    what failed: timeout, memory, exit, signal, load, not plain data, assertion, error."""
 
     status: str
-    returncode: int | None
+    returncode: int | None  # the program's process
     duration: float
     stdout: str = ""
     stderr: str = ""
@@ -72,11 +99,14 @@ class Isolation:
     python: str  # interpreter that runs the programs
     namespaces: bool  # private network + PID namespaces
     own_uid: bool  # each worker slot runs as its own unprivileged uid
+    mounts: bool = False  # a private mount namespace: fresh /proc and tmpfs, the rest read-only
 
     def describe(self) -> str:
-        walls = ["rlimits", "process group", "guards"]
+        walls = ["rlimits", "process group", "guards", "trusted checker"]
         if self.namespaces:
             walls.insert(0, "net+pid namespaces")
+        if self.mounts:
+            walls.insert(0, "private mounts (fresh /proc, tmpfs, read-only rest)")
         if self.own_uid:
             walls.insert(0, "own uid")
         return ", ".join(walls)
@@ -102,96 +132,148 @@ class _UidPool:
 
 
 _uids = _UidPool()
+_ENV = {
+    "PATH": "/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    # one thread per numeric library: thread pools would hit RLIMIT_NPROC
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
 
 
-def _prefix(iso: Isolation, uid: int | None) -> list[str]:
-    argv: list[str] = []
-    if iso.namespaces:
-        argv += ["unshare", "--net", "--pid", "--fork", "--kill-child"]
-        if os.geteuid() != 0:
-            argv.append("--map-root-user")
-        argv.append("--")
+def _prefix(iso: Isolation) -> list[str]:
+    """The namespaces to start the program in (the harness drops to its uid itself,
+    after building its mounts)."""
+    if not iso.namespaces:
+        return []
+    argv = ["unshare", "--net", "--pid", "--fork", "--kill-child"]
+    if iso.mounts:
+        argv += ["--mount", "--mount-proc"]
+    if os.geteuid() != 0:
+        argv.append("--map-root-user")
+    return argv + ["--"]
+
+
+def _folder(files: dict[str, str | Path], uid: int | None) -> Path:
+    """A fresh 0700 folder with the given files (name -> text or a file to copy)."""
+    folder = Path(tempfile.mkdtemp(prefix="refusion-sandbox-"))
+    for name, content in files.items():
+        if isinstance(content, Path):
+            shutil.copyfile(content, folder / name)
+        else:
+            (folder / name).write_text(content, encoding="utf-8")
     if uid is not None:
-        argv += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
-    return argv
+        os.chown(folder, uid, uid)
+    os.chmod(folder, 0o700)
+    return folder
 
 
-def _execute(source: str, limits: Limits, iso: Isolation) -> ExecResult:
+def _execute(check: Check, limits: Limits, iso: Isolation) -> ExecResult:
     uid = _uids.acquire() if iso.own_uid else None
-    workdir = tempfile.mkdtemp(prefix="refusion-sandbox-")
+    program = _folder({"program.py": check.program, "harness.py": _HARNESS, "wire.py": _WIRE}, uid)
+    job = {"setup": check.setup, "test": check.test, "calls": list(check.calls)}
+    checker = _folder({"job.json": json.dumps(job), "checker.py": _CHECKER, "wire.py": _WIRE}, None)
     try:
-        return _execute_in(workdir, source, limits, iso, uid)
+        return _execute_in(program, checker, limits, iso, uid)
     finally:
         if uid is not None:
             _kill_uid(uid)
             _uids.release(uid)
-        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(program, ignore_errors=True)
+        shutil.rmtree(checker, ignore_errors=True)
 
 
-def _execute_in(workdir: str, source: str, limits: Limits, iso: Isolation, uid: int | None) -> ExecResult:
-    work = Path(workdir)
-    (work / "program.py").write_text(source, encoding="utf-8")
-    shutil.copyfile(_HARNESS, work / "harness.py")
-    if uid is not None:
-        os.chown(workdir, uid, uid)
-    os.chmod(workdir, 0o700)
-    nonce = secrets.token_hex(16)
+def _start_program(folder: Path, fds: tuple[int, int], limits: Limits, iso: Isolation, uid: int | None,
+                   out, err) -> subprocess.Popen:
     settings = {
         "memory_bytes": limits.memory_mb << 20,
         "cpu_seconds": int(limits.timeout) + 1,
         "file_bytes": limits.max_output_mb << 20,
         "max_processes": limits.max_processes,
-        "own_uid": uid is not None,
+        "uid": uid or 0,
+        "mounts": iso.mounts,
         "block_network": not iso.namespaces,
         "site_packages": _site_packages(),
+        "calls_fd": fds[0],
+        "replies_fd": fds[1],
     }
-    read_end, write_end = os.pipe()
-    env = {
-        "PATH": "/usr/bin:/bin",
-        "HOME": workdir,
-        "TMPDIR": workdir,
-        "LANG": "C.UTF-8",
-        # one thread per numeric library: thread pools would hit RLIMIT_NPROC
-        "OMP_NUM_THREADS": "1",
-        "OPENBLAS_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "REFUSION_SANDBOX_NONCE": nonce,
-        "REFUSION_SANDBOX_FD": str(write_end),
-        "REFUSION_SANDBOX_SETTINGS": json.dumps(settings),
-    }
-    argv = _prefix(iso, uid) + [iso.python, "-I", "-S", "-B", "harness.py"]
+    env = _ENV | {"HOME": str(folder), "TMPDIR": str(folder), "REFUSION_SANDBOX_SETTINGS": json.dumps(settings)}
+    argv = _prefix(iso) + [iso.python, "-I", "-S", "-B", str(folder / "harness.py")]
+    return subprocess.Popen(argv, cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                            pass_fds=fds, start_new_session=True)
+
+
+def _start_checker(folder: Path, fds: tuple[int, int, int], limits: Limits, iso: Isolation) -> subprocess.Popen:
+    settings = {"memory_bytes": 2 * (limits.memory_mb << 20), "site_packages": _site_packages(),
+                "calls_fd": fds[0], "replies_fd": fds[1], "verdict_fd": fds[2]}
+    env = _ENV | {"HOME": str(folder), "TMPDIR": str(folder), "REFUSION_CHECKER_SETTINGS": json.dumps(settings)}
+    return subprocess.Popen([iso.python, "-I", "-S", "-B", str(folder / "checker.py")], cwd=folder, env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            pass_fds=fds, start_new_session=True)
+
+
+def _execute_in(folder: Path, checker_folder: Path, limits: Limits, iso: Isolation, uid: int | None) -> ExecResult:
+    calls_r, calls_w = os.pipe()  # checker -> program
+    replies_r, replies_w = os.pipe()  # program -> checker
+    verdict_r, verdict_w = os.pipe()  # checker -> us
     start = time.perf_counter()
     timed_out = False
-    with open(work / "stdout", "wb") as out, open(work / "stderr", "wb") as err:
+    with open(folder / "stdout", "wb") as out, open(folder / "stderr", "wb") as err:
         try:
-            proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=err, pass_fds=(write_end,), start_new_session=True)
+            program = _start_program(folder, (calls_r, replies_w), limits, iso, uid, out, err)
         finally:
-            os.close(write_end)
+            os.close(calls_r)
+            os.close(replies_w)
         try:
-            proc.wait(timeout=limits.timeout)
+            checker = _start_checker(checker_folder, (calls_w, replies_r, verdict_w), limits, iso)
+        finally:
+            for fd in (calls_w, replies_r, verdict_w):
+                os.close(fd)
+        try:
+            checker.wait(timeout=limits.timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
-            _kill_group(proc.pid)
-            proc.wait()
+            _kill_group(checker.pid)
+            checker.wait()
+            try:  # a program that ended by itself has its status; one still serving is done
+                program.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                pass
+            ended_by_itself = program.returncode
+            _kill_group(program.pid)
+            program.wait()
     duration = time.perf_counter() - start
-    os.set_blocking(read_end, False)
-    try:
-        marker = os.read(read_end, 64)
-    except BlockingIOError:
-        marker = b""
-    finally:
-        os.close(read_end)
-    stdout, stderr = _tail(work / "stdout"), _tail(work / "stderr")
-    rc = proc.returncode
+    verdict = _read_verdict(verdict_r)
+    stdout, stderr = _tail(folder / "stdout"), _tail(folder / "stderr")
     if timed_out:
-        status, reason = "timeout", f"still running after {limits.timeout:g}s"
-    elif marker == nonce.encode() and rc == 0:
-        status, reason = "passed", ""
-    else:
-        status, reason = "failed", _failure_reason(rc, stderr)
-    return ExecResult(status, rc, duration, stdout, stderr, reason)
+        return ExecResult("timeout", ended_by_itself, duration, stdout, stderr, f"timeout: still running after {limits.timeout:g}s")
+    if verdict is None:
+        checker_err = (checker.stderr.read() or b"").decode("utf-8", "replace") if checker.stderr else ""
+        return ExecResult("failed", ended_by_itself, duration, stdout, stderr,
+                          f"error: the checker gave no verdict ({_last_line(checker_err) or f'exit {checker.returncode}'})")
+    if verdict["passed"]:
+        return ExecResult("passed", ended_by_itself, duration, stdout, stderr, "")
+    reason = verdict["reason"]
+    if reason.startswith("exit"):
+        reason = _how_it_ended(ended_by_itself, stderr) or reason
+    return ExecResult("failed", ended_by_itself, duration, stdout, stderr, reason)
+
+
+def _read_verdict(fd: int) -> dict | None:
+    try:
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(1 << 16)
+        verdict = json.loads(data)
+        return verdict if isinstance(verdict, dict) and isinstance(verdict.get("passed"), bool) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][-300:] if lines else ""
 
 
 @lru_cache(maxsize=1)
@@ -203,18 +285,23 @@ def _site_packages() -> list[str]:
     return [p for p in site.getsitepackages() if os.path.isdir(p)]
 
 
-def _failure_reason(rc: int | None, stderr: str) -> str:
-    if rc is not None and rc < 0:
+def _how_it_ended(rc: int | None, stderr: str) -> str | None:
+    """Why the program's process ended before the test finished, from its status."""
+    if rc is None:
+        return None
+    if rc < 0 or rc > 128:  # a signal, or unshare's shell-style status for a signalled child
+        num = -rc if rc < 0 else rc - 128
         try:
-            return f"killed by {signal.Signals(-rc).name}"
+            name = signal.Signals(num).name
         except ValueError:
-            return f"killed by signal {-rc}"
-    if rc is not None and rc > 128:  # a shell-style status from unshare for a signalled child
-        return f"killed by signal {rc - 128}"
-    lines = [line for line in stderr.strip().splitlines() if line.strip()]
-    if lines:
-        return lines[-1][-300:]
-    return "exited before the program finished" if rc == 0 else f"exit code {rc}"
+            name = f"signal {num}"
+        if name == "SIGXCPU":
+            return "timeout: the program used up its CPU seconds (SIGXCPU)"
+        return f"signal: the program was killed by {name}"
+    if "MemoryError" in stderr:
+        return "memory: the program ran out of memory (MemoryError)"
+    last = _last_line(stderr)
+    return f"exit: the program exited with code {rc} before the test finished" + (f" ({last})" if last else "")
 
 
 def _tail(path: Path) -> str:
@@ -261,7 +348,8 @@ def _is_zombie(pid: str) -> bool:
 
 
 # ---------------------------------------------------------------------------- probing
-_PROBE = "import fractions, json, collections\nassert sum(range(4)) == 6\n"
+_PROBE = Check(program="import fractions, json, collections\ndef f(n):\n    return sum(range(n))\n",
+               test="assert f(4) == 6\n", calls=("f",))
 
 
 def _candidates() -> list[str]:
@@ -276,54 +364,60 @@ def _candidates() -> list[str]:
 
 @lru_cache(maxsize=1)
 def isolation() -> Isolation:
-    """Probe once which walls work here, strongest first; the weakest always works."""
+    """Probe once which walls work here, strongest first; the weakest always works. Where
+    the private namespaces are missing (a container that forbids them), say so once."""
     if os.name != "posix":
         from .errors import SandboxError
 
         raise SandboxError("the code sandbox needs a POSIX system (Linux or macOS)")
-    root = os.geteuid() == 0
     have_unshare = sys.platform.startswith("linux") and shutil.which("unshare") is not None
-    have_setpriv = root and shutil.which("setpriv") is not None
+    root = os.geteuid() == 0
     options = []
     for python in _candidates():
-        for ns in ([True, False] if have_unshare else [False]):
-            for own_uid in ([True, False] if have_setpriv else [False]):
-                options.append(Isolation(python, ns, own_uid))
+        for ns, mounts in ([(True, True), (True, False), (False, False)] if have_unshare else [(False, False)]):
+            for own_uid in ([True, False] if root else [False]):
+                options.append(Isolation(python, ns, own_uid, mounts))
     # prefer the strongest walls, then our own interpreter
-    options.sort(key=lambda o: (not o.own_uid, not o.namespaces))
+    options.sort(key=lambda o: (not o.mounts, not o.own_uid, not o.namespaces))
+    chosen = Isolation(sys.executable, False, False)
     for option in options:
         try:
             if _execute(_PROBE, Limits(timeout=20), option).passed:
-                return option
+                chosen = option
+                break
         except OSError:  # a tool or interpreter that cannot start here
             continue
-    return Isolation(sys.executable, False, False)
+    if not chosen.mounts:
+        warnings.warn(f"the code sandbox has no private mount namespace here (unshare --mount is not available "
+                      f"or not allowed): programs share /tmp and /proc with the machine; walls: {chosen.describe()}",
+                      RuntimeWarning, stacklevel=2)
+    return chosen
 
 
 # ---------------------------------------------------------------------------- public API
-def run_program(source: str, limits: Limits = Limits()) -> ExecResult:
-    """Run one program in the sandbox; it passes when it runs to its end without error."""
-    return _execute(source, limits, isolation())
+def run_check(check: Check, limits: Limits = Limits()) -> ExecResult:
+    """Run one check: the program in the sandbox, its test in the trusted checker."""
+    return _execute(check, limits, isolation())
 
 
-def run_programs(
-    sources: Sequence[str],
+def run_checks(
+    checks: Sequence[Check],
     limits: Limits = Limits(),
     workers: int | None = None,
     on_done: Callable[[int, ExecResult], None] | None = None,
 ) -> list[ExecResult]:
-    """Run many programs in parallel (default: one per available core); results in order."""
+    """Run many checks in parallel (default: one per available core); results in order."""
     iso = isolation()
     if workers is None:
         workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    results: list[ExecResult | None] = [None] * len(sources)
+    results: list[ExecResult | None] = [None] * len(checks)
 
     def one(i: int) -> None:
-        results[i] = _execute(sources[i], limits, iso)
+        results[i] = _execute(checks[i], limits, iso)
         if on_done is not None:
             on_done(i, results[i])
 
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        for future in [pool.submit(one, i) for i in range(len(sources))]:
+        for future in [pool.submit(one, i) for i in range(len(checks))]:
             future.result()
     return results  # type: ignore[return-value]

@@ -1,0 +1,154 @@
+"""The trusted side of a check (copied, with `wire.py`, into a folder of its own; it
+never runs inside the evaluator, and the candidate's code never runs in it).
+
+It runs the benchmark's own test code. Each name the test calls in the candidate's
+program is a proxy here: a call sends the arguments to the sandbox over a pipe and gets
+back plain data only (`wire.py`). Assertions, `==`, `abs`, `math.isclose` all run here,
+on those values. The verdict goes to the evaluator on a pipe of its own, which the
+candidate's process does not hold. What makes a check fail, and the reason it carries:
+
+- the candidate did not load (a syntax error, an exception at top level): "load";
+- a call returned something that is not plain data: "not plain data", even when the
+  test would have caught the exception it raises here;
+- its process ended before the test finished: "exit" (the evaluator adds how: signal,
+  memory, exit code);
+- an assertion of the test failed: "assertion", with the test's line;
+- anything else the test raised: "error" (a candidate's own exception among them).
+"""
+
+import builtins
+import json
+import os
+import resource
+import sys
+import traceback
+
+_TEST_FILE = "<test>"
+# exceptions a candidate may raise that the test may expect (`with pytest.raises`-style
+# checks): re-raised here as the same builtin type, with the message as plain text
+_EXCEPTIONS = {n: getattr(builtins, n) for n in dir(builtins)
+               if isinstance(getattr(builtins, n), type) and issubclass(getattr(builtins, n), Exception)}
+
+
+class CandidateGone(BaseException):
+    """The candidate's process closed its end: it exited or was killed."""
+
+
+class CandidateError(Exception):
+    """The candidate raised an exception that is not a builtin one."""
+
+
+class Channel:
+    def __init__(self, wire, calls, replies):
+        self.wire, self.calls, self.replies = wire, calls, replies
+        self.violation = None  # the first protocol violation: fails the check even if swallowed
+
+    def receive(self):
+        line = self.wire.read_line(self.replies)
+        if not line:
+            raise CandidateGone()
+        return self.wire.loads(line)
+
+    def call(self, name, args, kwargs):
+        wire = self.wire
+        try:
+            self.calls.write(wire.dumps({"call": name, "args": wire.to_json(tuple(args)), "kwargs": wire.to_json(dict(kwargs))}))
+            self.calls.flush()
+        except BrokenPipeError:
+            raise CandidateGone() from None
+        reply = self.receive()
+        if "ok" in reply:
+            return wire.from_json(reply["ok"])
+        if "raise" in reply:
+            kind, message = (list(reply["raise"]) + ["", ""])[:2]
+            raise _EXCEPTIONS.get(str(kind), CandidateError)(f"{kind}: {message}"[:1000])
+        if "notplain" in reply:
+            raise wire.NotPlainData(f"{name} returned {str(reply['notplain'])[:200]}")
+        raise wire.NotPlainData(f"a malformed reply to a call of {name}")
+
+
+def _proxy(channel, name):
+    def candidate(*args, **kwargs):
+        try:
+            return channel.call(name, args, kwargs)
+        except (channel.wire.NotPlainData, CandidateGone) as e:
+            channel.violation = channel.violation or e
+            raise
+
+    candidate.__name__ = candidate.__qualname__ = name
+    return candidate
+
+
+def _assert_line(test_lines, tb):
+    """The line of the test where an assertion failed."""
+    for frame in reversed(traceback.extract_tb(tb)):
+        if frame.filename == _TEST_FILE and 0 < frame.lineno <= len(test_lines):
+            return f"line {frame.lineno}: {test_lines[frame.lineno - 1].strip()[:200]}"
+    return "the test's assertion"
+
+
+def verdict(job, channel):
+    """(passed, reason) of running the job's test against the candidate."""
+    wire = channel.wire
+    try:
+        first = channel.receive()
+    except CandidateGone:
+        return False, "exit: the program ended before it loaded"
+    except wire.NotPlainData as e:
+        return False, f"not plain data: {e}"
+    if "load_error" in first:
+        return False, f"load: {str(first['load_error'])[:300]}"
+    if first.get("ready") is not True:
+        return False, "not plain data: a malformed first message"
+    namespace = {"__name__": "__main__"}
+    try:
+        exec(compile(job["setup"], "<setup>", "exec"), namespace)
+    except Exception as e:
+        return False, f"error: the test's own setup failed ({type(e).__name__}: {e})"
+    for name in job["calls"]:
+        namespace[name] = _proxy(channel, name)
+    test_lines = job["test"].splitlines()
+    try:
+        exec(compile(job["test"], _TEST_FILE, "exec"), namespace)
+    except CandidateGone:
+        return False, "exit: the program ended before the test finished"
+    except wire.NotPlainData as e:
+        return False, f"not plain data: {e}"
+    except AssertionError:
+        return False, f"assertion: {_assert_line(test_lines, sys.exc_info()[2])}"
+    except RecursionError:
+        return False, "error: RecursionError"
+    except Exception as e:
+        return False, f"error: {type(e).__name__}: {str(e)[:300]}"
+    if channel.violation is not None:  # raised inside the test and caught there
+        kind = "exit" if isinstance(channel.violation, CandidateGone) else "not plain data"
+        return False, f"{kind}: {channel.violation or 'the program ended'} (caught by the test)"
+    return True, ""
+
+
+def _main():
+    settings = json.loads(os.environ.pop("REFUSION_CHECKER_SETTINGS"))
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    import wire  # noqa: E402 - the plain-data codec copied beside this file
+
+    sys.path.remove(here)
+    sys.path.extend(settings["site_packages"])
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    memory = settings["memory_bytes"]
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    with open(os.path.join(here, "job.json"), encoding="utf-8") as f:
+        job = json.load(f)
+    out = os.fdopen(settings["verdict_fd"], "w")
+    channel = Channel(wire, os.fdopen(settings["calls_fd"], "wb"), os.fdopen(settings["replies_fd"], "rb"))
+    try:
+        passed, reason = verdict(job, channel)
+    except MemoryError:
+        passed, reason = False, "memory: the checker ran out of memory on the program's values"
+    out.write(json.dumps({"passed": passed, "reason": reason}))
+    out.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    _main()
