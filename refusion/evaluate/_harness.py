@@ -232,6 +232,16 @@ def _serve(wire, namespace, calls, replies):
         replies.flush()
 
 
+def _exit(code):
+    """Flush what the program printed (kept for the record), then end at once."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
 def _main():
     settings = json.loads(os.environ.pop("REFUSION_SANDBOX_SETTINGS"))
     here = os.path.dirname(os.path.abspath(__file__))
@@ -253,13 +263,13 @@ def _main():
             _drop_privileges(uid)
     except OSError as e:
         print(f"sandbox: cannot set up the isolation: {e}", file=sys.stderr)
-        os._exit(97)
+        _exit(97)
     try:
         code = compile(source, "program.py", "exec")
     except BaseException as e:
         replies.write(wire.dumps({"load_error": f"{type(e).__name__}: {e}"}))
         replies.flush()
-        os._exit(2)
+        _exit(2)
     sys.path.extend(settings["site_packages"])
     _set_limits(settings)
     _install_guards(root, settings["block_network"])
@@ -271,11 +281,11 @@ def _main():
         traceback.print_exc()
         replies.write(wire.dumps({"load_error": f"{type(e).__name__}: {str(e)[:500]}"}))
         replies.flush()
-        os._exit(1)
+        _exit(1)
     replies.write(wire.dumps({"ready": True}))
     replies.flush()
     _serve(wire, namespace, calls, replies)
-    os._exit(0)
+    _exit(0)
 
 
 if __name__ == "__main__":
