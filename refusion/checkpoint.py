@@ -4,8 +4,9 @@
 bundled with the package) and returns our `Transformer` plus the tokenizer. Weights are
 read with `safetensors` straight into the model, after every name and shape has been
 checked against the config from the file headers alone, so a bad checkpoint fails with
-the name of the first bad tensor before any weight is read. `save_pretrained` writes a
-directory that `transformers.AutoModelForCausalLM` loads too (SPEC §1), atomically.
+the name of the first bad tensor before any weight is read; `describe` (what `refusion
+info` prints) makes the same checks. `save_pretrained` writes a directory that
+`transformers.AutoModelForCausalLM` loads too (SPEC §1), atomically.
 
 `transformers` is imported inside the functions that need it (tokenizers, GGUF), so that
 `import refusion` stays cheap.
@@ -14,9 +15,13 @@ directory that `transformers.AutoModelForCausalLM` loads too (SPEC §1), atomica
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import secrets
 import shutil
+import socket
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -41,6 +46,7 @@ _HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
 _IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 
 PathLike = str | os.PathLike
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------- load
@@ -66,8 +72,7 @@ def load(
         return _load_gguf(source, dev, wanted)
     config, tokenizer = _read_metadata(source)
     model = _empty_model(config)
-    headers = _read_headers(_weight_files(source))
-    _check_tensors(model, headers, where=str(source))
+    headers = _checked_headers(source, model)
     state = _read_tensors(headers, set(_expected_shapes(model)), dev, wanted or _config_dtype(config, dev))
     model = _fill(model, state, dev)
     model.recommended = Recommended.read(source)  # decode settings that travel with the weights
@@ -88,20 +93,27 @@ def load_metadata(path: PathLike | None = None) -> tuple[ModelConfig, Any]:
         raise CheckpointError(f"cannot read the GGUF file {source}: {e}") from None
     config = ModelConfig.from_hf_dict(_plain_hf_dict(hf_config))
     tokenizer = _gguf_tokenizer(source)
-    _resolve_mask_id(config, tokenizer)
+    _settle_vocabulary(config, tokenizer, where=str(source))
     return config, tokenizer
 
 
 def describe(path: PathLike | None = None) -> dict[str, Any]:
-    """What `refusion info` reports. Reads no weights: the parameter count comes from
-    the shapes the config implies (a model built on the meta device)."""
+    """What `refusion info` reports. Reads no weights, but checks them as `load` does
+    before reading any: every safetensors header, each file's size against the data its
+    header declares, and every tensor's name and shape against the config. So `info`
+    fails on the checkpoints `load` refuses, instead of describing a model that cannot
+    be loaded. The parameter count comes from the shapes the config implies (a model
+    built on the meta device), which the check has just matched with the headers'."""
     source = _resolve(path)
     config, tokenizer = load_metadata(source)
+    model = _empty_model(config)
+    if source.suffix != ".gguf":  # transformers has parsed the GGUF file to read its config
+        _checked_headers(source, model)
     return {
         "path": str(BUNDLED_DIR if path is None else path),
         "architecture": config.to_hf_dict()["architectures"][0],
         "model_type": config.model_type,
-        "parameters": _empty_model(config).num_parameters(),
+        "parameters": model.num_parameters(),
         "vocab_size": config.vocab_size,
         "tokenizer_size": None if tokenizer is None else len(tokenizer),
         "context_length": config.max_position_embeddings,
@@ -199,7 +211,7 @@ def _download(repo_id: str) -> Path:
 def _read_metadata(directory: Path) -> tuple[ModelConfig, Any]:
     config = ModelConfig.from_json(directory / "config.json")
     tokenizer = _load_tokenizer(directory)
-    _resolve_mask_id(config, tokenizer)
+    _settle_vocabulary(config, tokenizer, where=str(directory))
     return config, tokenizer
 
 
@@ -212,6 +224,24 @@ def _load_tokenizer(directory: Path) -> Any:
         return AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError, KeyError) as e:
         raise CheckpointError(f"cannot load the tokenizer in {directory}: {e}") from None
+
+
+def _settle_vocabulary(config: ModelConfig, tokenizer: Any, where: str) -> None:
+    """Check that the tokenizer fits the embedding, then resolve the MASK id."""
+    _check_tokenizer_fits(config, tokenizer, where)
+    _resolve_mask_id(config, tokenizer)
+
+
+def _check_tokenizer_fits(config: ModelConfig, tokenizer: Any, where: str) -> None:
+    """A tokenizer with more tokens than the embedding has rows makes ids that index past
+    it (an IndexError, or a device-side assert on CUDA, at the first such token). Fewer
+    tokens than rows is normal: many vocabularies are padded to a round size."""
+    if tokenizer is not None and len(tokenizer) > config.vocab_size:
+        raise CheckpointError(
+            f"the tokenizer in {where} has {len(tokenizer)} tokens, more than the config's "
+            f"vocab_size={config.vocab_size}: its ids past {config.vocab_size - 1} would index past the embedding; "
+            "use the tokenizer the weights were made with"
+        )
 
 
 def _resolve_mask_id(config: ModelConfig, tokenizer: Any) -> None:
@@ -255,10 +285,19 @@ def _weight_files(directory: Path) -> list[Path]:
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {directory}{hint}")
 
 
+def _checked_headers(directory: Path, model: Transformer) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """The headers of the directory's weight files, checked against the model its config
+    describes: what `load` and `describe` both do before (or instead of) reading weights."""
+    headers = _read_headers(_weight_files(directory))
+    _check_tensors(model, headers, where=str(directory))
+    return headers
+
+
 def _read_headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
     """name -> (file, shape) for every tensor, from the safetensors headers only."""
     headers: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for f in files:
+        _check_not_truncated(f)
         try:
             with safe_open(f, framework="pt") as st:
                 for name in st.keys():
@@ -266,6 +305,29 @@ def _read_headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from None
     return headers
+
+
+def _check_not_truncated(file: Path) -> None:
+    """Fail on a safetensors file shorter than the data its header declares: a download or
+    copy cut short, whose header still reads but whose tensors are not all there. Reads
+    the 8-byte header length and the JSON header, nothing more. A file whose header does
+    not parse is left to `safe_open`, whose error says what is wrong with it."""
+    try:
+        with file.open("rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            header_len = int.from_bytes(fh.read(8), "little")
+            if header_len > size:
+                return
+            header = json.loads(fh.read(header_len))
+        data_end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        needed = 8 + header_len + int(data_end)
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return
+    if size < needed:
+        raise CheckpointError(
+            f"{file} is truncated: it holds {size:,} bytes, but its header declares {needed:,}; "
+            "download or copy it again"
+        )
 
 
 def _check_tensors(model: Transformer, found: dict[str, tuple[Any, tuple[int, ...]]], where: str) -> None:
@@ -328,7 +390,7 @@ def _load_gguf(file: Path, device: torch.device, wanted: torch.dtype | None) -> 
         raise CheckpointError(f"cannot import the GGUF file {file}: {e}") from None
     config = ModelConfig.from_hf_dict(_plain_hf_dict(hf_model.config))
     tokenizer = _gguf_tokenizer(file)
-    _resolve_mask_id(config, tokenizer)
+    _settle_vocabulary(config, tokenizer, where=str(file))
     model = _empty_model(config)
     hf_state = hf_model.state_dict()
     _check_tensors(model, {k: (None, tuple(v.shape)) for k, v in hf_state.items()}, where=str(file))
@@ -358,25 +420,132 @@ def _plain_hf_dict(hf_config: Any) -> dict[str, Any]:
 def save_pretrained(model: Transformer, tokenizer: Any, out_dir: PathLike, overwrite: bool = False) -> Path:
     """Write config.json, model.safetensors and the tokenizer files (if any) to out_dir.
 
-    Written into a temporary directory next to out_dir, then renamed into place, so a
-    failure never leaves a half-written checkpoint. A non-empty out_dir is replaced only
-    with overwrite=True. The result loads in `transformers.AutoModelForCausalLM` too.
+    Written into a staging directory next to out_dir, then renamed into place, so a
+    failure never leaves a half-written checkpoint; staging directories of out_dir that a
+    killed save left behind are removed first (see `_remove_stale_staging`). A non-empty
+    out_dir is replaced only with overwrite=True. The directory and its files get the
+    modes any new directory and file would (0777 and 0666 less the umask), as
+    `transformers` gives them. The result loads in `transformers.AutoModelForCausalLM` too.
     """
     out = Path(out_dir)
     check_output_dir(out, overwrite)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+        _remove_stale_staging(out)
+        staging = _make_staging(out)
     except OSError as e:
         raise CheckpointError(f"cannot write {out}: {e}") from None
     try:
         _write_checkpoint(model, tokenizer, staging)
+        _follow_umask(staging)
         _move_into_place(staging, out)
     except (OSError, SafetensorError) as e:
         raise CheckpointError(f"cannot write {out}: {e}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def _staging_prefix(out: Path) -> str:
+    return f".{out.name}.partial-"
+
+
+def _writer_tag() -> str:
+    """This host and process, as staging names carry them. The host keeps a cleaner on one
+    machine from judging, by its own process table, a writer on another that shares the
+    filesystem."""
+    return f"{re.sub(r'[^A-Za-z0-9.-]', '_', socket.gethostname())}-{os.getpid()}"
+
+
+def _make_staging(out: Path) -> Path:
+    """A new, empty `.{name}.partial-{host}-{pid}-{random}` directory next to out.
+
+    Made with os.mkdir(mode=0o777), so it gets the umask's mode as any new directory does
+    (tempfile.mkdtemp's would be 0700, and the rename would carry that to out)."""
+    while True:
+        staging = out.parent / f"{_staging_prefix(out)}{_writer_tag()}-{secrets.token_hex(4)}"
+        try:
+            staging.mkdir(mode=0o777)
+            return staging
+        except FileExistsError:
+            continue
+
+
+def _remove_stale_staging(out: Path) -> None:
+    """Remove the staging directories of `out` whose writer is dead, and log in one line
+    how much that freed.
+
+    A save killed mid-write (SIGKILL, out of memory, power) cannot clean up after itself,
+    and leaves a staging directory as large as the checkpoint. Its name carries its
+    writer's host and pid, so the next save of the same target can tell a dead writer's
+    directory from a live one's: a directory is removed only when its host is this one
+    and no process has its pid. A live writer's, another host's (its pids mean nothing
+    here), another target's, and any other name are left alone. The pid test was chosen
+    over a lock file (flock) because it needs no file inside the directory that would
+    have to be left out of the checkpoint, and keeps working where locks do not (some
+    network filesystems). A pid reused since the writer died only makes a leftover stay
+    for one more save; on systems without a safe pid probe nothing is removed.
+    """
+    prefix = _staging_prefix(out)
+    pattern = re.compile(rf"{re.escape(prefix)}(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{{8}}")
+    host = _writer_tag().rsplit("-", 1)[0]
+    removed, freed = 0, 0
+    for entry in out.parent.iterdir():
+        match = pattern.fullmatch(entry.name)
+        if not match or match["host"] != host or entry.is_symlink() or not entry.is_dir():
+            continue
+        if _pid_alive(int(match["pid"])):
+            continue
+        size = _tree_size(entry)
+        shutil.rmtree(entry, ignore_errors=True)
+        if not entry.exists():
+            removed, freed = removed + 1, freed + size
+    if removed:
+        folders = "folder" if removed == 1 else "folders"
+        log.warning(
+            f"removed {removed} staging {folders} of {out} left by an interrupted save ({freed / 1e6:,.1f} MB)"
+        )
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (any user's). True where it cannot be told
+    safely: on Windows os.kill(pid, 0) would send CTRL_C_EVENT rather than probe."""
+    if os.name != "posix":
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def _tree_size(directory: Path) -> int:
+    """Bytes in the files under directory (links not followed)."""
+    total = 0
+    for root, _dirs, files in os.walk(directory):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _follow_umask(staging: Path) -> None:
+    """Give every file and directory under staging 0666 / 0777 less the umask, whatever
+    the writer chose (safetensors writes its file 0600). The umask is read off staging
+    itself, made with mode 0777: asking os.umask would mean setting it, which races with
+    other threads creating files."""
+    umask = ~stat.S_IMODE(staging.stat().st_mode) & 0o777
+    for root, dirs, files in os.walk(staging):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~umask)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~umask)
 
 
 def check_output_dir(out: Path, overwrite: bool) -> None:

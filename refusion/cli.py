@@ -3,13 +3,17 @@
 Each verb lives in `refusion/commands/<verb>.py` with `add_arguments(parser)` and
 `run(args) -> int`. Only the verb being run has its flags built, and no module imports
 torch before its `run`, so `refusion --help` and `refusion VERB --help` answer at once.
-Library errors (`ReFusionError`) become one line on stderr and exit code 2.
+Library errors (`ReFusionError`) become one line on stderr and exit code 2. A reader
+that closes the pipe early (`refusion info | head -c 1`) ends the command quietly with
+exit code 141, as a Unix tool killed by SIGPIPE reports it.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import select
 import sys
 import warnings
 
@@ -59,7 +63,57 @@ def _one_line_warnings(verb: str) -> None:
     warnings.showwarning = show
 
 
+# what a shell reports for a process that SIGPIPE ended (128 + 13)
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the verb `argv` names and return its exit code.
+
+    A closed stdout (the reader of a pipe has gone) is no error of ours: as the signal
+    module's notes on SIGPIPE recommend, stdout is pointed at /dev/null, so that Python's
+    own flush at exit does not fail again, and the exit code is 141, which is what `cat`
+    or `grep` killed by SIGPIPE give, so `set -o pipefail` sees the same from all of
+    them. Python ignores SIGPIPE, and restoring its default instead would also kill the
+    process on a closed socket (`serve`)."""
+    try:
+        try:
+            return _dispatch(argv)
+        finally:
+            if sys.stdout is not None:
+                sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe or socket whose reader has gone, so that a BrokenPipeError
+    from anything else (a child process's stdin, say) is not taken for it. Where poll
+    cannot tell (no poll, as on Windows), the error is taken to be stdout's."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False  # not a file descriptor: no pipe to break
+    if not hasattr(select, "poll"):
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def _silence_stdout() -> None:
+    """Send what is left in stdout's buffer, and anything printed later, to /dev/null."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+
+
+def _dispatch(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)

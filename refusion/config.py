@@ -81,9 +81,9 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedArchitectureError(
                 f"unsupported architecture model_type={model_type!r} "
-                f"(architectures={d.get('architectures')}); supported: "
-                + ", ".join(f"{t} ({_ARCHITECTURE_NAMES[t]})" for t in SUPPORTED_MODEL_TYPES)
+                f"(architectures={d.get('architectures')}); supported: {_supported()}"
             )
+        _check_architectures(d.get("architectures"), model_type)
         if d.get("hidden_act", "silu") != "silu":
             raise UnsupportedArchitectureError(f"hidden_act={d['hidden_act']!r}: only 'silu' is supported")
         try:
@@ -153,6 +153,27 @@ class ModelConfig:
         params = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
         d["rope_parameters"] = params
         return d
+
+
+def _supported() -> str:
+    return ", ".join(f"{t} ({_ARCHITECTURE_NAMES[t]})" for t in SUPPORTED_MODEL_TYPES)
+
+
+def _check_architectures(architectures: Any, model_type: str) -> None:
+    """`architectures` names the class `transformers` builds for the weights, and so says
+    what they are: a class we do not implement (a classification head, another family)
+    or one that disagrees with model_type means the weights are not the model that
+    model_type alone would have us build. A config without the key (or with an empty
+    list) makes no such claim, and model_type decides."""
+    if not architectures:
+        return
+    names = [architectures] if isinstance(architectures, str) else architectures
+    expected = _ARCHITECTURE_NAMES[model_type]
+    if not isinstance(names, list) or any(name != expected for name in names):
+        raise UnsupportedArchitectureError(
+            f"config.json's architectures={architectures!r} does not agree with its model_type={model_type!r} "
+            f"(which is {expected}); supported: {_supported()}; fix config.json or use a supported checkpoint"
+        )
 
 
 def _read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

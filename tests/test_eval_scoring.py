@@ -170,10 +170,20 @@ def test_humaneval_program_from_body_and_from_full_function():
                "entry_point": "add"}
     body = programs.humaneval_program(problem, "    return a + b\n")
     full = programs.humaneval_program(problem, "Sure!\n```python\ndef add(a, b):\n    return a + b\n\nprint(add(1, 2))\n```")
-    for src in (body, full):
+    for check in (body, full):
         ns: dict = {}
-        exec(compile(src, "p", "exec"), ns)
-    assert "print(add" not in full
+        exec(compile(check.program, "p", "exec"), ns)  # the program defines the entry point
+        assert ns["add"](2, 3) == 5
+        assert check.calls == ("add",) and check.test.endswith("check(add)\n") and check.setup == problem["prompt"]
+    assert "print(add" not in full.program
+
+
+def test_mbpp_check_proxies_the_functions_its_asserts_call():
+    record = {"test_list": ["assert remove_Occ('hello', 'l') == 'heo'", "assert math.isclose(area(2), 12.56, rel_tol=0.01)"],
+              "test_imports": ["import math"], "test_setup_code": "def helper():\n    return 1\n"}
+    check = programs.mbpp_program(record, "def remove_Occ(s, c):\n    return s\ndef area(r):\n    return 3.14 * r * r\n")
+    assert check.calls == ("remove_Occ", "area")  # not math, not helper, not builtins
+    assert "import math" in check.program and "def helper" in check.setup and "def helper" not in check.program
 
 
 # ------------------------------------------------------------------------------ stats

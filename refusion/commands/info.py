@@ -1,4 +1,8 @@
-"""`refusion info [MODEL]`: what a checkpoint is, read from its config and tokenizer alone."""
+"""`refusion info [MODEL]`: what a checkpoint is, read from its config and tokenizer.
+
+No weight is read, but the weight files' headers are checked as `refusion.load` checks
+them (sizes, tensor names and shapes against the config), so a checkpoint that would not
+load is an error here too, not a description."""
 
 from __future__ import annotations
 
