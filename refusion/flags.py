@@ -29,7 +29,9 @@ def _add_field_flags(group: argparse._ArgumentGroup, cls: type, skip: tuple[str,
             continue
         meta, kind, flag = f.metadata, field_kind(f), "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
-        help_text = f"{meta['help']} (default: {default})"
+        # decoding settings not given come from the checkpoint's decode_config.json first
+        source = "the checkpoint's, else " if cls is DecodeConfig else ""
+        help_text = meta["help"] if "default" in meta["help"] else f"{meta['help']} (default: {source}{default})"
         if kind == "bool":
             group.add_argument(flag, action="store_true", default=None, help=meta["help"])
         elif kind == "tuple":
@@ -43,7 +45,9 @@ def add_decode_arguments(parser: argparse.ArgumentParser, default_method: str = 
     """Every `DecodeConfig` flag and a --preset (and, with `engine`, every `EngineConfig`
     flag: --max-batch-size, --memory-budget-gb, --compile)."""
     g = parser.add_argument_group("decoding (per request)")
-    g.add_argument("--preset", choices=PRESETS, default=None, help="the authors' settings for a benchmark")
+    g.add_argument("--preset", choices=PRESETS, default=None,
+                   help="the authors' settings for a benchmark (slot layout, thresholds, gen_length 512), on top of the "
+                        "checkpoint's; `eval` uses the task's own unless told")
     _add_field_flags(g, DecodeConfig)
     if engine:
         _add_field_flags(parser.add_argument_group("engine (resources)"), EngineConfig)

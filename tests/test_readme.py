@@ -30,6 +30,7 @@ def test_the_python_blocks_run_as_written_and_answer_their_prompts():
     out = run.stdout
     assert "Answer: 25, 55, 75, 93" in out  # the first prompt, answered with the checkpoint's settings
     assert "def run(n):" in out  # the streamed code prompt
+    assert re.search(r"^req-1 \S", out, flags=re.M)  # the engine's AR request says something
 
 
 def _commands() -> list[list[str]]:

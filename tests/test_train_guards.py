@@ -187,3 +187,17 @@ def test_cli_errors_name_flags_where_the_api_names_arguments(workdir, tokenizer_
     code = cli_train(workdir, tokenizer_dir, tmp_path / "o", "--grad-accum", "0")
     assert code == 2 and "--batch-size and --grad-accum must be >= 1" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_fine_tune_keeps_the_base_model_s_decode_settings(model_dir, workdir, tmp_path):
+    """decode_config.json travels from the base to every checkpoint and the final model."""
+    from refusion.recommended import FILE, Recommended
+
+    rec = Recommended(decode={"slot_size": 4, "gen_length": 16}, about="a tuned tiny model")
+    rec.write(model_dir)
+    out = tmp_path / "ft"
+    train(TrainConfig(model=str(model_dir), data=str(workdir / "copy.jsonl"), out=str(out), max_steps=2, batch_size=4,
+                      log_every=1, progress=False, tensorboard=False, eval_every=0, save_every=1))
+    assert Recommended.read(out) == rec
+    assert Recommended.read(out / "checkpoints" / "step-00000002") == rec
+    assert (out / FILE).is_file()

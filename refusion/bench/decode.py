@@ -40,8 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_pos", nargs="?", metavar="MODEL")
     add_model_arguments(parser)
     add_decode_arguments(parser)
-    parser.add_argument("--prompts", type=int, default=8, help="how many prompts (from the bundled suite if present)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved repeats; the median is reported")
+    parser.add_argument("--prompts", type=int, default=8, help="how many prompts (from the bundled suite if present; default: 8)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved repeats; the median is reported (default: 3)")
     parser.add_argument("--methods", default="ar,refusion,mdm",
                         help="comma-separated; a +c suffix (ar+c, refusion+c) runs that method with --compile, so "
                              "compiled and eager decoding compare in one run")

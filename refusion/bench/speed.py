@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-len", type=int, default=200, help="cache entries before each timed forward")
     g.add_argument("--sizes", default="1,4,8,16,32", help="tokens per timed forward")
     g.add_argument("--new-tokens", type=int, default=64, help="AR decode: tokens generated per run (EOS ignored)")
-    g.add_argument("--prompts", type=int, default=4, help="ReFusion vs AR: how many suite prompts")
+    g.add_argument("--prompts", type=int, default=4, help="ReFusion vs AR: how many suite prompts (default: 4)")
     g.add_argument("--sample-ms", type=float, default=25.0, help="a timed sample repeats the call for about this long")
     g.add_argument("--bw-mib", type=int, default=None, help="copy size for the bandwidth floor (default 256 on cpu, 2048 on cuda)")
     g.add_argument("--matmul-n", type=int, default=None, help="square matmul size for the rate floor (default 1024 cpu, 8192 cuda)")

@@ -289,7 +289,7 @@ def pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise MissingExtraError("the sweep plot needs matplotlib: pip install 'refusion[plot]' (or pass --no-sweep)") from None
+        raise MissingExtraError("the sweep plot needs matplotlib: pip install 'refusion[plot]', or scripts/setup.sh plot in a checkout (or pass --no-sweep)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

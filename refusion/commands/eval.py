@@ -73,22 +73,23 @@ def _evaluate_model(args: argparse.Namespace, bench, common: dict) -> dict:
     engine_cfg = engine_config_from_args(args)
     model, tokenizer = refusion.load(args.model, device=args.device, dtype=args.dtype)
     cfg = decode_config_from_args(args, model=model)
-    lowered = [0, 0]  # prompts lowered, prompts seen
+    lowered: list[int] = []  # the lengths lowered to
+    seen = [0]
 
     def generate(prompts: list[str]):
         if args.gen_length is not None:
             return refusion.generate(model, tokenizer, prompts, cfg, engine_config=engine_cfg)
-        ids, cfgs, n = fit_to_context(model, tokenizer, prompts, cfg)
-        lowered[0] += n
-        lowered[1] += len(prompts)
+        ids, cfgs, fitted = fit_to_context(model, tokenizer, prompts, cfg)
+        lowered.extend(fitted)
+        seen[0] += len(prompts)
         return refusion.generate(model, tokenizer, ids, cfgs, engine_config=engine_cfg)
 
     out = args.out or f"runs/eval/{bench.name}-{cfg.method}"
     summary = evaluate(bench, generate, batch_size=args.batch_size, out_dir=out, config=cfg,
                        model=args.model or "bundled", **common)
-    if lowered[0]:
+    if lowered:
         source = f"preset {args.preset}" if args.preset else "the checkpoint's recommendation or the default"
-        print(lowered_note(cfg, lowered[0], lowered[1], model.config.max_position_embeddings, source), file=sys.stderr)
+        print(lowered_note(cfg, lowered, seen[0], model.config.max_position_embeddings, source), file=sys.stderr)
     return summary
 
 

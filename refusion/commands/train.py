@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import os
 import re
 
 from ..train.config import (AR_REDUCTIONS, DTYPE_NAMES, OBJECTIVES, PRECISIONS, TrainConfig, config_fields,
@@ -64,5 +65,6 @@ def run(args: argparse.Namespace) -> int:
     cfg = TrainConfig(**values)
     cfg.validate(flags=True)  # here, so that a bad setting is named by its flag
     result = train(cfg)
-    print(f"trained {result.step} steps; model saved to {result.out_dir}")
+    if int(os.environ.get("RANK", "0")) == 0:  # one line per run, not per process
+        print(f"trained {result.step} steps; model saved to {result.out_dir}")
     return 0

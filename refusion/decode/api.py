@@ -51,23 +51,26 @@ def generate(
 
 
 def fit_to_context(model: Transformer, tokenizer, prompts: Sequence[Prompt], cfg: DecodeConfig, *,
-                   chat: bool = True) -> tuple[list[list[int]], list[DecodeConfig], int]:
+                   chat: bool = True) -> tuple[list[list[int]], list[DecodeConfig], list[int]]:
     """The prompts as token ids, each with `cfg`'s gen_length lowered to what the model's
-    context leaves after it, and how many were lowered. For lengths the user did not ask
+    context leaves after it, and the lengths of those it lowered. For lengths the user did not ask
     for by number (a preset's 512, a checkpoint's recommendation); drivers say in one line
     that they lowered them. Raises ContextLengthError for a prompt that leaves no room."""
     context = model.config.max_position_embeddings
     ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
     cfgs = [cfg.fit(context - len(i)) for i in ids]
-    return ids, cfgs, sum(c.gen_length < cfg.gen_length for c in cfgs)
+    return ids, cfgs, [c.gen_length for c in cfgs if c.gen_length < cfg.gen_length]
 
 
-def lowered_note(cfg: DecodeConfig, lowered: int, total: int, context: int, source: str) -> str | None:
-    """The one line that says a gen_length was lowered to fit the context (None if none was)."""
+def lowered_note(cfg: DecodeConfig, lowered: Sequence[int], total: int, context: int, source: str) -> str | None:
+    """The one line that says a gen_length was lowered to fit the context (None if none
+    was); `lowered` holds the lengths it was lowered to."""
     if not lowered:
         return None
-    return (f"note: gen_length {cfg.gen_length} ({source}) lowered to fit the model's context of {context} positions "
-            f"for {lowered} of {total} prompt{'s' if total > 1 else ''}; --gen-length N sets it (and errors if it does not fit)")
+    to = f"{min(lowered)}" if min(lowered) == max(lowered) else f"{min(lowered)}-{max(lowered)}"
+    return (f"note: gen_length {cfg.gen_length} ({source}) lowered to {to} to fit the model's context of {context} "
+            f"positions after the prompt, for {len(lowered)} of {total} prompt{'s' if total > 1 else ''}; "
+            "--gen-length N sets it (and errors if it does not fit)")
 
 
 def stream(model: Transformer, tokenizer, prompt: Prompt, cfg: DecodeConfig | None = None, *,

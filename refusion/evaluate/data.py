@@ -46,7 +46,7 @@ def read_records(path: str | os.PathLike) -> list[dict]:
                 import pyarrow.parquet as pq
             except ImportError as e:
                 raise DatasetUnavailableError(
-                    f"reading {p} needs pyarrow: pip install 'refusion[eval]' (or convert it to JSONL)"
+                    f"reading {p} needs pyarrow: pip install 'refusion[eval]', or scripts/setup.sh eval in a checkout (or convert it to JSONL)"
                 ) from e
             return pq.read_table(p).to_pylist()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -108,7 +108,7 @@ def load_hub(source: HubSource, task: str, fields: str) -> list[dict]:
     try:
         import datasets
     except ImportError as e:
-        raise DatasetUnavailableError(f"{task}: loading {source.path} needs `datasets` (pip install 'refusion[eval]'); or {how}") from e
+        raise DatasetUnavailableError(f"{task}: loading {source.path} needs `datasets` (pip install 'refusion[eval]', or scripts/setup.sh eval in a checkout); or {how}") from e
     rows: list[dict] = []
     try:
         for config in source.configs:

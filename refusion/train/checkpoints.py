@@ -17,6 +17,7 @@ from typing import Any
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..model import Transformer
+from ..recommended import Recommended
 from .config import TrainConfig, flag_name
 from .log import RunLog
 from .setup import clean_model, merged_state_dict
@@ -85,9 +86,12 @@ def drop_tied_copies(models: list, weights: list[dict[str, Any]], output_dir: st
 
 
 class Checkpoints:
-    def __init__(self, acc: Any, out: Path, cfg: TrainConfig, tokenizer: Any, model_config: ModelConfig, log: RunLog) -> None:
+    def __init__(self, acc: Any, out: Path, cfg: TrainConfig, tokenizer: Any, model_config: ModelConfig, log: RunLog,
+                 recommended: Recommended | None = None) -> None:
         self.acc, self.out, self.cfg, self.tokenizer, self.model_config, self.log = acc, out, cfg, tokenizer, model_config, log
         self.main, self.world = acc.is_main_process, acc.num_processes
+        # the base model's decode_config.json travels to every checkpoint of its fine-tune
+        self.recommended = recommended or Recommended()
 
     def prepare(self) -> tuple[int, int] | None:
         """Make OUT/checkpoints; with resume, load the latest checkpoint's state and return
@@ -149,7 +153,9 @@ class Checkpoints:
         state = self.acc.get_state_dict(model)  # a collective under FSDP / DeepSpeed
         if not self.main:
             return None
-        return clean_model(self.model_config, merged_state_dict(state, self.cfg))
+        model = clean_model(self.model_config, merged_state_dict(state, self.cfg))
+        model.recommended = self.recommended
+        return model
 
     def _prune(self) -> None:
         keep = self.cfg.keep_checkpoints

@@ -29,7 +29,7 @@ class TrainConfig:
     add_mask_token: bool = False  # add <|mask|> to a base model that lacks it (as `refusion convert`)
     dtype: str = "float32"  # weights dtype: float32, or bfloat16 (halves memory; sensible with LoRA)
     # ---- objective
-    objective: str = "refusion"  # refusion (SPEC §2) or ar (plain next-token training)
+    objective: str = "refusion"  # refusion (slot reorganisation + hybrid AR/MDM loss) or ar (plain next-token training)
     slot_sizes: tuple[int, ...] = (4, 8, 16, 32)  # slot size drawn per example
     mask_eps: float = 1e-3  # p = (1 - eps) * t + eps
     ar_reduction: str = "token"  # AR CE averaged over all labels ("token") or per example ("example")

@@ -13,6 +13,7 @@ import torch
 
 from ..errors import ConfigError
 from ..objective import weighted_loss
+from ..recommended import recommended_of
 from .checkpoints import Checkpoints, drop_tied_copies, list_checkpoints, resume_changes
 from .config import TrainConfig
 from .data import RunData
@@ -69,7 +70,7 @@ class Run:
         self.warmup = max(1, warmup)
         self._prepare_model()
         self.data.start_stream()
-        self.checkpoints = Checkpoints(acc, self.out, cfg, tokenizer, self.lm.config, self.log)
+        self.checkpoints = Checkpoints(acc, self.out, cfg, tokenizer, self.lm.config, self.log, recommended_of(self.lm))
         restored = self.checkpoints.prepare()
         if restored is not None:
             self.step, self.samples = restored
