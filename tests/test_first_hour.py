@@ -198,3 +198,13 @@ def test_a_resumed_eval_says_so(tmp_path, capsys):
     again = evaluate("suite", answer, samples=samples, out_dir=tmp_path / "r", progress=True)
     assert again["resumed"] == 2 and "2 of 4 samples resumed" in again["line"]
     assert "resuming" in capsys.readouterr().err
+
+
+def test_serve_without_its_extra_names_the_extra(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    assert main(["serve", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "needs uvicorn (the serve extra)" in err and "setup.sh serve" in err and "Traceback" not in err

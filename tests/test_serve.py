@@ -15,13 +15,13 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
-import uvicorn  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 import refusion  # noqa: E402
 from refusion.cli import main as cli_main  # noqa: E402
 from refusion.decode import DecodeConfig, Engine, EngineConfig, generate  # noqa: E402
 from refusion.serve import create_app  # noqa: E402
+from refusion.serve.server import make_server  # noqa: E402
 
 MODEL = "tiny"
 BASE = DecodeConfig(gen_length=32)
@@ -44,15 +44,15 @@ def loaded(model_dirs):
 
 
 class LiveServer:
-    """uvicorn in a thread on a free loopback port."""
+    """The server `refusion serve` runs, in a thread on a free loopback port (`stop` is
+    its graceful shutdown, as on a first SIGTERM)."""
 
-    def __init__(self, app, shutdown_timeout: float = 10.0) -> None:
+    def __init__(self, app) -> None:
         self.app = app
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = "http://127.0.0.1:%d" % sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout)
-        self.server = uvicorn.Server(config)
+        self.server = make_server(app, log_level="warning")
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         wait_for(lambda: self.server.started, what="server start")
@@ -403,7 +403,7 @@ def test_disconnect_cancels_the_row(loaded):
 def test_graceful_shutdown_finishes_in_flight_requests(loaded):
     engine = GatedEngine(loaded, delay=0.01)
     model, tok = loaded
-    s = LiveServer(create_app(model, tok, BASE, model_name=MODEL, engine=engine), shutdown_timeout=20)
+    s = LiveServer(create_app(model, tok, BASE, model_name=MODEL, engine=engine, shutdown_timeout=20))
     body = {"prompt": "Hello", "max_tokens": 40, "method": "ar", "stream": True}
     lines = []
     with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
@@ -423,7 +423,7 @@ def test_shutdown_cancels_what_outlives_the_grace_period(loaded):
     engine = GatedEngine(loaded, delay=0.02)
     model, tok = loaded
     app = create_app(model, tok, BASE, model_name=MODEL, engine=engine, shutdown_timeout=0.3)
-    s = LiveServer(app, shutdown_timeout=0.3)
+    s = LiveServer(app)
     body = {"prompt": "Hello", "max_tokens": 400, "method": "ar", "stream": True}
     t0 = time.monotonic()
     with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:

@@ -57,7 +57,7 @@ def test_parse_accepts_neutral_and_null_fields():
          "stop": "x", "stream": True, "stream_options": {"include_usage": True}, "slot_size": 4, "preset": "gsm8k"},
         "chat",
     )
-    assert req.messages == [{"role": "system", "content": "ab"}, {"role": "user", "content": "q"}]
+    assert req.messages == [{"role": "system", "content": "ab"}, {"role": "user", "content": "q", "name": "me"}]
     assert (req.max_tokens, req.stop, req.stream, req.include_usage, req.preset) == (9, ["x"], True, True, "gsm8k")
     assert req.overrides == {"slot_size": 4}
 
@@ -105,7 +105,7 @@ def test_fit_length():
     assert (c.gen_length, c.region_length) == (10, 16)  # whole slots in equal blocks; the output is cut to 10
     c = fit_length(cfg, 480, None, 512, "prompt")
     assert (c.gen_length, c.region_length) == (32, 32)  # the default is capped to the room left
-    for args, param in [((512, None), "prompt"), ((500, 13), "max_tokens"), ((500, 10), "max_tokens")]:  # 10 rounds to 16 > 12
+    for args, param in [((512, None), "prompt"), ((500, 13), "max_tokens"), ((500, 10), "slot_size")]:  # 10 rounds to 16 > 12
         with pytest.raises(APIError) as e:
             fit_length(cfg, *args, 512, "prompt")
         assert (e.value.param, e.value.code) == (param, "context_length_exceeded")
@@ -207,6 +207,9 @@ def test_engine_loop_streams_outputs_and_isolates_a_bad_request():
     (a, ea), (b, eb), (bad, ebad), (c, ec) = job(1), job(2), job(9), job(1)
     loop.submit([a, b, bad, c])
     loop.start()
+    end = time.monotonic() + 10
+    while not all(j.finished for j in (a, b, bad, c)) and time.monotonic() < end:  # c waits for room: shutdown would refuse it
+        time.sleep(0.01)
     loop.shutdown(10)
     assert text_of(ea) == "t5t6t7" and ea[-1] == ("done", "length", 3)
     assert text_of(eb) == "t8" and eb[-1] == ("done", "length", 1)

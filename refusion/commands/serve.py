@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from pathlib import Path
 
-from ..errors import ReFusionError
+from ..errors import MissingExtraError, ReFusionError
 from ..flags import add_decode_arguments, add_model_arguments, decode_config_from_args, engine_config_from_args, load_from_args
 
 
@@ -19,12 +20,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None, help="the model id clients use (default: the model directory's name)")
     g.add_argument("--api-key", default=os.environ.get("REFUSION_API_KEY"), help="require 'Authorization: Bearer KEY' (default: $REFUSION_API_KEY; none = no auth)")
     g.add_argument("--max-queue", type=int, default=256, help="completions that may wait to join the batch; more get 429 (default: 256)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on shutdown (default: 30)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM/SIGINT, seconds running requests get to finish before they are cut "
+                        "(new and queued ones get 503 at once; a second signal exits now) (default: 30)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_decode_arguments(parser)
 
 
+def _check_web_stack() -> None:
+    """The `serve` extra, asked for by name before anything else loads."""
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MissingExtraError(f"refusion serve needs {' and '.join(missing)} (the serve extra): "
+                                "scripts/setup.sh serve in a checkout, or pip install 'refusion[serve]'")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_web_stack()
     from ..serve import serve  # the web stack loads only when this verb runs
 
     args.model = args.model or args.model_pos

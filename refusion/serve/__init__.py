@@ -2,6 +2,7 @@
 
 - `protocol.py`: request validation and response bodies in the OpenAI schema
 - `loop.py`: the engine loop, one worker thread that owns the `Engine` and steps it
+- `server.py`: uvicorn's server with the shutdown order serving needs (`make_server`)
 - `app.py`: the routes (/v1/models, /v1/completions, /v1/chat/completions, /health, /metrics)
 - `metrics.py`: Prometheus text format, by hand
 - `loadtest.py`: `python -m refusion.serve.loadtest`, concurrent streaming clients
@@ -37,10 +38,11 @@ def serve(
     log_level: str = "info",
     **kwargs: Any,
 ) -> None:
-    """Run the server until interrupted. On SIGINT/SIGTERM it stops accepting
-    connections, lets in-flight requests finish for up to `shutdown_timeout` seconds,
-    then cancels what is left."""
-    import uvicorn
+    """Run the server until interrupted. The first SIGINT/SIGTERM stops it taking work
+    (new and queued requests get 503 `shutting_down`), lets running requests finish for
+    up to `shutdown_timeout` seconds, then cuts what is left (streams end with an error
+    event and `[DONE]`); a second signal exits at once."""
+    from .server import make_server
 
     app = create_app(model, tokenizer, cfg, shutdown_timeout=shutdown_timeout, **kwargs)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout)
+    make_server(app, host=host, port=port, log_level=log_level).run()

@@ -4,9 +4,11 @@ A completion request is validated (`protocol.parse_request`), tokenised here in 
 loop, fitted to the context (`protocol.fit_length`), checked by the engine (before any
 compute, so a bad request fails alone) and queued as one `Job` per prompt, each with its
 own `DecodeConfig`. The engine loop pushes each job's text into an asyncio queue as the
-decoder finalises left-to-right prefixes; a streamed response forwards those events as
-server-sent events, a plain one collects them. A client that goes away cancels its jobs,
-and the engine drops their rows before its next step.
+decoder finalises left-to-right prefixes; a streamed response starts at once (headers,
+and chat's role chunk, before any token is final) and forwards those events as
+server-sent events, ending with `[DONE]` after the last chunk or an error event; a plain
+one collects them. A client that goes away cancels its jobs, and the engine drops their
+rows before its next step.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import asyncio
 import hmac
 import json
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -35,6 +38,7 @@ log = logging.getLogger("refusion.serve")
 
 ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
 MAX_BODY = 16 * 2**20
+MAX_DEPTH = 32  # nesting of a JSON body; OpenAI's deepest field (a message's tool call's function) is 6 levels down
 
 
 def create_app(
@@ -63,12 +67,15 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
+        """The engine loop runs while the app does. uvicorn sends the shutdown event only
+        after its own drain, so `refusion.serve.server.Server` closes the loop earlier,
+        when the drain begins; the first deadline stands."""
         engine_loop.start()
         yield
         await asyncio.get_running_loop().run_in_executor(None, engine_loop.shutdown, shutdown_timeout)
 
     app = FastAPI(title="ReFusion", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.engine_loop, app.state.metrics = engine_loop, metrics
+    app.state.engine_loop, app.state.metrics, app.state.shutdown_timeout = engine_loop, metrics, shutdown_timeout
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -177,14 +184,11 @@ class _Server:
             raise APIError(429, f"the server is busy ({self.engine_loop.max_queue} requests waiting); retry in {e.retry_after} s", type="rate_limit_error", code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
         except ShuttingDown as e:
             raise library_error(e) from None
-        flow = _Flow(request, req, jobs, events, self.name, sum(len(p) for p in prompts))
+        flow = _Flow(request, req, jobs, events, self.name, sum(len(p) for p in prompts), watch=not req.stream)
+        if req.stream:  # headers (and chat's role chunk) at once: a queued client knows it was accepted
+            return StreamingResponse(flow.sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            first = await flow.next()
-            if first[1][0] == "error":
-                raise library_error(first[1][1])
-            if req.stream:
-                return StreamingResponse(flow.sse(first), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            return JSONResponse(await flow.collect(first))
+            return JSONResponse(await flow.collect())
         except _ClientGone:
             flow.close()
             return Response(status_code=499)
@@ -196,7 +200,7 @@ class _Server:
         tok = self.tokenizer
         if req.kind == "chat":
             try:
-                prompts = [chat_ids(tok, req.messages)]
+                prompts = [chat_ids(tok, _for_template(req.messages, getattr(tok, "chat_template", None)))]
             except Exception as e:  # the template itself rejects the conversation
                 raise bad(f"the chat template rejected the messages: {e}", "messages") from None
         else:
@@ -210,19 +214,30 @@ class _Server:
         return prompts
 
 
+def _for_template(messages: list[dict[str, Any]], template: Any) -> list[dict[str, Any]]:
+    """The messages with only the fields the chat template reads: role and content always,
+    `name`, `tool_calls` and `tool_call_id` where the template mentions them (one that
+    does not would drop them silently anyway; one that iterates a message's keys would
+    print them)."""
+    text = template if isinstance(template, str) else str(template or "")
+    return [{k: v for k, v in m.items() if k in ("role", "content") or k in text} for m in messages]
+
+
 class _Flow:
     """One request's events from the decode thread, until every choice is done."""
 
-    def __init__(self, request: Request, req: CompletionRequest, jobs: list[Job], events: asyncio.Queue, model: str, prompt_tokens: int) -> None:
+    def __init__(self, request: Request, req: CompletionRequest, jobs: list[Job], events: asyncio.Queue, model: str, prompt_tokens: int,
+                 *, watch: bool) -> None:
         self.request, self.req, self.jobs, self.events = request, req, jobs, events
         self.model, self.prompt_tokens = model, prompt_tokens
         self.id = new_id(req.kind)
         self.open = len(jobs)
-        self.watcher: asyncio.Task | None = asyncio.ensure_future(self._watch())
+        self.watcher: asyncio.Task | None = asyncio.ensure_future(self._watch()) if watch else None
 
     async def _watch(self) -> None:
-        """Resolves when the client disconnects (only while no response is streaming:
-        StreamingResponse listens itself once it starts)."""
+        """Resolves when the client disconnects: a plain response is not sent until the
+        completion is done, so nothing else would notice (a StreamingResponse listens
+        for the disconnect itself)."""
         while (await self.request.receive())["type"] != "http.disconnect":
             pass
 
@@ -250,12 +265,11 @@ class _Flow:
     def usage(self) -> dict[str, int]:
         return usage(self.prompt_tokens, sum(j.completion_tokens for j in self.jobs))
 
-    async def collect(self, first: tuple[int, tuple]) -> dict[str, Any]:
+    async def collect(self) -> dict[str, Any]:
         texts: list[list[str]] = [[] for _ in self.jobs]
         reasons: list[str] = [""] * len(self.jobs)
-        item = first
-        while True:
-            i, ev = item
+        while self.open:
+            i, ev = await self.next()
             if ev[0] == "text":
                 texts[i].append(ev[1])
             elif ev[0] == "error":
@@ -264,22 +278,21 @@ class _Flow:
             else:
                 reasons[i] = ev[1]
                 self.open -= 1
-                if not self.open:
-                    break
-            item = await self.next()
         self._stop_watching()
         return response_body(self.req.kind, self.id, self.model, [("".join(t), r) for t, r in zip(texts, reasons)], self.usage())
 
-    async def sse(self, first: tuple[int, tuple]) -> AsyncIterator[str]:
+    async def sse(self) -> AsyncIterator[str]:
+        """The stream: chat's role chunks first, then each event as it comes; an error
+        (the request failed, or the server shut down under it) is an `{"error": ...}`
+        event; every stream ends with `[DONE]`."""
         self._stop_watching()
         kind = self.req.kind
         try:
             if kind == "chat":
                 for i in range(len(self.jobs)):
                     yield _data(chunk_body(kind, self.id, self.model, i, "", None, first=True))
-            item = first
-            while True:
-                i, ev = item
+            while self.open:
+                i, ev = await self.next()
                 if ev[0] == "text":
                     yield _data(chunk_body(kind, self.id, self.model, i, ev[1], None))
                 elif ev[0] == "error":
@@ -288,11 +301,8 @@ class _Flow:
                 else:
                     yield _data(chunk_body(kind, self.id, self.model, i, None, ev[1]))
                     self.open -= 1
-                    if not self.open:
-                        if self.req.include_usage:
-                            yield _data(usage_chunk(kind, self.id, self.model, self.usage()))
-                        break
-                item = await self.next()
+                    if not self.open and self.req.include_usage:
+                        yield _data(usage_chunk(kind, self.id, self.model, self.usage()))
             yield "data: [DONE]\n\n"
         finally:
             self.close()
@@ -309,10 +319,40 @@ async def _read_json(request: Request) -> Any:
     raw = await request.body()
     if len(raw) > MAX_BODY:
         raise APIError(413, f"the request body is over {MAX_BODY} bytes", code="request_too_large")
+    body = _loads(raw)
+    if _deeper_than(body, MAX_DEPTH):
+        raise _too_deep()
+    return body
+
+
+def _loads(raw: bytes) -> Any:
+    """The body as JSON, or a 400 (never a 500) whatever the bytes."""
     try:
         return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except RecursionError:  # nesting deeper than the parser's stack
+        raise _too_deep() from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, and an integer over Python's digit limit
+        if "integer string conversion" in str(e):
+            raise bad(f"the request body has an integer of more than {sys.get_int_max_str_digits()} digits; "
+                      "no field takes one that long", None, "invalid_json") from None
         raise bad(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+
+
+def _too_deep() -> APIError:
+    return bad(f"the request body nests arrays and objects more than {MAX_DEPTH} deep; no field of this API needs more than a few levels",
+               None, "invalid_json")
+
+
+def _deeper_than(obj: Any, limit: int) -> bool:
+    """Whether `obj` nests lists and dicts more than `limit` deep, found without
+    recursion (a check made recursively would itself overflow on the bodies it is for)."""
+    level, depth = [obj], 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return True
+        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x) if isinstance(v, (list, dict))]
+    return False
 
 
 class _Observe:

@@ -12,8 +12,14 @@ Sampling: each completion has its own generator, seeded from its `seed` (reprodu
 whatever it is batched with) or, without one, drawn at random.
 
 The queue is bounded (`max_queue` completions not yet running); `submit` raises
-`QueueFull` with a retry estimate when it is full, and `ShuttingDown` once `shutdown`
+`QueueFull` with a retry estimate when it is full, and `ShuttingDown` once `close`
 has begun.
+
+Shutdown (`close`, then `shutdown` to wait): new submissions are refused and queued
+completions fail with `ShuttingDown` at once (their clients can retry elsewhere rather
+than wait out a drain they would not survive); running ones decode on until the
+deadline, when they fail with `ShuttingDown` too (an error event, so a stream ends with
+an error and not a silent cut) and their rows are aborted.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from .metrics import Metrics
 
 log = logging.getLogger("refusion.serve")
 
+QUEUED = "the server is shutting down and this request had not started; retry it (on another replica, or once the server is back)"
+CUT = "the server shut down before this request finished (its shutdown timeout ran out); retry it"
+
 # ("text", str) | ("done", finish_reason, completion_tokens) | ("error", exception)
 Event = tuple
 
@@ -42,7 +51,8 @@ class QueueFull(Exception):
 
 
 class ShuttingDown(Exception):
-    pass
+    """The server is stopping: the request was refused, dropped from the queue, or cut at
+    the shutdown deadline. Not the request's fault: the client should retry."""
 
 
 class Job:
@@ -95,11 +105,12 @@ class Job:
                 self.metrics.finished.inc(1, "cancelled")
             self._send(("done", "cancelled", 0))
 
-    def fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException, reason: str = "error") -> None:
+        """Finish with an error event; `reason` labels it in the completions metric."""
         if not self.finished:
             self.finished = True
             if self.metrics:
-                self.metrics.finished.inc(1, "error")
+                self.metrics.finished.inc(1, reason)
             self._send(("error", error))
 
     def _send(self, event: Event) -> None:
@@ -119,7 +130,8 @@ class EngineLoop:
         self._jobs: dict[str, Job] = {}  # added to the engine, not finished
         self._cv = threading.Condition()
         self._closing = False
-        self._give_up = False  # the shutdown grace period is over
+        self._deadline = math.inf  # monotonic time at which running completions are cut (set by close)
+        self._last_step = 0.0  # seconds the last step took: a step that would end past the deadline is not begun
         self._request_seconds = 1.0  # running mean of a completion's time in the engine, for Retry-After
         self._thread = threading.Thread(target=self._run, name="refusion-engine", daemon=True)
 
@@ -131,7 +143,7 @@ class EngineLoop:
         """Queue every job or none."""
         with self._cv:
             if self._closing:
-                raise ShuttingDown("the server is shutting down")
+                raise ShuttingDown("the server is shutting down and takes no new requests; retry on another replica or once it is back")
             if self.queue_length + len(jobs) > self.max_queue:
                 self.metrics.rejected.inc()
                 raise QueueFull(self._retry_after())
@@ -163,25 +175,33 @@ class EngineLoop:
         per_batch = max(1, self.engine.config.max_batch_size)
         return max(1, math.ceil(self._request_seconds * (1 + self.queue_length / per_batch)))
 
+    def close(self, timeout: float = 30.0) -> None:
+        """Begin shutting down without waiting: refuse new work, fail the queued jobs now,
+        and give running ones `timeout` seconds before they are cut. Called again, it
+        keeps the first deadline."""
+        with self._cv:
+            if not self._closing:
+                self._closing = True
+                self._deadline = time.monotonic() + max(timeout, 0.0)
+            queued, self._inbox = self._inbox, []
+            self._cv.notify_all()
+        for job in queued:
+            job.fail(ShuttingDown(QUEUED), "cancelled")
+        if queued:
+            log.info("shutting down: %d queued completion(s) refused", len(queued))
+
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Refuse new work, let queued and running completions finish for up to `timeout`
-        seconds, then cancel what is left and stop the worker."""
-        with self._cv:
-            self._closing = True
-            self._cv.notify_all()
+        """`close(timeout)`, then wait for the worker to finish what runs (cut at the
+        deadline) and stop."""
+        self.close(timeout)
         if self._thread.is_alive():
-            self._thread.join(timeout)
-        with self._cv:
-            self._give_up = True
-            self._cv.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(10.0)
+            self._thread.join(max(self._deadline - time.monotonic(), 0.0) + 10.0)
         if not self._thread.is_alive():  # no worker (never started, or gone): nobody else will answer
             with self._cv:
                 left, self._inbox = [*self._inbox, *self._jobs.values()], []
                 self._jobs = {}
             for job in left:
-                job.fail(ShuttingDown("the server shut down before this request was decoded"))
+                job.fail(ShuttingDown(QUEUED if job.started is None else CUT), "cancelled")
 
     # ---------------------------------------------------------------- the worker's side
     def _run(self) -> None:
@@ -192,10 +212,12 @@ class EngineLoop:
                 if not self._inbox and not self._jobs:
                     return  # closing, nothing left
                 new, self._inbox = self._inbox, []
-                give_up = self._give_up
+                closing, past_deadline = self._closing, time.monotonic() + self._last_step >= self._deadline
             self._add(new)
-            if give_up:
-                self._cancel_all()
+            if closing:
+                self._drop_queued()
+            if past_deadline:
+                self._cut_running()
             self._abort_cancelled()
             if self.engine.has_unfinished():
                 self._step()
@@ -217,12 +239,26 @@ class EngineLoop:
                 self.metrics.joined.inc()
             self._jobs[job.id] = job
 
-    def _cancel_all(self) -> None:
-        """The grace period is over: queued jobs fail, running ones are cancelled."""
-        for job in list(self._jobs.values()):
-            if job.started is None:
-                job.fail(ShuttingDown("the server shut down before this request was decoded"))
+    def _drop_queued(self) -> None:
+        """Closing: jobs that wait in the engine for room fail now (they would not start
+        before the deadline anyway, or would start only to be cut)."""
+        queued = [j for j in self._jobs.values() if j.started is None and not self._is_running(j)]
+        for job in queued:
+            job.fail(ShuttingDown(QUEUED), "cancelled")
             job.cancel()
+        if queued:
+            log.info("shutting down: %d queued completion(s) refused", len(queued))
+
+    def _cut_running(self) -> None:
+        """The shutdown deadline is here (or the next step would end past it): every job
+        left fails with ShuttingDown (its client gets an error, not a silent cut) and its
+        row is aborted. One log line."""
+        left = [j for j in self._jobs.values() if not j.finished]
+        for job in left:
+            job.fail(ShuttingDown(CUT), "cancelled")
+            job.cancel()
+        if left:
+            log.warning("shutdown timeout over: %d running completion(s) cut", len(left))
 
     def _abort_cancelled(self) -> None:
         for job in [j for j in self._jobs.values() if j.cancelled.is_set()]:
@@ -239,7 +275,7 @@ class EngineLoop:
                 if job is not None:
                     job.fail(e)
             return
-        dt = time.monotonic() - t0
+        dt = self._last_step = time.monotonic() - t0
         self.metrics.step_seconds.observe(dt)
         self.metrics.rows_per_step.observe(self.engine.rows_last_step)
         self.metrics.rows.set(self.engine.rows_last_step)

@@ -6,12 +6,16 @@ Fields that OpenAI defines and that would change the answer in a way we cannot h
 (logprobs, tools, n > 1, penalties, ...) are refused; harmless ones (`user`, `metadata`,
 ...) are accepted and ignored; anything else is an unrecognised argument, as at OpenAI.
 ReFusion's own knobs ride along as extra body fields (`extra_body` in the openai client).
+Messages follow the same rule: OpenAI's message fields are accepted (`name`, an
+assistant's `tool_calls` and `refusal`, a tool's `tool_call_id`), type-checked, and
+passed to the chat template where it can use them; anything else is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -34,6 +38,7 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        message, param = _printable(message), _printable(param)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
@@ -44,6 +49,30 @@ class APIError(Exception):
 
 def bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def _printable(text: str | None) -> str | None:
+    """Text that encodes as UTF-8: an error may quote the request, and a lone surrogate
+    from a JSON escape (\\ud800) would make the error response itself fail."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+_short = reprlib.Repr()
+_short.maxstring, _short.maxother, _short.maxlevel = 60, 60, 3
+
+
+def _shown(v: Any) -> str:
+    """A request value quoted in an error, cut short (a value may be megabytes long)."""
+    if _is_int(v) and abs(v) >= 10**30:
+        return f"an integer of about {int(v.bit_length() * math.log10(2)) + 1} digits"
+    return _short.repr(v)
+
+
+def _got(v: Any) -> str:
+    """What a value of the wrong type is, for "x must be ..., got ..."."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return "NaN" if math.isnan(v) else f"{'-' if v < 0 else ''}Infinity (or a number too large for a double)"
+    return type(v).__name__
 
 
 # ------------------------------------------------------------------ field checkers
@@ -58,9 +87,9 @@ def _is_number(v: Any) -> bool:
 def _int(lo: int | None = None, hi: int | None = None):
     def check(name: str, v: Any) -> int:
         if not _is_int(v):
-            raise bad(f"{name} must be an integer, got {type(v).__name__}", name, "invalid_type")
+            raise bad(f"{name} must be an integer, got {_got(v)}", name, "invalid_type")
         if (lo is not None and v < lo) or (hi is not None and v > hi):
-            raise bad(f"{name} must be {_range(lo, hi)}, got {v}", name)
+            raise bad(f"{name} must be {_range(lo, hi)}, got {_shown(v)}", name)
         return v
 
     return check
@@ -69,9 +98,9 @@ def _int(lo: int | None = None, hi: int | None = None):
 def _choice(options: tuple[str, ...]):
     def check(name: str, v: Any) -> str:
         if not isinstance(v, str):
-            raise bad(f"{name} must be a string, got {type(v).__name__}", name, "invalid_type")
+            raise bad(f"{name} must be a string, got {_got(v)}", name, "invalid_type")
         if v not in options:
-            raise bad(f"{name} must be one of {', '.join(options)}, got {v!r}", name)
+            raise bad(f"{name} must be one of {', '.join(options)}, got {_shown(v)}", name)
         return v
 
     return check
@@ -85,20 +114,22 @@ def _range(lo: float | None, hi: float | None) -> str:
 
 def _bool(name: str, v: Any) -> bool:
     if not isinstance(v, bool):
-        raise bad(f"{name} must be a boolean, got {type(v).__name__}", name, "invalid_type")
+        raise bad(f"{name} must be a boolean, got {_got(v)}", name, "invalid_type")
     return v
 
 
 def _field_checker(f: dataclasses.Field):
     """The request check of a DecodeConfig field, from its type and `knob` bounds."""
     kind = field_kind(f)
-    want = {"bool": "a boolean", "int": "an integer", "float": "a number", "str": "a string", "tuple": "a list"}[kind]
+    want = {"bool": "a boolean", "int": "an integer", "float": "a finite number", "str": "a string", "tuple": "a list"}[kind]
     typed = {"bool": lambda v: isinstance(v, bool), "int": _is_int, "float": _is_number, "str": lambda v: isinstance(v, str),
              "tuple": lambda v: isinstance(v, list)}[kind]
 
     def check(name: str, v: Any) -> Any:
         if not typed(v):
-            raise bad(f"{name} must be {want}, got {type(v).__name__}", name, "invalid_type")
+            raise bad(f"{name} must be {want}, got {_got(v)}", name, "invalid_type")
+        if kind == "tuple" and any(isinstance(x, (list, dict)) for x in v):
+            raise bad(f"{name} must be a flat list, got {_shown(v)}", name, "invalid_type")
         v = tuple(v) if kind == "tuple" else float(v) if kind == "float" else v
         try:
             return check_value(f, v)
@@ -136,7 +167,10 @@ FIELDS = {
     "chat": COMMON | {"messages", "max_completion_tokens"},
 }
 ROLES = {"system", "developer", "user", "assistant", "tool"}
+# message fields by role, beyond role and content (`name` is allowed on every message)
+MESSAGE_FIELDS = {"assistant": {"name", "tool_calls", "refusal"}, "tool": {"name", "tool_call_id"}}
 MAX_PROMPTS = 64
+MAX_TOKENS = 2**31 - 1  # beyond any context; keeps the numbers in length errors printable
 
 
 @dataclass
@@ -146,7 +180,7 @@ class CompletionRequest:
     kind: str  # "completion" or "chat"
     model: str | None
     prompts: list[str | list[int]] | None = None  # completion: text or token ids, one choice each
-    messages: list[dict[str, str]] | None = None  # chat
+    messages: list[dict[str, Any]] | None = None  # chat: role and content (text), and the tool fields given
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -166,7 +200,7 @@ def parse_request(body: Any, kind: str) -> CompletionRequest:
     body = {k: v for k, v in body.items() if v is not None}  # null = not given, as at OpenAI
     for name, ok in NEUTRAL.items():
         if name in body and not ok(body[name]):
-            raise bad(f"{name}={body[name]!r} is not supported by this server", name, "unsupported_value")
+            raise bad(f"{name}={_shown(body[name])} is not supported by this server", name, "unsupported_value")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model must be a string", "model", "invalid_type")
@@ -181,7 +215,7 @@ def parse_request(body: Any, kind: str) -> CompletionRequest:
         req.messages = _messages(body["messages"])
     for name in ("max_tokens", "max_completion_tokens"):
         if name in body:
-            req.max_tokens = _int(1)(name, body[name])
+            req.max_tokens = _int(1, MAX_TOKENS)(name, body[name])
     if "stop" in body:
         req.stop = _stops(body["stop"])
     req.stream = _bool("stream", body.get("stream", False))
@@ -198,7 +232,7 @@ def parse_request(body: Any, kind: str) -> CompletionRequest:
 
 def _prompts(p: Any) -> list[str | list[int]]:
     if isinstance(p, str):
-        return [p]
+        return [_text("prompt", p)]
     if not isinstance(p, list) or not p:
         raise bad("prompt must be a string, a list of strings, or token ids (a list of integers or of lists)", "prompt", "invalid_type")
     if all(_is_int(t) for t in p):
@@ -206,42 +240,95 @@ def _prompts(p: Any) -> list[str | list[int]]:
     if all(isinstance(t, str) for t in p) or all(isinstance(t, list) and t and all(_is_int(x) for x in t) for t in p):
         if len(p) > MAX_PROMPTS:
             raise bad(f"at most {MAX_PROMPTS} prompts per request, got {len(p)}", "prompt")
-        return [t if isinstance(t, str) else list(t) for t in p]
+        return [_text(f"prompt[{i}]", t, "prompt") if isinstance(t, str) else list(t) for i, t in enumerate(p)]
     raise bad("prompt must be a string, a list of strings, or token ids (a list of integers or of lists)", "prompt", "invalid_type")
 
 
-def _messages(msgs: Any) -> list[dict[str, str]]:
+def _messages(msgs: Any) -> list[dict[str, Any]]:
     if not isinstance(msgs, list):
         raise bad("messages must be a list of {role, content} objects", "messages", "invalid_type")
     if not msgs:
         raise bad("messages must not be empty", "messages", "empty_array")
-    out = []
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(f"{where} must be an object with role and content", where, "invalid_type")
-        extra = sorted(set(m) - {"role", "content", "name"})
-        if extra:
-            raise bad(f"{where}.{extra[0]} is not supported by this server", f"{where}.{extra[0]}", "unknown_parameter")
-        role = m.get("role")
-        if role not in ROLES:
-            raise bad(f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {role!r}", f"{where}.role")
-        out.append({"role": "system" if role == "developer" else role, "content": _content(m.get("content"), where)})
+    return [_message(m, f"messages[{i}]") for i, m in enumerate(msgs)]
+
+
+def _message(m: Any, where: str) -> dict[str, Any]:
+    """One message as the chat template gets it: role and text content, plus the OpenAI
+    fields it carries (a template that does not use them ignores them; one that rejects
+    the conversation gets a 400 when the prompt is made)."""
+    if not isinstance(m, dict):
+        raise bad(f"{where} must be an object with role and content", where, "invalid_type")
+    role = m.get("role")
+    if role not in ROLES:
+        raise bad(f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {_shown(role)}", f"{where}.role")
+    allowed = MESSAGE_FIELDS.get(role, {"name"})
+    extra = sorted(set(m) - {"role", "content"} - allowed)
+    if extra:
+        name = extra[0]
+        owner = next((r for r, fields in MESSAGE_FIELDS.items() if name in fields), None)
+        why = f": only {owner} messages carry it" if owner else ""
+        raise bad(f"{where}.{name} is not a field of a {role} message{why}", f"{where}.{name}", "unknown_parameter")
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": _content(m.get("content"), where)}
+    for name in ("name", "tool_call_id"):
+        if m.get(name) is not None:
+            out[name] = _string(f"{where}.{name}", m[name])
+    if m.get("refusal") is not None:
+        _string(f"{where}.refusal", m["refusal"])  # the model's own earlier refusal: checked, not shown to the template
+    if m.get("tool_calls") is not None:
+        out["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
     return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant's earlier tool calls, in OpenAI's shape: [{id, type: "function",
+    function: {name, arguments}}], arguments being JSON text."""
+    if not isinstance(calls, list):
+        raise bad(f"{where} must be a list of tool calls", where, "invalid_type")
+    out = []
+    for i, call in enumerate(calls):
+        at = f"{where}[{i}]"
+        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+            raise bad(f"{at} must be an object with id, type and function: {{name, arguments}}", at, "invalid_type")
+        if call.get("type", "function") != "function":
+            raise bad(f"{at}.type must be \"function\", got {_shown(call['type'])}", f"{at}.type")
+        fn = call["function"]
+        item = {"type": "function", "function": {"name": _string(f"{at}.function.name", fn.get("name")),
+                                                 "arguments": _string(f"{at}.function.arguments", fn.get("arguments", ""))}}
+        if call.get("id") is not None:
+            item["id"] = _string(f"{at}.id", call["id"])
+        out.append(item)
+    return out
+
+
+def _string(where: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise bad(f"{where} must be a string, got {_got(v)}", where, "invalid_type")
+    return _text(where, v)
+
+
+def _text(where: str, v: str, param: str | None = None) -> str:
+    """`v`, if it is Unicode text: a lone surrogate (a JSON escape such as \\ud800 with
+    no pair) cannot be tokenised."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(f"{where} has a lone surrogate ({v[e.start]!r} at {e.start}), which is not text; send valid UTF-8",
+                  param or where, "invalid_value") from None
+    return v
 
 
 def _content(c: Any, where: str) -> str:
     if c is None:
         return ""
     if isinstance(c, str):
-        return c
+        return _text(f"{where}.content", c)
     if isinstance(c, list):
         texts = []
         for part in c:
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise bad(f"{where}.content: only text parts are supported", f"{where}.content", "invalid_type")
             texts.append(part["text"])
-        return "".join(texts)
+        return _text(f"{where}.content", "".join(texts))
     raise bad(f"{where}.content must be a string or a list of text parts", f"{where}.content", "invalid_type")
 
 
@@ -268,7 +355,8 @@ def request_config(base: DecodeConfig, req: CompletionRequest) -> DecodeConfig:
 
 
 def fit_length(cfg: DecodeConfig, prompt_len: int, max_tokens: int | None, context: int, param: str) -> DecodeConfig:
-    """The config with gen_length set for one prompt, or a 400.
+    """The config with gen_length set for one prompt, or a 400 that names the setting to
+    change and a value that works.
 
     max_tokens may be at most the context minus the prompt; omitted, it is the server's
     gen_length, capped to what fits. A method that decodes in units (ReFusion: whole
@@ -278,10 +366,11 @@ def fit_length(cfg: DecodeConfig, prompt_len: int, max_tokens: int | None, conte
     if room < 1:
         raise bad(f"the prompt has {prompt_len} tokens; this model's context is {context} tokens, which leaves no room to generate", param, "context_length_exceeded")
     if max_tokens is None:
-        try:
-            return cfg.fit(room)
-        except ConfigError as e:
-            raise bad(f"{e}; shorten the prompt or change slot_size/serial_blocks", param, "context_length_exceeded") from None
+        if cfg.unit > room:  # no length fits: the unit must shrink
+            knob, advice = _unit_advice(cfg, room)
+            raise bad(f"{_unit_text(cfg)}, but only {room} are left after the {prompt_len}-token prompt (context {context}); "
+                      f"{advice}, or shorten the prompt", knob, "context_length_exceeded")
+        return cfg.fit(room)
     if max_tokens > room:
         raise bad(
             f"this model's maximum context length is {context} tokens; you requested {prompt_len + max_tokens} "
@@ -290,13 +379,38 @@ def fit_length(cfg: DecodeConfig, prompt_len: int, max_tokens: int | None, conte
         )
     cfg = cfg.for_max_tokens(max_tokens)
     if cfg.region_length > room:
-        unit = cfg.unit
+        knob, advice = _unit_advice(cfg, room, max_tokens)
+        fits = room // cfg.unit * cfg.unit  # the longest max_tokens that fits with this unit (0: none)
+        if fits:
+            knob, advice = "max_tokens", f"lower max_tokens to at most {fits}, or {advice}"
         raise bad(
-            f"{cfg.method} decodes in units of {unit} tokens: max_tokens {max_tokens} needs {cfg.region_length} positions but only "
-            f"{room} are left after the {prompt_len}-token prompt; lower max_tokens to {room // unit * unit} or change slot_size/serial_blocks",
-            "max_tokens", "context_length_exceeded",
+            f"max_tokens {max_tokens} needs {cfg.region_length} positions: {_unit_text(cfg)}, and only {room} are left "
+            f"after the {prompt_len}-token prompt (context {context}); {advice}",
+            knob, "context_length_exceeded",
         )
     return cfg
+
+
+def _unit_text(cfg: DecodeConfig) -> str:
+    if cfg.method == "mdm":
+        return f"mdm decodes in whole blocks of mdm_block_length {cfg.mdm_block_length} positions"
+    return (f"{cfg.method} decodes in whole units of slot_size {cfg.slot_size} x serial_blocks {cfg.serial_blocks} "
+            f"= {cfg.unit} positions")
+
+
+def _unit_advice(cfg: DecodeConfig, room: int, max_tokens: int | None = None) -> tuple[str, str]:
+    """(the knob, "lower it to at most K") for a unit with which the request fits. Any
+    unit u <= room - max_tokens + 1 does: max_tokens rounded up to whole units is then at
+    most max_tokens + u - 1 <= room (without max_tokens, u <= room lets some length fit)."""
+    slack = room if max_tokens is None else room - max_tokens + 1
+    if cfg.method == "mdm":
+        return "mdm_block_length", f"lower mdm_block_length to at most {slack}"
+    size, blocks = cfg.slot_size, cfg.serial_blocks
+    if slack // blocks >= 1:
+        return "slot_size", f"lower slot_size to at most {slack // blocks}"
+    if slack // size >= 1:
+        return "serial_blocks", f"lower serial_blocks to at most {slack // size}"
+    return "slot_size", f"lower slot_size to at most {slack} and serial_blocks to 1"
 
 
 # ------------------------------------------------------------------ response bodies

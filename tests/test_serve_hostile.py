@@ -1,0 +1,414 @@
+"""`refusion serve` against what a hostile or unlucky client sends, and under a shutdown:
+bodies that break parsers, OpenAI message fields, requests that cannot fit, streams whose
+first token is late, and SIGTERM (then a second one) under load, end to end."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from refusion.decode import DecodeConfig, EngineConfig  # noqa: E402
+from refusion.serve import create_app  # noqa: E402
+from refusion.serve.app import _for_template  # noqa: E402
+from refusion.serve.protocol import APIError, fit_length, parse_request  # noqa: E402
+import test_serve  # noqa: E402
+from test_serve import MODEL, GatedEngine, LiveServer, live, wait_for  # noqa: E402
+
+# test_serve's fixtures, shared here (one converted tiny model and one live server per module)
+model_dirs, loaded, server = test_serve.model_dirs, test_serve.loaded, test_serve.server
+
+CHAT = "/v1/chat/completions"
+USER = [{"role": "user", "content": "Hello there"}]
+
+
+def post(server, path: str, body: bytes | dict, timeout: float = 60) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(server.url + path, content=content, headers={"content-type": "application/json"}, timeout=timeout)
+
+
+def openai_error(r: httpx.Response, status: int) -> dict:
+    """The error object of an OpenAI-format error response with this status."""
+    assert r.status_code == status, r.text[:500]
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+# ---------------------------------------------------------------------------- bodies that break parsers
+HUGE = [
+    ("max_tokens of 5,000 digits", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"),
+    ("seed of 5,000 digits, negative", b'{"prompt": "x", "seed": -' + b"9" * 5000 + b"}"),
+    ("token ids of 5,000 digits", b'{"prompt": [1, ' + b"7" * 5000 + b"]}"),
+    ("100,000 levels of arrays", b'{"prompt": "x", "stop": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    ("100,000 levels of objects", b'{"prompt": "x", "metadata": ' + b'{"a":' * 100_000 + b"1" + b"}" * 100_000 + b"}"),
+    ("900 levels in stop_token_ids", b'{"prompt": "x", "stop_token_ids": ' + b"[" * 900 + b"]" * 900 + b"}"),
+    ("900 levels in logit_bias", b'{"prompt": "x", "logit_bias": ' + b'{"a":' * 900 + b"1" + b"}" * 900 + b"}"),
+    ("900 levels in a message", b'{"messages": [{"role": "user", "content": ' + b"[" * 900 + b"]" * 900 + b"}]}"),
+]
+
+
+@pytest.mark.parametrize("name,body", HUGE, ids=[h[0] for h in HUGE])
+def test_bodies_that_break_json_parsers_are_400s(server, name, body):
+    """Python's int-string digit limit and the parser's recursion limit raise inside
+    json.loads (ValueError, RecursionError): both are the body's fault, never a 500."""
+    path = CHAT if b'"messages"' in body else "/v1/completions"
+    err = openai_error(post(server, path, body), 400)
+    assert err["code"] in ("invalid_json", "invalid_type", "invalid_value")
+    assert "integer string conversion" not in err["message"] and "sys.set_int" not in err["message"]
+
+
+@pytest.mark.parametrize("literal,shown", [("NaN", "NaN"), ("Infinity", "Infinity"), ("-Infinity", "-Infinity"), ("1e999", "Infinity")])
+@pytest.mark.parametrize("param", ["temperature", "top_p", "slot_threshold", "max_tokens", "seed", "presence_penalty"])
+def test_non_finite_numbers_are_refused_naming_the_param(server, literal, shown, param):
+    body = f'{{"prompt": "x", "max_tokens": 4, "{param}": {literal}}}'.encode()
+    err = openai_error(post(server, "/v1/completions", body), 400)
+    assert err["param"] == param
+    if param != "presence_penalty":  # refused as an unsupported value, quoting it
+        assert err["code"] == "invalid_type" and shown in err["message"], err
+
+
+def test_huge_integer_within_the_digit_limit_is_a_400_with_a_short_message(server):
+    err = openai_error(post(server, "/v1/completions", {"prompt": "x", "max_tokens": 10**4299}), 400)
+    assert err["param"] == "max_tokens" and len(err["message"]) < 300
+
+
+@pytest.mark.parametrize("body,path,param", [
+    ({"prompt": "a\ud800b"}, "/v1/completions", "prompt"),
+    ({"prompt": ["ok", "\udfff"]}, "/v1/completions", "prompt"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, CHAT, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x", "name": "\ud800"}]}, CHAT, "messages[0].name"),
+    ({"prompt": "x", "model": "\ud800"}, "/v1/completions", "model"),
+    ({"prompt": "x", "\ud800": 1}, "/v1/completions", "\\ud800"),
+])
+def test_lone_surrogates_are_400s(server, body, path, param):
+    """A JSON escape such as \\ud800 decodes to a lone surrogate: not text to tokenise,
+    and an error that quotes it must still encode."""
+    r = post(server, path, json.dumps(body).encode())  # json.dumps writes the escape
+    err = openai_error(r, 404 if param == "model" else 400)
+    assert err["param"] == param
+
+
+# ---------------------------------------------------------------------------- OpenAI message fields
+TOOL_TURN = [
+    {"role": "system", "content": "You can call tools.", "name": "setup"},
+    {"role": "user", "content": "Weather in Paris?", "name": "alice"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+]
+
+
+def test_tool_conversation_is_accepted(server):
+    r = post(server, CHAT, {"messages": TOOL_TURN, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_message_fields_are_parsed_and_reach_templates_that_use_them():
+    req = parse_request({"messages": TOOL_TURN}, "chat")
+    assert req.messages[2] == {"role": "assistant", "content": "", "tool_calls": TOOL_TURN[2]["tool_calls"]}
+    assert req.messages[3] == {"role": "tool", "content": "18 C, sunny", "tool_call_id": "call_1"}
+    assert req.messages[1]["name"] == "alice"
+    plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    assert all(set(m) == {"role", "content"} for m in _for_template(req.messages, plain))
+    tools = plain + "{% for m in messages %}{{ m.tool_calls }}{{ m.tool_call_id }}{% endfor %}"
+    kept = _for_template(req.messages, tools)
+    assert "tool_calls" in kept[2] and kept[3]["tool_call_id"] == "call_1" and "name" not in kept[1]
+
+
+@pytest.mark.parametrize("message,param,code", [
+    ({"role": "user", "content": "x", "name": 5}, "messages[0].name", "invalid_type"),
+    ({"role": "tool", "content": "x", "tool_call_id": ["a"]}, "messages[0].tool_call_id", "invalid_type"),
+    ({"role": "user", "content": "x", "tool_call_id": "a"}, "messages[0].tool_call_id", "unknown_parameter"),
+    ({"role": "user", "content": "x", "tool_calls": []}, "messages[0].tool_calls", "unknown_parameter"),
+    ({"role": "assistant", "content": None, "tool_calls": {"id": "a"}}, "messages[0].tool_calls", "invalid_type"),
+    ({"role": "assistant", "tool_calls": [{"id": "a", "type": "function"}]}, "messages[0].tool_calls[0]", "invalid_type"),
+    ({"role": "assistant", "tool_calls": [{"type": "code", "function": {"name": "f", "arguments": "{}"}}]}, "messages[0].tool_calls[0].type", "invalid_value"),
+    ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]}, "messages[0].tool_calls[0].function.arguments", "invalid_type"),
+    ({"role": "user", "content": "x", "frobnicate": 1}, "messages[0].frobnicate", "unknown_parameter"),
+])
+def test_bad_message_fields_name_the_param(server, message, param, code):
+    err = openai_error(post(server, CHAT, {"messages": [message]}), 400)
+    assert (err["param"], err["code"]) == (param, code), err
+
+
+def test_a_template_that_rejects_tool_messages_is_a_400(loaded):
+    model, tok = loaded
+    strict = copy.deepcopy(tok)
+    strict.chat_template = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool turns') }}{% endif %}"
+                            "{{ m['content'] }}{% endfor %}")
+    with live((model, strict)) as s:
+        err = openai_error(post(s, CHAT, {"messages": TOOL_TURN, "max_tokens": 4}), 400)
+        assert err["param"] == "messages" and "the chat template rejected the messages" in err["message"]
+        assert post(s, CHAT, {"messages": TOOL_TURN[:2], "max_tokens": 4}).status_code == 200
+
+
+# ---------------------------------------------------------------------------- requests that cannot fit
+def test_a_unit_larger_than_the_context_names_slot_size_and_a_value_that_works(server):
+    for extra in ({"max_tokens": 10}, {}):
+        err = openai_error(post(server, "/v1/completions", {"prompt": "Hello", "slot_size": 4096, **extra}), 400)
+        assert (err["param"], err["code"]) == ("slot_size", "context_length_exceeded"), err
+        assert "to 0" not in err["message"] and "4096" in err["message"]
+        k = int(re.search(r"lower slot_size to at most (\d+)", err["message"])[1])
+        assert k >= 1 and post(server, "/v1/completions", {"prompt": "Hello", "slot_size": k, **extra}).status_code == 200
+
+
+ADVICE = re.compile(r"lower (\w+) to at most (\d+)(?: and serial_blocks to 1)?")
+
+
+@settings(max_examples=400, deadline=None)
+@given(method=st.sampled_from(["refusion", "mdm"]), size=st.integers(1, 4096), blocks=st.integers(1, 64),
+       mdm_block=st.integers(1, 4096), prompt=st.integers(1, 511), max_tokens=st.one_of(st.none(), st.integers(1, 600)))
+def test_every_length_error_suggests_a_value_that_fits(method, size, blocks, mdm_block, prompt, max_tokens):
+    """Whatever the settings, the advice in a refusal is a change that makes the request fit."""
+    cfg = DecodeConfig(method=method, slot_size=size, serial_blocks=blocks, mdm_block_length=mdm_block, gen_length=256)
+    try:
+        fit_length(cfg, prompt, max_tokens, 512, "prompt")
+        return
+    except APIError as e:
+        err = e
+    if err.param == "prompt" or (err.param == "max_tokens" and "maximum context length" in err.message):
+        return  # the prompt leaves no room, or max_tokens alone is over the room: neither is a unit matter
+    knob, value = ADVICE.search(err.message).groups()
+    assert knob == err.param or err.param == "max_tokens", err.message
+    change = {knob: int(value)} | ({"serial_blocks": 1} if "and serial_blocks to 1" in err.message else {})
+    if knob == "max_tokens":
+        max_tokens = int(value)
+    fitted = fit_length(cfg.replace(**{k: v for k, v in change.items() if k != "max_tokens"}), prompt, max_tokens, 512, "prompt")
+    assert fitted.region_length <= 512 - prompt
+    if err.param == "max_tokens":  # the unit advice given next to it works too
+        knob2, value2 = ADVICE.findall(err.message)[-1]
+        change = {knob2: int(value2)} | ({"serial_blocks": 1} if err.message.endswith("and serial_blocks to 1") else {})
+        asked = int(re.search(r"max_tokens (\d+) needs", err.message)[1])
+        assert fit_length(cfg.replace(**change), prompt, asked, 512, "prompt").region_length <= 512 - prompt
+
+
+# ---------------------------------------------------------------------------- the first byte of a stream
+@pytest.mark.parametrize("path,body", [(CHAT, {"messages": USER}), ("/v1/completions", {"prompt": "Hello"})])
+def test_a_stream_is_accepted_before_any_token_is_final(loaded, path, body):
+    """Headers (and chat's role chunk) come while the engine is held: a queued client
+    knows it was accepted. Chat's first chunk is OpenAI's {"role": "assistant", "content": ""}."""
+    engine = GatedEngine(loaded)
+    with live(loaded, engine=engine) as s:
+        engine.opened.clear()
+        got: dict = {}
+
+        def read() -> None:
+            with httpx.stream("POST", s.url + path, json={**body, "max_tokens": 8, "stream": True}, timeout=60) as r:
+                got["status"], got["type"] = r.status_code, r.headers["content-type"]
+                lines = r.iter_lines()
+                if path == CHAT:
+                    got["first"] = next(x for x in lines if x)
+                got["rest"] = [x for x in lines if x]
+
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        wait_for(lambda: "status" in got and (path != CHAT or "first" in got), timeout=10, what="headers while the step is held")
+        assert got["status"] == 200 and got["type"].startswith("text/event-stream") and "rest" not in got
+        assert engine.outputs == []  # nothing decoded yet
+        if path == CHAT:
+            delta = json.loads(got["first"][6:])["choices"][0]["delta"]
+            assert delta == {"role": "assistant", "content": ""}
+        engine.opened.set()
+        t.join(60)
+    assert got["rest"][-1] == "data: [DONE]"
+
+
+# ---------------------------------------------------------------------------- shutdown, in process
+def test_shutdown_refuses_new_and_queued_requests_with_503_and_cuts_streams_with_an_error(loaded):
+    engine = GatedEngine(loaded, delay=0.01, config=EngineConfig(max_batch_size=1))
+    model, tok = loaded
+    s = LiveServer(create_app(model, tok, DecodeConfig(gen_length=32), model_name=MODEL, engine=engine, shutdown_timeout=0.5))
+    long = {"prompt": "Hello", "max_tokens": 400, "method": "ar", "stop_token_ids": []}
+    lines: list[str] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", s.url + "/v1/completions", json={**long, "stream": True}, timeout=30) as r:
+            lines.extend(x for x in r.iter_lines() if x)
+
+    streamer = threading.Thread(target=stream, daemon=True)
+    streamer.start()
+    wait_for(lambda: s.loop.running == 1, what="the stream to run")
+    queued: list = []
+    waiter = threading.Thread(target=lambda: queued.append(post(s, "/v1/completions", long)), daemon=True)
+    waiter.start()
+    wait_for(lambda: s.loop.queue_length == 1, what="a queued request")
+    t0 = time.monotonic()
+    stopper = threading.Thread(target=s.stop)
+    stopper.start()
+    waiter.join(10)
+    err = openai_error(queued[0], 503)
+    assert (err["code"], err["type"]) == ("shutting_down", "server_error")
+    wait_for(lambda: not streamer.is_alive(), timeout=10, what="the stream to end")
+    assert time.monotonic() - t0 < 3  # 400 tokens at 10 ms would take 4 s: cut at the 0.5 s deadline
+    assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["code"] == "shutting_down"
+    stopper.join(30)
+    assert not s.thread.is_alive() and not s.loop.alive
+    assert engine.outputs[-1].finish_reason == "cancelled"
+
+
+def test_a_closing_engine_loop_answers_new_requests_with_503(server):
+    loop = server.loop
+    try:
+        loop._closing = True  # as between the first signal and uvicorn closing its sockets
+        err = openai_error(post(server, "/v1/completions", {"prompt": "x", "max_tokens": 4}), 503)
+        assert err["code"] == "shutting_down"
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 4, "stream": True})
+        assert openai_error(r, 503)["code"] == "shutting_down"
+        assert httpx.get(server.url + "/health").status_code == 503
+    finally:
+        loop._closing = False
+
+
+# ---------------------------------------------------------------------------- shutdown, a real process
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Process:
+    """`refusion serve` in a subprocess, stderr collected in a thread."""
+
+    def __init__(self, model: Path, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [sys.executable, "-u", "-m", "refusion.cli", "serve", str(model), "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=dict(os.environ, PYTHONWARNINGS="ignore"))
+        self.lines: list[tuple[float, str]] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+        wait_for(self._healthy, timeout=120, what="the server process to answer /health")
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def _healthy(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError("the server exited: " + "\n".join(x for _, x in self.lines))
+        try:
+            return httpx.get(self.url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def log_after(self, t0: float) -> list[str]:
+        return [x for t, x in self.lines if t >= t0]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def stream_client(url: str, body: dict, out: list, started: threading.Event) -> None:
+    """Loop streamed requests until the server goes; record how each one ended. A
+    request sent on a kept-alive connection just as the draining server closes it (idle)
+    gets no response at all: HTTP/1.1's race, which clients retry; it ends the loop as a
+    refused connection does. A transport error once a response has begun is recorded."""
+    with httpx.Client(timeout=60) as c:
+        while True:
+            answered = False
+            try:
+                with c.stream("POST", url + CHAT, json={**body, "stream": True}) as r:
+                    answered = True
+                    if r.status_code != 200:
+                        r.read()
+                        out.append(("status", r.status_code, r.content))
+                        continue
+                    started.set()
+                    lines = [x for x in r.iter_lines() if x]
+                out.append(("stream", lines))
+            except httpx.HTTPError as e:
+                if answered:
+                    out.append(("transport", type(e).__name__))
+                return
+
+
+@pytest.mark.slow
+def test_sigterm_under_load_drains_within_the_timeout(model_dirs):
+    """Several streaming clients (more than the batch: some queue), then SIGTERM: the
+    process exits within the timeout plus a margin; every response is a 200 stream that
+    ended with [DONE] (normally, or after an error event) or a 503 shutting_down in the
+    OpenAI format; the log has no traceback and at most a line per cut request."""
+    timeout = 1.5
+    p = Process(model_dirs[1], "--shutdown-timeout", str(timeout), "--max-batch-size", "4")
+    try:
+        body = {"messages": USER, "max_tokens": 400, "method": "ar", "stop_token_ids": []}
+        results: list[list] = [[] for _ in range(6)]
+        started = [threading.Event() for _ in results]
+        clients = [threading.Thread(target=stream_client, args=(p.url, body, out, ev), daemon=True) for out, ev in zip(results, started)]
+        for c in clients:
+            c.start()
+        for ev in started:
+            assert ev.wait(60)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        p.proc.send_signal(signal.SIGTERM)
+        p.proc.wait(timeout + 15)
+        elapsed = time.monotonic() - t0
+        for c in clients:
+            c.join(10)
+    finally:
+        p.kill()
+    assert elapsed < timeout + 3, elapsed
+    assert p.proc.returncode in (0, -signal.SIGTERM)
+    outcomes = [r for out in results for r in out]
+    for kind, *rest in outcomes:
+        assert kind in ("stream", "status"), (kind, rest)
+        if kind == "status":
+            status, content = rest
+            assert status == 503 and json.loads(content)["error"]["code"] == "shutting_down", (status, content)
+        else:
+            lines = rest[0]
+            assert lines[-1] == "data: [DONE]", lines[-3:]
+            last = json.loads(lines[-2][6:])
+            assert "error" in last or last["choices"][0]["finish_reason"] is not None, last
+            if "error" in last:
+                assert set(last["error"]) == {"message", "type", "param", "code"} and last["error"]["code"] == "shutting_down"
+    ended_with_error = [o for o in outcomes if o[0] == "stream" and "error" in json.loads(o[1][-2][6:])]
+    assert len(ended_with_error) >= 2  # the 2 queued behind a batch of 4 at least
+    log = p.log_after(t0)
+    assert not any("Traceback" in x or "Exception in ASGI" in x for _, x in p.lines), "\n".join(log)
+    assert sum("cut" in x for x in log) <= 1 and sum("refused" in x for x in log) <= 2, "\n".join(log)  # one line per event, not per request
+    assert sum(1 for x in log if '" 200' not in x and '" 503' not in x) <= 10, "\n".join(log)
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_exits_at_once(model_dirs):
+    p = Process(model_dirs[1], "--shutdown-timeout", "120", "--max-batch-size", "16")
+    try:
+        body = {"messages": USER, "max_tokens": 400, "method": "ar", "stop_token_ids": []}
+        results: list[list] = [[] for _ in range(8)]
+        started = [threading.Event() for _ in results]
+        for out, ev in zip(results, started):
+            threading.Thread(target=stream_client, args=(p.url, body, out, ev), daemon=True).start()
+        for ev in started:
+            assert ev.wait(60)
+        p.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        p.proc.send_signal(signal.SIGTERM)
+        p.proc.wait(10)
+        elapsed = time.monotonic() - t0
+    finally:
+        p.kill()
+    assert p.proc.returncode == 128 + signal.SIGTERM, p.log_after(0)  # exit_now, not a graceful end
+    assert elapsed < 2, elapsed
+    assert any("exiting now" in x for _, x in p.lines)
+    assert not any("Traceback" in x for _, x in p.lines)
