@@ -180,10 +180,14 @@ def test_humaneval_program_from_body_and_from_full_function():
 
 def test_mbpp_check_proxies_the_functions_its_asserts_call():
     record = {"test_list": ["assert remove_Occ('hello', 'l') == 'heo'", "assert math.isclose(area(2), 12.56, rel_tol=0.01)"],
-              "test_imports": ["import math"], "test_setup_code": "def helper():\n    return 1\n"}
+              "test_imports": ["import math"], "test_setup_code": "root = Node(1)\n"}
     check = programs.mbpp_program(record, "def remove_Occ(s, c):\n    return s\ndef area(r):\n    return 3.14 * r * r\n")
-    assert check.calls == ("remove_Occ", "area")  # not math, not helper, not builtins
-    assert "import math" in check.program and "def helper" in check.setup and "def helper" not in check.program
+    assert check.calls == ("remove_Occ", "area")  # not math, not builtins
+    assert "import math" in check.program and "root = Node(1)" in check.program and check.setup.strip() == "import math"
+    # asserts that call builtin names only: the function under test is the program's `sum`
+    assert programs.called_names("assert sum(10, 15) == 6\nassert sum(4, 6) == 3\n") == ("sum",)
+    # ... but never a builtin beside the program's own function: `abs` stays the checker's
+    assert programs.called_names("assert abs(f(1) - 2) < 1e-6\n") == ("f",)
 
 
 # ------------------------------------------------------------------------------ stats

@@ -1,9 +1,10 @@
 """The trusted side of a check (copied, with `wire.py`, into a folder of its own; it
 never runs inside the evaluator, and the candidate's code never runs in it).
 
-It runs the benchmark's own test code. Each name the test calls in the candidate's
-program is a proxy here: a call sends the arguments to the sandbox over a pipe and gets
-back plain data only (`wire.py`). Assertions, `==`, `abs`, `math.isclose` all run here,
+It runs the benchmark's own test code. Each name the test uses from the candidate's
+program is a `Remote` here: a call sends the arguments to the sandbox over a pipe and
+gets back plain data only (`wire.py`); an object of the program's making comes back as a
+reference that can only be handed back to the program. Assertions, `==`, `abs`, `math.isclose` all run here,
 on those values. The verdict goes to the evaluator on a pipe of its own, which the
 candidate's process does not hold. What makes a check fail, and the reason it carries:
 
@@ -38,45 +39,88 @@ class CandidateError(Exception):
     """The candidate raised an exception that is not a builtin one."""
 
 
+class Remote:
+    """An object that lives in the program's process: one of its top-level names, or an
+    object of its making that a call returned. It can be called or handed back to the
+    program's functions; any other use (comparing it, testing its truth, reading it) is
+    not plain data, so nothing the program made ever decides an assertion here."""
+
+    __slots__ = ("_key", "_what", "_channel")
+
+    def __init__(self, channel, key, what):
+        object.__setattr__(self, "_key", key)
+        object.__setattr__(self, "_what", what)
+        object.__setattr__(self, "_channel", channel)
+
+    def __call__(self, *args, **kwargs):
+        return self._channel.call(self._key, args, kwargs, self._what)
+
+    def __repr__(self):
+        return f"<{self._what}>"
+
+    def _refuse(self, *args, **kwargs):
+        raise self._channel.violated(self._channel.wire.NotPlainData(f"{self._what} is not plain data"))
+
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __bool__ = __len__ = __iter__ = __contains__ = _refuse
+    __getitem__ = __getattr__ = __setattr__ = __hash__ = __index__ = __int__ = __float__ = __str__ = __format__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __abs__ = __neg__ = _refuse
+
+
 class Channel:
     def __init__(self, wire, calls, replies):
         self.wire, self.calls, self.replies = wire, calls, replies
         self.violation = None  # the first protocol violation: fails the check even if swallowed
 
+    def violated(self, error):
+        self.violation = self.violation or error
+        return error
+
     def receive(self):
         line = self.wire.read_line(self.replies)
         if not line:
-            raise CandidateGone()
-        return self.wire.loads(line)
+            raise self.violated(CandidateGone())
+        try:
+            return self.wire.loads(line)
+        except self.wire.NotPlainData as e:
+            raise self.violated(e) from None
 
-    def call(self, name, args, kwargs):
+    def name(self, name):
+        return Remote(self, ["n", name], f"the program's {name}")
+
+    def _ref(self, value):
+        if isinstance(value, Remote):
+            return value._key
+        raise self.wire.NotPlainData(f"the test passed a {type(value).__name__}, which is not plain data")
+
+    def _resolve(self, key):
+        if type(key) is list and len(key) == 3 and key[0] == "h" and type(key[1]) is int:
+            return Remote(self, key[:2], f"a {str(key[2])[:60]} of the program's")
+        raise self.wire.NotPlainData("a malformed reference")
+
+    def call(self, key, args, kwargs, what):
         wire = self.wire
         try:
-            self.calls.write(wire.dumps({"call": name, "args": wire.to_json(tuple(args)), "kwargs": wire.to_json(dict(kwargs))}))
+            message = {"call": key, "args": wire.to_json(tuple(args), ref=self._ref),
+                       "kwargs": wire.to_json(dict(kwargs), ref=self._ref)}
+        except wire.NotPlainData as e:
+            raise TypeError(str(e)) from None  # the test's own argument: an error of the test
+        try:
+            self.calls.write(wire.dumps(message))
             self.calls.flush()
         except BrokenPipeError:
-            raise CandidateGone() from None
+            raise self.violated(CandidateGone()) from None
         reply = self.receive()
-        if "ok" in reply:
-            return wire.from_json(reply["ok"])
-        if "raise" in reply:
-            kind, message = (list(reply["raise"]) + ["", ""])[:2]
-            raise _EXCEPTIONS.get(str(kind), CandidateError)(f"{kind}: {message}"[:1000])
-        if "notplain" in reply:
-            raise wire.NotPlainData(f"{name} returned {str(reply['notplain'])[:200]}")
-        raise wire.NotPlainData(f"a malformed reply to a call of {name}")
-
-
-def _proxy(channel, name):
-    def candidate(*args, **kwargs):
         try:
-            return channel.call(name, args, kwargs)
-        except (channel.wire.NotPlainData, CandidateGone) as e:
-            channel.violation = channel.violation or e
-            raise
-
-    candidate.__name__ = candidate.__qualname__ = name
-    return candidate
+            if "ok" in reply:
+                return wire.from_json(reply["ok"], resolve=self._resolve)
+            if "notplain" in reply:
+                raise wire.NotPlainData(f"{what} returned {str(reply['notplain'])[:200]}")
+            if "raise" not in reply:
+                raise wire.NotPlainData(f"a malformed reply to a call of {what}")
+        except wire.NotPlainData as e:
+            raise self.violated(e) from None
+        kind, text = (list(reply["raise"]) + ["", ""])[:2]
+        raise _EXCEPTIONS.get(str(kind), CandidateError)(f"{kind}: {text}"[:1000])
 
 
 def _assert_line(test_lines, tb):
@@ -106,7 +150,7 @@ def verdict(job, channel):
     except Exception as e:
         return False, f"error: the test's own setup failed ({type(e).__name__}: {e})"
     for name in job["calls"]:
-        namespace[name] = _proxy(channel, name)
+        namespace[name] = channel.name(name)
     test_lines = job["test"].splitlines()
     try:
         exec(compile(job["test"], _TEST_FILE, "exec"), namespace)

@@ -7,8 +7,9 @@ evaluator started it in new mount, PID and network namespaces, /proc already the
 namespace's) and drops to its own user id; lowers its resource limits; installs
 best-effort guards; runs the program's definitions; then answers calls. Each call comes
 from the trusted checker as one line (a function name and plain-data arguments) and is
-answered with one line: the plain-data result, the exception raised, or "not plain
-data". The verdict is the checker's alone: nothing this process writes is more than an
+answered with one line: the plain-data result (an object of the program's own
+making stays here, and the checker gets a reference it can only pass back), or the
+exception raised. The verdict is the checker's alone: nothing this process writes is more than an
 answer to a call.
 
 The guards are a seatbelt against generated code doing something silly; the walls are
@@ -200,23 +201,41 @@ def _install_guards(root, block_network):
 
 
 # ------------------------------------------------------------------ serving calls
-def _answer(wire, namespace, message):
+class _Objects:
+    """What the checker may name: the program's top-level names, and the objects of its
+    own making that calls returned (kept here; the checker holds only references)."""
+
+    def __init__(self, namespace):
+        self.namespace, self.kept = namespace, []
+
+    def resolve(self, key):
+        if type(key) is list and len(key) >= 2 and key[0] == "n" and key[1] in self.namespace:
+            return self.namespace[key[1]]
+        if type(key) is list and len(key) >= 2 and key[0] == "h" and type(key[1]) is int and 0 <= key[1] < len(self.kept):
+            return self.kept[key[1]]
+        raise NameError(f"the program defines no {key[1] if type(key) is list and len(key) > 1 else key!r}")
+
+    def ref(self, value):
+        self.kept.append(value)
+        return ["h", len(self.kept) - 1, type(value).__name__]
+
+
+def _answer(wire, objects, message):
     """The reply to one call message."""
     try:
-        name = message["call"]
-        args = wire.from_json(message["args"])
-        kwargs = wire.from_json(message["kwargs"])
-    except (KeyError, TypeError, wire.NotPlainData) as e:
-        return {"raise": ["TypeError", f"malformed call: {e}"]}
-    fn = namespace.get(name)
+        fn = objects.resolve(message["call"])
+        args = wire.from_json(message["args"], resolve=objects.resolve)
+        kwargs = wire.from_json(message["kwargs"], resolve=objects.resolve)
+    except (KeyError, TypeError, NameError, wire.NotPlainData) as e:
+        return {"raise": [type(e).__name__, str(e)]}
     if not callable(fn):
-        return {"raise": ["NameError", f"the program defines no function {name!r}"]}
+        return {"raise": ["TypeError", f"{type(fn).__name__} is not callable"]}
     try:
         result = fn(*args, **kwargs)
     except Exception as e:  # the program's own error: the checker decides what it means
         return {"raise": [type(e).__name__, str(e)[:1000]]}
     try:
-        return {"ok": wire.to_json(result)}
+        return {"ok": wire.to_json(result, ref=objects.ref)}
     except wire.NotPlainData as e:
         return {"notplain": str(e)}
     except RecursionError:
@@ -224,11 +243,12 @@ def _answer(wire, namespace, message):
 
 
 def _serve(wire, namespace, calls, replies):
+    objects = _Objects(namespace)
     while True:
         line = wire.read_line(calls)
         if not line:
             return
-        replies.write(wire.dumps(_answer(wire, namespace, wire.loads(line))))
+        replies.write(wire.dumps(_answer(wire, objects, wire.loads(line))))
         replies.flush()
 
 

@@ -23,8 +23,8 @@ _CODE_START = re.compile(r"^(?:def |async def |class |import |from \S+ import |@
 
 def extract_code(text: str, entry_point: str | None = None) -> str:
     """The code in a response: the fenced block that defines entry_point (else the first
-    python block, else the first block); without fences, the text from the first line that
-    starts code. MBPP's '[BEGIN]' / '[DONE]' markers are removed."""
+    python block, else the first block); without fences, the whole text if it is Python,
+    else the text from the first line that starts code. MBPP's '[BEGIN]' / '[DONE]' markers are removed."""
     text = text.replace("[BEGIN]", "").split("[DONE]")[0]
     blocks = [(lang.lower(), body) for lang, body in _FENCE.findall(text)]
     if blocks:
@@ -37,6 +37,8 @@ def extract_code(text: str, entry_point: str | None = None) -> str:
                 return body
         return blocks[0][1]
     if text[:1] in (" ", "\t"):  # a bare function body, to follow the prompt
+        return text
+    if _compiles(text):  # bare code, module-level constants included
         return text
     m = _CODE_START.search(text)
     return text[m.start() :] if m else text
@@ -104,20 +106,23 @@ def humaneval_program(problem: dict, completion: str) -> Check:
 
 
 def mbpp_program(record: dict, completion: str) -> Check:
-    """The program: MBPP's imports, then the model's code (sanitised). The test: its
-    asserts, after its imports and setup code, in the checker; the functions they call
-    that the test does not define are the program's."""
+    """The program: MBPP's imports, the model's code (sanitised), then MBPP's setup code
+    (it builds the test's inputs, often from the program's own classes). The test: its
+    asserts, after its imports, in the checker; the names they use that the test does
+    not define are the program's."""
     code = sanitize(extract_code(completion))
-    setup = "\n".join(record.get("test_imports") or []) + "\n" + (record.get("test_setup_code") or "") + "\n"
+    imports = "\n".join(record.get("test_imports") or []) + "\n"
     tests = "\n".join(record["test_list"]) + "\n"
-    program = "\n".join(record.get("test_imports") or []) + "\n" + code
-    return Check(program=program, setup=setup, test=tests, calls=called_names(tests, setup))
+    program = f"{imports}{code}\n{record.get('test_setup_code') or ''}\n"
+    return Check(program=program, setup=imports, test=tests, calls=called_names(tests, imports))
 
 
 def called_names(test: str, setup: str = "") -> tuple[str, ...]:
     """The names a test uses that neither it nor its setup defines, nor Python's builtins
-    provide: the functions it expects the program to define."""
-    defined = set(dir(builtins))
+    provide: the functions (and values) it expects the program to define. A test whose
+    asserts call builtin names only (`assert sum(10, 15) == 6`: the program defines
+    `sum`) gets the function its asserts call first."""
+    defined: set[str] = set()
     used: list[str] = []
     for source in (setup, test):
         try:
@@ -135,4 +140,20 @@ def called_names(test: str, setup: str = "") -> tuple[str, ...]:
                 defined.add(node.arg)
             elif isinstance(node, ast.Name) and source is test and node.id not in used:
                 used.append(node.id)
-    return tuple(n for n in used if n not in defined)
+    builtin = set(dir(builtins))
+    names = tuple(n for n in used if n not in defined and n not in builtin)
+    return names or tuple(n for n in _asserted_calls(test)[:1] if n not in defined)
+
+
+def _asserted_calls(test: str) -> list[str]:
+    """The names of the calls on the left of each `assert NAME(...) == ...`, in order."""
+    try:
+        tree = ast.parse(test)
+    except SyntaxError:
+        return []
+    heads = []
+    for node in tree.body:
+        left = node.test.left if isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare) else None
+        if isinstance(left, ast.Call) and isinstance(left.func, ast.Name):
+            heads.append(left.func.id)
+    return heads

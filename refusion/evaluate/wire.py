@@ -8,8 +8,11 @@ says yes, a float subclass) can reach the checker, whatever bytes it writes. Any
 else, too deep, too large or malformed, is `NotPlainData`.
 
 Integers and floats go as hexadecimal (exact, no digit limit, NaN and infinities
-included). This module imports nothing of the package: the sandbox copies it next to the
-programs it runs.
+included); builtin types (`int`, `str`, ...) by name. A value of the program's own
+making that is not plain data (an instance of its class) travels as a reference (`ref`
+and `resolve` hooks): the checker can hand it back to the program's functions and
+do nothing else with it. This module imports nothing of the package: the sandbox copies
+it next to the programs it runs.
 """
 
 import json
@@ -24,12 +27,14 @@ class NotPlainData(BaseException):
 
 
 _COLLECTIONS = {tuple: "t", set: "s", frozenset: "fs"}
+TYPES = {t.__name__: t for t in (int, float, complex, bool, str, bytes, bytearray, list, tuple, dict, set, frozenset)}
 
 
-def to_json(value, depth=0):
-    """The JSON structure of a plain value; NotPlainData for anything else. Subclasses of
-    the plain types travel as their base type's value (read without calling any method
-    the subclass may override)."""
+def to_json(value, depth=0, ref=None):
+    """The JSON structure of a plain value. Anything else goes to `ref(value)` (a JSON
+    reference to it), or is NotPlainData when there is no `ref`. Subclasses of the plain
+    types travel as their base type's value (read without calling any method the
+    subclass may override)."""
     if depth > MAX_DEPTH:
         raise NotPlainData(f"nested more than {MAX_DEPTH} levels deep")
     if value is None or value is True or value is False:
@@ -45,23 +50,28 @@ def to_json(value, depth=0):
     if isinstance(value, (bytes, bytearray)):
         return {"b": bytes(value).hex()}
     if isinstance(value, list):
-        return [to_json(v, depth + 1) for v in list.__iter__(value)]
+        return [to_json(v, depth + 1, ref) for v in list.__iter__(value)]
     if isinstance(value, dict):
-        return {"d": [[to_json(k, depth + 1), to_json(v, depth + 1)] for k, v in dict.items(value)]}
+        return {"d": [[to_json(k, depth + 1, ref), to_json(v, depth + 1, ref)] for k, v in dict.items(value)]}
     for kind, tag in _COLLECTIONS.items():
         if isinstance(value, kind):
-            return {tag: [to_json(v, depth + 1) for v in kind.__iter__(value)]}
+            return {tag: [to_json(v, depth + 1, ref) for v in kind.__iter__(value)]}
+    if isinstance(value, type) and TYPES.get(getattr(value, "__name__", None)) is value:
+        return {"ty": value.__name__}
+    if ref is not None:
+        return {"r": ref(value)}
     raise NotPlainData(f"a {type(value).__name__} is not plain data")
 
 
-def from_json(obj, depth=0):
-    """The plain value of a JSON structure made by `to_json`; NotPlainData otherwise."""
+def from_json(obj, depth=0, resolve=None):
+    """The plain value of a JSON structure made by `to_json`; a reference becomes
+    `resolve(reference)`. NotPlainData otherwise."""
     if depth > MAX_DEPTH:
         raise NotPlainData(f"nested more than {MAX_DEPTH} levels deep")
     if obj is None or type(obj) is bool or type(obj) is str:
         return obj
     if type(obj) is list:
-        return [from_json(v, depth + 1) for v in obj]
+        return [from_json(v, depth + 1, resolve) for v in obj]
     if type(obj) is not dict or len(obj) != 1:
         raise NotPlainData(f"malformed value ({type(obj).__name__})")
     (tag, body), = obj.items()
@@ -75,10 +85,14 @@ def from_json(obj, depth=0):
         if tag == "b":
             return bytes.fromhex(_text(body))
         if tag == "d" and type(body) is list:
-            return {from_json(_pair(p)[0], depth + 1): from_json(_pair(p)[1], depth + 1) for p in body}
+            return {from_json(_pair(p)[0], depth + 1, resolve): from_json(_pair(p)[1], depth + 1, resolve) for p in body}
         if tag in ("t", "s", "fs") and type(body) is list:
-            items = [from_json(v, depth + 1) for v in body]
+            items = [from_json(v, depth + 1, resolve) for v in body]
             return {"t": tuple, "s": set, "fs": frozenset}[tag](items)
+        if tag == "ty" and type(body) is str and body in TYPES:
+            return TYPES[body]
+        if tag == "r" and resolve is not None:
+            return resolve(body)
     except (ValueError, TypeError, OverflowError) as e:  # a bad number, an unhashable set member
         raise NotPlainData(f"malformed value: {e}") from None
     raise NotPlainData(f"malformed value (tag {tag!r})")
