@@ -41,8 +41,21 @@ def _train(cfg: TrainConfig, on_step: Callable[[int], None] | None) -> TrainResu
         set_seed(cfg.seed)
         run.setup()
         return _loop(run, on_step)
+    except BaseException:
+        _leave_process_group()
+        raise
     finally:
         run.release()  # OUT is free for the next trainer, also when this one failed
+
+
+def _leave_process_group() -> None:
+    """A failed rank leaves its process group before the error propagates: a process that
+    exits with gloo's threads still running aborts ("terminate called without an active
+    exception", SIGABRT) instead of reporting its error."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _loop(run: Run, on_step: Callable[[int], None] | None) -> TrainResult:
