@@ -208,3 +208,10 @@ def test_serve_without_its_extra_names_the_extra(monkeypatch, capsys):
     assert main(["serve", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert "needs uvicorn (the serve extra)" in err and "setup.sh serve" in err and "Traceback" not in err
+
+
+def test_convert_says_what_comes_next(make_hf_dir, tmp_path, capsys):
+    assert main(["convert", str(make_hf_dir("qwen3")), str(tmp_path / "new")]) == 0
+    assert "need ReFusion training first: refusion train --model" in capsys.readouterr().out
+    assert main(["convert", str(tmp_path / "new"), str(tmp_path / "again")]) == 0  # already has its MASK
+    assert "already had <|mask|>" in capsys.readouterr().out

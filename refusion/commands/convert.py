@@ -18,10 +18,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..checkpoint import convert
+    from ..checkpoint import convert, load_metadata
 
+    had_mask = load_metadata(args.base)[0].mask_token_id is not None
     mask_id = convert(args.base, args.out, device=args.device, dtype=args.dtype, overwrite=args.force)
     print(f"wrote {args.out} (MASK token <|mask|> = id {mask_id})")
-    print("It decodes as it is with --method ar. ReFusion and MDM decoding need ReFusion training first: "
-          f"refusion train --model {args.out} --data FILE --out RUN")
+    if had_mask:
+        print("The base already had <|mask|>: its weights are copied as they are. If it was trained with "
+              f"ReFusion it decodes with ReFusion at once; if not, train it first: refusion train --model {args.out} ...")
+    else:
+        print("It decodes as it is with --method ar. ReFusion and MDM decoding need ReFusion training first: "
+              f"refusion train --model {args.out} --data FILE --out RUN")
     return 0
