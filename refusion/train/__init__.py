@@ -2,7 +2,8 @@
 same code. `train(TrainConfig(...))` is the entry point; `refusion train` is a thin
 wrapper over it.
 
-The parts: `config.py` (TrainConfig, no torch), `setup.py` (model, LoRA, optimizer,
+The parts: `config.py` (TrainConfig, no torch), `engine.py` (the Accelerator for the
+launch config's DDP / FSDP / DeepSpeed, also on CPU processes), `setup.py` (model, LoRA, optimizer,
 schedule, micro-batch inputs), `data.py` (datasets, stream, micro-batches), `run.py` (one
 optimizer step, the held-out evaluation), `checkpoints.py`, `lock.py` (one trainer per
 output directory), `log.py`, `loop.py`.

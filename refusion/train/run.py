@@ -17,6 +17,7 @@ from ..recommended import recommended_of
 from .checkpoints import Checkpoints, drop_tied_copies, list_checkpoints, resume_changes
 from .config import TrainConfig
 from .data import RunData
+from .engine import configure_deepspeed, make_accelerator
 from .lock import OutLock
 from .log import RunLog
 from .setup import (LossModel, apply_lora, apply_settings, has_accelerator, load_model_and_tokenizer, lr_factor,
@@ -29,14 +30,12 @@ class Run:
     """State of one training run: the prepared objects and the loop's counters."""
 
     def __init__(self, cfg: TrainConfig) -> None:
-        from accelerate import Accelerator
-
         self.cfg = cfg
         self.out = Path(cfg.out)
-        # cpu=True also when no accelerator exists: that is what makes accelerate join a
-        # torchrun / accelerate-launch process group on the CPU (gloo) instead of ignoring it.
-        cpu = cfg.cpu or not has_accelerator()
-        self.acc = Accelerator(cpu=cpu, mixed_precision=precision(cfg), gradient_accumulation_steps=cfg.grad_accum)
+        gpu = has_accelerator()
+        # on the engine the launch config names (DDP, FSDP, DeepSpeed), on the CPU too
+        self.acc = make_accelerator(cfg.cpu or not gpu, gpu, mixed_precision=precision(cfg),
+                                    gradient_accumulation_steps=cfg.grad_accum)
         self.main = self.acc.is_main_process
         self.rank, self.world = self.acc.process_index, self.acc.num_processes
         self.obj_cfg = cfg.objective_config()
@@ -110,14 +109,12 @@ class Run:
         cfg, acc = self.cfg, self.acc
         model = LossModel(self.lm)
         optimizer = make_optimizer(model, cfg)
-        ds = acc.state.deepspeed_plugin
-        if ds is not None:  # we batch ourselves: tell DeepSpeed what a step is
-            ds.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.batch_size
-            ds.deepspeed_config["gradient_accumulation_steps"] = cfg.grad_accum
+        if acc.state.deepspeed_plugin is not None:
+            configure_deepspeed(acc.state.deepspeed_plugin.deepspeed_config, cfg, self.world)
         self.model, self.optimizer = acc.prepare(model, optimizer)
         # Not prepared: accelerate would step it once per process. Saved with the state.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer,
+            torch_optimizer(self.optimizer),
             lambda s: lr_factor(s, self.total_steps, self.warmup, cfg.min_lr_ratio),
         )
         acc.register_for_checkpointing(self.scheduler)
@@ -186,6 +183,14 @@ class Run:
 
     def save_checkpoint(self) -> Path:
         return self.checkpoints.save(self.model, self.step, self.samples)
+
+
+def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside accelerate's wrapper (and DeepSpeed's ZeRO optimizer, one
+    level further in): the LR schedule must act on the param_groups the update reads."""
+    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def _clock(sync: bool, device: torch.device) -> float:
