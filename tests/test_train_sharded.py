@@ -24,7 +24,7 @@ _one_thread_and_fresh_accelerate = test_train._one_thread_and_fresh_accelerate
 workdir = test_train.workdir
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
-needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (pip install deepspeed)")
+needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (pip install --no-build-isolation deepspeed)")
 
 # test_train_distributed's run (3 steps, checkpoints at 2 and 3) with accumulation, so that
 # the engines' no-sync micro-batches and their clipping (lr 1e-2: every step clips) are used
@@ -163,7 +163,7 @@ def test_a_deepspeed_config_without_deepspeed_is_refused_in_one_line(workdir, to
     code = cli_train(workdir, tokenizer_dir, tmp_path / "out", "--max-steps", "1")
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
-    assert "uses DeepSpeed, which is not installed: pip install deepspeed" in err and "configs/ddp.yaml" in err, err
+    assert "uses DeepSpeed, which is not installed: pip install --no-build-isolation deepspeed" in err and "configs/ddp.yaml" in err, err
 
 
 def test_fsdp1_on_the_cpu_is_refused_in_one_line(workdir, tokenizer_dir, tmp_path, monkeypatch, capsys):

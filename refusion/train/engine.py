@@ -52,7 +52,7 @@ def check_engine(engine: str, cpu: bool, has_gpu: bool) -> None:
         return
     if importlib.util.find_spec("deepspeed") is None:
         raise ConfigError(f"the launch config ({_CONFIGS['deepspeed']}) uses DeepSpeed, which is not installed: "
-                          f"pip install deepspeed, or launch with {_CONFIGS['ddp']} or {_CONFIGS['fsdp']}")
+                          f"pip install --no-build-isolation deepspeed, or launch with {_CONFIGS['ddp']} or {_CONFIGS['fsdp']}")
 
 
 def make_accelerator(cpu: bool, has_gpu: bool, **kwargs: Any) -> Any:
