@@ -243,22 +243,23 @@ class EngineLoop:
         """Closing: jobs that wait in the engine for room fail now (they would not start
         before the deadline anyway, or would start only to be cut)."""
         queued = [j for j in self._jobs.values() if j.started is None and not self._is_running(j)]
-        for job in queued:
-            job.fail(ShuttingDown(QUEUED), "cancelled")
-            job.cancel()
-        if queued:
-            log.info("shutting down: %d queued completion(s) refused", len(queued))
+        self._fail(queued, QUEUED, log.info, "shutting down: %d queued completion(s) refused")
 
     def _cut_running(self) -> None:
         """The shutdown deadline is here (or the next step would end past it): every job
         left fails with ShuttingDown (its client gets an error, not a silent cut) and its
         row is aborted. One log line."""
         left = [j for j in self._jobs.values() if not j.finished]
-        for job in left:
-            job.fail(ShuttingDown(CUT), "cancelled")
+        self._fail(left, CUT, log.warning, "shutdown timeout over: %d running completion(s) cut")
+
+    @staticmethod
+    def _fail(jobs: list, why: str, say: Callable[..., None], line: str) -> None:
+        """Fail and cancel `jobs` with ShuttingDown(why); one log line when there were any."""
+        for job in jobs:
+            job.fail(ShuttingDown(why), "cancelled")
             job.cancel()
-        if left:
-            log.warning("shutdown timeout over: %d running completion(s) cut", len(left))
+        if jobs:
+            say(line, len(jobs))
 
     def _abort_cancelled(self) -> None:
         for job in [j for j in self._jobs.values() if j.cancelled.is_set()]:
