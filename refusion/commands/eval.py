@@ -88,8 +88,7 @@ def _evaluate_model(args: argparse.Namespace, bench, common: dict) -> dict:
     summary = evaluate(bench, generate, batch_size=args.batch_size, out_dir=out, config=cfg,
                        model=args.model or "bundled", **common)
     if lowered:
-        source = f"preset {args.preset}" if args.preset else "the checkpoint's recommendation or the default"
-        print(lowered_note(cfg, lowered, seen[0], model.config.max_position_embeddings, source), file=sys.stderr)
+        print(lowered_note(cfg, lowered, seen[0], model.config.max_position_embeddings, args.preset), file=sys.stderr)
     return summary
 
 

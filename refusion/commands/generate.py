@@ -95,8 +95,7 @@ def run(args: argparse.Namespace) -> int:
     ids, cfgs = prompts, cfg
     if args.gen_length is None:  # a length not asked for by number is lowered to fit, and said so
         ids, cfgs, lowered = fit_to_context(model, tokenizer, prompts, cfg, chat=not args.no_chat)
-        source = f"preset {args.preset}" if args.preset else "the checkpoint's recommendation or the default"
-        note = lowered_note(cfg, lowered, len(prompts), model.config.max_position_embeddings, source)
+        note = lowered_note(cfg, lowered, len(prompts), model.config.max_position_embeddings, args.preset)
         if note:
             print(note, file=sys.stderr)
     on_output = None

@@ -25,9 +25,10 @@ def generate(
     on_output: Callable[[int, RequestOutput], None] | None = None,
 ) -> list[RequestOutput]:
     """Decode every prompt, with one config for all or one per prompt (None: what the
-    checkpoint recommends, its decode_config.json); outputs come back in the order given. Every prompt is checked before any compute. `on_output(i, out)`
-    sees prompt i's output each time its final left-to-right prefix grows (its text then
-    streams; without it, text is decoded once per prompt, at the end)."""
+    checkpoint recommends, its decode_config.json); outputs come back in the order given.
+    Every prompt is checked before any compute. `on_output(i, out)` sees prompt i's output
+    each time its final left-to-right prefix grows (its text then streams; without it,
+    text is decoded once per prompt, at the end)."""
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
     if not prompts:
@@ -53,20 +54,21 @@ def generate(
 def fit_to_context(model: Transformer, tokenizer, prompts: Sequence[Prompt], cfg: DecodeConfig, *,
                    chat: bool = True) -> tuple[list[list[int]], list[DecodeConfig], list[int]]:
     """The prompts as token ids, each with `cfg`'s gen_length lowered to what the model's
-    context leaves after it, and the lengths of those it lowered. For lengths the user did not ask
-    for by number (a preset's 512, a checkpoint's recommendation); drivers say in one line
-    that they lowered them. Raises ContextLengthError for a prompt that leaves no room."""
+    context leaves after it, and the lengths of those it lowered. For lengths the user did
+    not ask for by number (a preset's 512, a checkpoint's recommendation); drivers say in
+    one line that they lowered them (`lowered_note`). Raises ContextLengthError for a prompt that leaves no room."""
     context = model.config.max_position_embeddings
     ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
     cfgs = [cfg.fit(context - len(i)) for i in ids]
     return ids, cfgs, [c.gen_length for c in cfgs if c.gen_length < cfg.gen_length]
 
 
-def lowered_note(cfg: DecodeConfig, lowered: Sequence[int], total: int, context: int, source: str) -> str | None:
+def lowered_note(cfg: DecodeConfig, lowered: Sequence[int], total: int, context: int, preset: str | None) -> str | None:
     """The one line that says a gen_length was lowered to fit the context (None if none
-    was); `lowered` holds the lengths it was lowered to."""
+    was); `lowered` holds the lengths it was lowered to, `preset` the one that set it."""
     if not lowered:
         return None
+    source = f"preset {preset}" if preset else "the checkpoint's recommendation or the default"
     to = f"{min(lowered)}" if min(lowered) == max(lowered) else f"{min(lowered)}-{max(lowered)}"
     return (f"note: gen_length {cfg.gen_length} ({source}) lowered to {to} to fit the model's context of {context} "
             f"positions after the prompt, for {len(lowered)} of {total} prompt{'s' if total > 1 else ''}; "

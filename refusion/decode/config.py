@@ -127,6 +127,10 @@ class DecodeConfig:
         max_gen_toks): the method's region is n rounded up to whole units."""
         return self.replace(gen_length=n)
 
+    def longest_fitting(self, room: int) -> int:
+        """The longest gen_length whose region fits in `room` positions (0: none does)."""
+        return max(room, 0) // self.unit * self.unit
+
     def fit(self, room: int) -> "DecodeConfig":
         """This config with gen_length lowered, if need be, so that its region fits in
         `room` positions (what the context leaves after a prompt)."""
@@ -135,7 +139,7 @@ class DecodeConfig:
         if room < self.unit:
             raise ContextLengthError(f"{self.method} decodes in units of {self.unit} tokens; only {max(room, 0)} positions "
                                      "are left after the prompt")
-        return self.replace(gen_length=min(self.gen_length, room // self.unit * self.unit))
+        return self.replace(gen_length=min(self.gen_length, self.longest_fitting(room)))
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,7 @@ class Engine:
             )
         limit = c.max_position_embeddings
         if len(ids) + cfg.region_length > limit:
-            room = (limit - len(ids)) // cfg.unit * cfg.unit
+            room = cfg.longest_fitting(limit - len(ids))
             fix = f"lower gen_length to {room} or shorten the prompt" if room > 0 else "shorten the prompt"
             raise ContextLengthError(
                 f"prompt ({len(ids)} tokens) + generation ({cfg.region_length}) exceeds the model's context of {limit} "

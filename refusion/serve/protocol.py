@@ -380,7 +380,7 @@ def fit_length(cfg: DecodeConfig, prompt_len: int, max_tokens: int | None, conte
     cfg = cfg.for_max_tokens(max_tokens)
     if cfg.region_length > room:
         knob, advice = _unit_advice(cfg, room, max_tokens)
-        fits = room // cfg.unit * cfg.unit  # the longest max_tokens that fits with this unit (0: none)
+        fits = cfg.longest_fitting(room)  # the longest max_tokens that fits with this unit (0: none)
         if fits:
             knob, advice = "max_tokens", f"lower max_tokens to at most {fits}, or {advice}"
         raise bad(
