@@ -105,10 +105,46 @@ def test_generate_until_gives_each_request_its_config_in_one_batch(lm_parts):
     assert prompts == ["p1", "p2", "p3"] and not chat  # lm-eval formats (and chat-templates) the context itself
     assert engine.max_batch_size == 2
     cfg_a, cfg_b = cfgs[0], cfgs[1]
-    # max_gen_toks 64: the output is cut at 64 tokens; the region is whole slots in the preset's 4 blocks of 32
-    assert (cfg_a.gen_length, cfg_a.region_length, cfg_a.temperature, cfg_a.slot_size, cfg_a.serial_blocks) == (64, 128, 0.0, 32, 4)
+    # the preset's length wins over the task's max_gen_toks, as the authors generated 512 tokens for every task
+    assert (cfg_a.gen_length, cfg_a.temperature, cfg_a.slot_size, cfg_a.serial_blocks) == (512, 0.0, 32, 4)
     assert cfg_a.stop == ("Q:",) and cfgs[2] == cfg_a
     assert (cfg_b.temperature, cfg_b.gen_length, cfg_b.stop) == (0.5, 512, ("more",))
+
+
+def test_generation_length_model_args_then_preset_then_task(lm_parts):
+    model, tok = lm_parts
+    kwargs = {"until": [], "max_gen_toks": 64}
+
+    def length(**model_args):
+        return ReFusionLM(model=model, tokenizer=tok, **model_args)._config(kwargs)
+
+    # gen_length=task: the task's max_gen_toks is cut at 64 tokens; the region is whole slots in 4 blocks of 32
+    task = length(preset="gsm8k", gen_length="task")
+    assert (task.gen_length, task.region_length) == (64, 128)
+    assert length(preset="gsm8k").gen_length == 512
+    assert length(preset="gsm8k", gen_length=96).gen_length == 96
+    assert length().gen_length == 64  # no preset: the task's
+    from refusion.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="'task'"):
+        length(gen_length="all")
+
+
+def test_paper_protocol_generates_in_full_then_cuts_as_the_authors_did(lm_parts):
+    model, tok = lm_parts
+    seen = []
+
+    def fake_generate(model_, tokenizer, prompts, cfgs, engine_config=None, chat=True, on_output=None):
+        seen.extend(cfgs)
+        ids = tok.encode("The answer is 5.\nQ: next<|im_end|>", add_special_tokens=False)
+        return [SimpleNamespace(text="ignored", token_ids=ids, finished=True) for _ in prompts]
+
+    lm = ReFusionLM(model=model, tokenizer=tok, preset="gsm8k", protocol="paper", generate_fn=fake_generate)
+    (out,) = lm.generate_until([request("p", {"until": ["Q:", "<|im_end|>"], "max_gen_toks": 64})])
+    assert out == "The answer is 5.\n" and seen[0].stop == () and seen[0].gen_length == 512
+    rendered = lm.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "```python\n"}],
+                                      add_generation_prompt=False)
+    assert rendered.endswith("<|im_start|>assistant\n```python\n")
 
 
 def test_generate_until_caps_outputs_at_max_gen_toks_and_stops(lm_parts):

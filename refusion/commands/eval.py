@@ -16,11 +16,16 @@ from ..flags import add_decode_arguments, decode_config_from_args, engine_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..evaluate.benchmarks import BENCHMARKS
+    from ..evaluate.benchmarks import BENCHMARKS, PROTOCOLS
 
     parser.add_argument("model", nargs="?", default=None,
                         help="checkpoint directory or hub id (default: the bundled model)")
     parser.add_argument("--task", required=True, choices=list(BENCHMARKS), help="benchmark")
+    parser.add_argument("--protocol", choices=PROTOCOLS, default="robust",
+                        help="robust (default): our prompts and lenient answer extraction; paper: the authors' "
+                             "evaluation as they ran it (their prompts, pre-fills, stop strings, filters and metrics)")
+    parser.add_argument("--show-prompt", type=int, default=None, metavar="N",
+                        help="print the exact text fed to the model for document N (after the chat template) and exit")
     parser.add_argument("--limit", type=int, default=None, help="only the first N samples")
     parser.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (default 1)")
     parser.add_argument("--out", default=None, help="results directory (default runs/eval/TASK-METHOD)")
@@ -31,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="score completions from this JSONL (task_id/id/index + completion) without a model")
     parser.add_argument("--device", default="cpu", help="torch device for the model (default cpu)")
     parser.add_argument("--dtype", default=None, help="model dtype, e.g. bfloat16 (default: the checkpoint's)")
-    parser.add_argument("--timeout", type=float, default=10.0, help="code tasks: seconds per program (default 10)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="code tasks: seconds per program (default 10; 3 with --protocol paper, as theirs)")
     parser.add_argument("--workers", type=int, default=None, help="code tasks: parallel programs (default: cores)")
     parser.add_argument("--overwrite", action="store_true", help="discard earlier results in --out instead of resuming")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -42,13 +48,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..evaluate import Limits, evaluate, get_benchmark
 
-    bench = get_benchmark(args.task)
-    common = dict(data=args.data, limit=args.limit, limits=Limits(timeout=args.timeout), workers=args.workers,
+    bench = get_benchmark(args.task, args.protocol)
+    if args.show_prompt is not None:
+        return _show_prompt(args, bench)
+    timeout = args.timeout if args.timeout is not None else getattr(bench, "timeout", 10.0)
+    common = dict(data=args.data, limit=args.limit, limits=Limits(timeout=timeout), workers=args.workers,
                   overwrite=args.overwrite, progress=not args.no_progress)
     if args.predictions:
         if args.model:
             raise ConfigError("give either MODEL or --predictions, not both")
-        out = args.out or f"runs/eval/{bench.name}-predictions"
+        out = args.out or f"runs/eval/{_run_name(bench)}-predictions"
         summary = evaluate(bench, predictions=args.predictions, out_dir=out, **common)
     else:
         summary = _evaluate_model(args, bench, common)
@@ -67,29 +76,68 @@ def _evaluate_model(args: argparse.Namespace, bench, common: dict) -> dict:
     import refusion
     from ..decode.api import fit_to_context, lowered_note
     from ..evaluate import evaluate
+    from ..evaluate.benchmarks import Chat
+    from ..evaluate.paper import finish_output
 
     args.preset = args.preset or bench.preset
     decode_config_from_args(args)  # bad flags fail before the model loads
     engine_cfg = engine_config_from_args(args)
     model, tokenizer = refusion.load(args.model, device=args.device, dtype=args.dtype)
     cfg = decode_config_from_args(args, model=model)
+    if bench.protocol == "paper":
+        cfg = cfg.replace(stop=())  # the authors generate in full and cut at the task's stops afterwards
     lowered: list[int] = []  # the lengths lowered to
     seen = [0]
 
-    def generate(prompts: list[str]):
+    def generate(queries: list):
+        chats = [q if isinstance(q, Chat) else None for q in queries]
+        prompts = [c.ids(tokenizer) if c else q for c, q in zip(chats, queries)]
         if args.gen_length is not None:
-            return refusion.generate(model, tokenizer, prompts, cfg, engine_config=engine_cfg)
-        ids, cfgs, fitted = fit_to_context(model, tokenizer, prompts, cfg)
-        lowered.extend(fitted)
-        seen[0] += len(prompts)
-        return refusion.generate(model, tokenizer, ids, cfgs, engine_config=engine_cfg)
+            outs = refusion.generate(model, tokenizer, prompts, cfg, engine_config=engine_cfg)
+        else:
+            ids, cfgs, fitted = fit_to_context(model, tokenizer, prompts, cfg)
+            lowered.extend(fitted)
+            seen[0] += len(prompts)
+            outs = refusion.generate(model, tokenizer, ids, cfgs, engine_config=engine_cfg)
+        return [finish_output(o, c, tokenizer) if c else o for o, c in zip(outs, chats)]
 
-    out = args.out or f"runs/eval/{bench.name}-{cfg.method}"
+    out = args.out or f"runs/eval/{_run_name(bench)}-{cfg.method}"
     summary = evaluate(bench, generate, batch_size=args.batch_size, out_dir=out, config=cfg,
                        model=args.model or "bundled", **common)
     if lowered:
         print(lowered_note(cfg, lowered, seen[0], model.config.max_position_embeddings, args.preset), file=sys.stderr)
     return summary
+
+
+def _run_name(bench) -> str:
+    return bench.name if bench.protocol == "robust" else f"{bench.name}-{bench.protocol}"
+
+
+def _show_prompt(args: argparse.Namespace, bench) -> int:
+    """Print document N's input as the model gets it, chat template applied, with what
+    the protocol does after generation; reads the tokenizer, not the weights."""
+    from ..checkpoint import load_metadata
+    from ..prompts import prompt_text
+
+    n = args.show_prompt
+    if n < 0:
+        raise ConfigError(f"--show-prompt takes a document index from 0, got {n}")
+    samples = bench.load(args.data, n + 1)
+    if n >= len(samples):
+        raise ConfigError(f"--show-prompt {n}: {bench.name} has {len(samples)} documents (0 to {len(samples) - 1})")
+    sample = samples[n]
+    _, tokenizer = load_metadata(args.model)
+    if tokenizer is None:
+        raise ConfigError(f"{args.model}: no tokenizer files, so there is no prompt text to show")
+    if sample.request is not None:
+        text, until = sample.request.text(tokenizer), list(sample.request.until)
+    else:
+        text, until = prompt_text(tokenizer, sample.prompt), []
+    sys.stdout.write(text)  # exactly, to diff against another harness's prompt
+    sys.stdout.flush()
+    print(f"{'' if text.endswith(chr(10)) else chr(10)}--- {bench.name} document {n} ({sample.id}), protocol {bench.protocol}; gold: {sample.gold!r}; "
+          f"stop strings applied after generation: {until!r}", file=sys.stderr)
+    return 0
 
 
 def _report_errors(summary: dict) -> int:

@@ -119,7 +119,7 @@ class Engine:
         limit = c.max_position_embeddings
         if len(ids) + cfg.region_length > limit:
             room = cfg.longest_fitting(limit - len(ids))
-            fix = f"lower gen_length to {room} or shorten the prompt" if room > 0 else "shorten the prompt"
+            fix = f"lower gen_length to {room} or shorten the prompt" if room > 0 else _unit_fix(cfg, limit - len(ids))
             raise ContextLengthError(
                 f"prompt ({len(ids)} tokens) + generation ({cfg.region_length}) exceeds the model's context of {limit} "
                 f"positions; {fix}"
@@ -292,3 +292,14 @@ class Engine:
 def _rows_per_request(cfg: DecodeConfig) -> int:
     """Cache rows a request may hold at once: ReFusion forks one per slot of a block."""
     return 1 + cfg.slots_per_block if cfg.method == "refusion" else 1
+
+
+def _unit_fix(cfg: DecodeConfig, room: int) -> str:
+    """What to change when not even one decoding unit fits after the prompt: ReFusion's
+    unit is slot_size x serial_blocks, so fewer blocks may fit where gen_length cannot."""
+    if cfg.method == "refusion" and cfg.serial_blocks > 1:
+        fitting = [b for b in range(cfg.serial_blocks - 1, 0, -1) if cfg.replace(serial_blocks=b).region_length <= room]
+        if fitting:
+            return (f"ReFusion decodes in units of slot_size x serial_blocks = {cfg.unit} tokens: lower serial_blocks "
+                    f"to {fitting[0]}, or shorten the prompt")
+    return "shorten the prompt"

@@ -22,6 +22,33 @@ from .errors import DatasetUnavailableError, UnknownTaskError
 from .sandbox import Check, Limits, run_checks
 
 
+@dataclass(frozen=True)
+class Chat:
+    """A request as a whole conversation, for protocols that need more than one user
+    message: the turns (a system turn, the user's, an assistant turn pre-filled for the
+    model to continue), the chat template's own options, and the stop strings its output
+    is cut at after generation."""
+
+    messages: tuple[dict, ...]
+    until: tuple[str, ...] = ()
+    template_options: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def prefilled(self) -> bool:
+        return self.messages[-1]["role"] == "assistant"
+
+    def text(self, tokenizer: Any) -> str:
+        """The conversation as the model sees it, after the tokenizer's chat template."""
+        from ..prompts import chat_text
+
+        return chat_text(tokenizer, self.messages, not self.prefilled, **dict(self.template_options))
+
+    def ids(self, tokenizer: Any) -> list[int]:
+        from ..prompts import chat_ids
+
+        return chat_ids(tokenizer, self.messages, continue_final=self.prefilled, **dict(self.template_options))
+
+
 @dataclass
 class Sample:
     """One benchmark item, ready to prompt and to score."""
@@ -31,6 +58,12 @@ class Sample:
     prompt: str  # the user message (generate applies the chat template)
     gold: Any  # the reference answer, as stored in the per-sample results
     data: dict = field(default_factory=dict, repr=False)  # what scoring needs
+    request: Chat | None = None  # what generate is given instead of `prompt`, when set
+
+    @property
+    def query(self) -> "str | Chat":
+        """What the generate function is given for this sample."""
+        return self.request if self.request is not None else self.prompt
 
 
 @dataclass
@@ -42,6 +75,7 @@ class Scored:
 
 class Benchmark:
     name: str = ""
+    protocol: str = "robust"  # whose rules prompt and score it (PROTOCOLS)
     preset: str | None = None  # DecodeConfig preset with the authors' settings
     hub: HubSource | None = None
     fields: str = ""  # the record fields we read, for error messages
@@ -71,6 +105,10 @@ class Benchmark:
 
     def sample(self, record: dict, index: int) -> Sample:
         raise NotImplementedError
+
+    def notes(self) -> dict:
+        """How this machine scores it, where that can vary (recorded in the summary)."""
+        return {}
 
     def score_one(self, sample: Sample, output: str) -> Scored:
         raise NotImplementedError
@@ -201,6 +239,8 @@ class MMLUPro(MultipleChoice):
 class CodeBenchmark(Benchmark):
     """Scored by running the program built from the output against the benchmark's tests."""
 
+    timeout: float = 10.0  # seconds per program unless the caller's Limits say otherwise
+
     def program(self, sample: Sample, output: str) -> Check:
         raise NotImplementedError
 
@@ -319,10 +359,20 @@ def _field(item, *names):
 BENCHMARKS: dict[str, Benchmark] = {
     b.name: b for b in (GSM8K(), MATH(), MBPP(), HumanEval(), GPQA(), ARCChallenge(), MMLUPro(), Suite())
 }
+# robust: our prompts and lenient answer extraction, the same for every model; paper: the
+# authors' evaluation as they ran it (paper.py)
+PROTOCOLS = ("robust", "paper")
 
 
-def get_benchmark(name: str) -> Benchmark:
-    try:
+def get_benchmark(name: str, protocol: str = "robust") -> Benchmark:
+    if protocol not in PROTOCOLS:
+        raise UnknownTaskError(f"unknown protocol {protocol!r}; known: {', '.join(PROTOCOLS)}")
+    if name not in BENCHMARKS:
+        raise UnknownTaskError(f"unknown task {name!r}; known: {', '.join(BENCHMARKS)}")
+    if protocol == "robust":
         return BENCHMARKS[name]
-    except KeyError:
-        raise UnknownTaskError(f"unknown task {name!r}; known: {', '.join(BENCHMARKS)}") from None
+    from .paper import PAPER_BENCHMARKS
+
+    if name not in PAPER_BENCHMARKS:
+        raise UnknownTaskError(f"{name} has no {protocol} protocol (it is ours, not the paper's): use --protocol robust")
+    return PAPER_BENCHMARKS[name]

@@ -1,11 +1,24 @@
 """lm-evaluation-harness model `refusion`: any lm-eval task on a ReFusion model.
 
 - generate_until: every request with its own DecodeConfig (a preset, the model_args, then
-  the request's max_gen_toks / temperature, and its `until` as stop strings, which end
-  the row early), all in one `refusion.generate` call: the engine batches any mix of
-  settings (model_args `max_batch_size` and `batch_size` bound it). lm-eval has already
-  formatted the context (and applied the chat template with --apply_chat_template), so we
-  generate with chat=False.
+  the request's temperature, and its `until` as stop strings, which end the row early),
+  all in one `refusion.generate` call: the engine batches any mix of settings (model_args
+  `max_batch_size` and `batch_size` bound it). lm-eval has already formatted the context
+  (and applied the chat template with --apply_chat_template), so we generate with
+  chat=False.
+- generation length: model_args `gen_length=N`, else the preset's (the authors' 512),
+  else the task's `max_gen_toks`, else the checkpoint's recommendation; `gen_length=task`
+  takes each task's `max_gen_toks` even with a preset.
+- `protocol=paper` generates as the authors' eval.py did: the chat template rendered with
+  `enable_thinking=True`, the full length generated, then cut at `until` and the first
+  python block kept (`paper_rules.finish`). With it, their own task files run as they
+  ran them (from a checkout of their repository, whose lm_eval/tasks holds the tasks
+  they edited):
+
+      python -m refusion.evaluate.lm_eval_plugin run --model refusion \\
+          --model_args pretrained=GSAI-ML/ReFusion,preset=gsm8k,protocol=paper \\
+          --include_path ReFusion/lm_eval/tasks --tasks gsm8k_cot --num_fewshot 0 \\
+          --apply_chat_template --log_samples --output_path out/gsm8k_cot
 - loglikelihood / loglikelihood_rolling: plain AR scoring by the same model, in one
   forward per batch, `model(tokens, positions)` with positions = arange (right padding
   does not disturb a causal model: pads come after every scored token).
@@ -28,6 +41,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .paper import TEMPLATE_OPTIONS
+from .paper_rules import finish
+
 try:
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
@@ -48,7 +64,8 @@ class ReFusionLM(LM):
         pretrained: str | None = None,
         method: str | None = None,
         preset: str | None = None,
-        gen_length: int | None = None,
+        gen_length: int | str | None = None,
+        protocol: str = "robust",
         batch_size: int | str = 1,
         max_length: int | None = None,
         device: str = "cpu",
@@ -69,8 +86,18 @@ class ReFusionLM(LM):
         limit = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 2048
         self.max_length = min(int(max_length), limit) if max_length else limit
         self._generate_fn = generate_fn
+        if protocol not in ("robust", "paper"):
+            from refusion.errors import ConfigError
+
+            raise ConfigError(f"protocol takes robust or paper, got {protocol!r}")
+        self.protocol = protocol
+        if gen_length is not None and gen_length != "task" and not str(gen_length).isdigit():
+            from refusion.errors import ConfigError
+
+            raise ConfigError(f"gen_length takes a number of tokens or 'task' (each task's max_gen_toks), got {gen_length!r}")
+        self._gen_length = gen_length if gen_length in (None, "task") else int(gen_length)
         self._decode, self._engine = _split_model_args(
-            {"method": method, "preset": preset, "gen_length": gen_length, **decode_overrides}, self.batch_size)
+            {"method": method, "preset": preset, **decode_overrides}, self.batch_size)
 
     # ------------------------------------------------------------------- tokenisation
     @property
@@ -85,7 +112,8 @@ class ReFusionLM(LM):
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         from refusion.prompts import chat_text
 
-        return chat_text(self.tokenizer, chat_history, add_generation_prompt)
+        options = dict(TEMPLATE_OPTIONS) if self.protocol == "paper" else {}
+        return chat_text(self.tokenizer, chat_history, add_generation_prompt, **options)
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -102,8 +130,9 @@ class ReFusionLM(LM):
     # ------------------------------------------------------------------- generation
     def _config(self, gen_kwargs: dict):
         """The request's DecodeConfig: the checkpoint's recommended settings, the preset, the
-        model_args' fields, then the task's generation kwargs (temperature, max_gen_toks,
-        until as stop strings)."""
+        model_args' fields, then the task's generation kwargs (temperature, until as stop
+        strings unless the paper protocol cuts afterwards), and the generation length (see
+        the module's docstring)."""
         from refusion.decode.config import DecodeConfig
         from refusion.recommended import recommended_of
 
@@ -116,11 +145,13 @@ class ReFusionLM(LM):
             overrides["temperature"] = 0.0
         elif gen_kwargs.get("temperature") is not None:
             overrides["temperature"] = float(gen_kwargs["temperature"])
-        until = gen_kwargs.get("until") or []
-        overrides["stop"] = tuple(s for s in ([until] if isinstance(until, str) else until) if s)
+        overrides["stop"] = () if self.protocol == "paper" else _until(gen_kwargs)
         cfg = cfg.replace(**overrides)
-        if gen_kwargs.get("max_gen_toks") and d.get("gen_length") is None:
-            cfg = cfg.for_max_tokens(int(gen_kwargs["max_gen_toks"]))
+        task_length = gen_kwargs.get("max_gen_toks")
+        if isinstance(self._gen_length, int):
+            return cfg.for_max_tokens(self._gen_length)
+        if task_length and (self._gen_length == "task" or not preset):
+            return cfg.for_max_tokens(int(task_length))
         return cfg
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
@@ -144,6 +175,9 @@ class ReFusionLM(LM):
         results = []
         for request, context, out in zip(requests, contexts, outputs):
             text = out if isinstance(out, str) else out.text  # cut at max_gen_toks and the stop strings
+            if self.protocol == "paper":
+                raw = self.tokenizer.decode(list(out.token_ids), skip_special_tokens=False) if hasattr(out, "token_ids") else text
+                text = finish(raw, _until(dict(request.args[1])), self.tokenizer)
             results.append(text)
             self.cache_hook.add_partial("generate_until", (context, request.args[1]), text)
         bar.close()
@@ -217,6 +251,11 @@ def main() -> None:
     cli_evaluate()
 
 
+def _until(gen_kwargs: dict) -> tuple[str, ...]:
+    until = gen_kwargs.get("until") or []
+    return tuple(s for s in ([until] if isinstance(until, str) else until) if s)
+
+
 def _split_model_args(args: dict[str, Any], batch_size: int):
     """model_args into DecodeConfig fields (and `preset`) and an EngineConfig; a name that
     is neither is an error that lists the names accepted."""
@@ -229,7 +268,7 @@ def _split_model_args(args: dict[str, Any], batch_size: int):
         from refusion.errors import ConfigError
 
         raise ConfigError(f"unknown model_args {', '.join(unknown)}; accepted: pretrained, batch_size, max_length, device, "
-                          f"dtype, {', '.join(sorted(decode_names | engine_names))}")
+                          f"dtype, protocol, {', '.join(sorted(decode_names | engine_names))}")
     engine = {k: v for k, v in args.items() if k in engine_names and v is not None}
     engine.setdefault("max_batch_size", batch_size)
     return {k: v for k, v in args.items() if k in decode_names}, EngineConfig(**engine)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import builtins
 import re
+import sys
 
 from .sandbox import Check
 
@@ -115,6 +116,26 @@ def mbpp_program(record: dict, completion: str) -> Check:
     tests = "\n".join(record["test_list"]) + "\n"
     program = f"{imports}{code}\n{record.get('test_setup_code') or ''}\n"
     return Check(program=program, setup=imports, test=tests, calls=called_names(tests, imports))
+
+
+def shared_imports(program: str, test: str) -> str:
+    """Import lines for the standard-library modules the program imports at top level and
+    the test uses (`assert math.isclose(...)` after the program's `import math`): where
+    program and test share one namespace, the test sees them, and a module is not plain
+    data the sandbox can hand over, so the trusted side imports its own copy."""
+    try:
+        program_tree, test_tree = ast.parse(program), ast.parse(test)
+    except (SyntaxError, ValueError):
+        return ""
+    used = {n.id for n in ast.walk(test_tree) if isinstance(n, ast.Name)}
+    lines = []
+    for node in program_tree.body:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                bound = alias.asname or alias.name.split(".")[0]
+                if bound in used and alias.name.split(".")[0] in sys.stdlib_module_names:
+                    lines.append(f"import {alias.name}" + (f" as {alias.asname}" if alias.asname else ""))
+    return "\n".join(dict.fromkeys(lines))
 
 
 def called_names(test: str, setup: str = "") -> tuple[str, ...]:

@@ -55,6 +55,9 @@ def summarize(records: Sequence[dict], extracts: bool = True) -> dict:
         "no_answer": sum(r.get("extracted") is None for r in records) if extracts else None,
         "generation_errors": sum(_reason(r) == GENERATION_ERROR for r in records),
     }
+    metrics = _metric_means(records)
+    if metrics:
+        summary["metrics"] = metrics
     tokens, nfe, wall = _sum(records, "tokens"), _sum(records, "nfe"), _sum(records, "wall_time")
     gen_seconds = sum(r.get("gen_seconds") or 0.0 for r in records)
     latencies = [r["stats"]["wall_time"] for r in records if r.get("stats") and r["stats"].get("wall_time") is not None]
@@ -76,6 +79,16 @@ def summarize(records: Sequence[dict], extracts: bool = True) -> dict:
     return summary
 
 
+def _metric_means(records: Sequence[dict]) -> dict[str, float]:
+    """Each metric the benchmark reports per sample (`detail.metrics`, as lm-eval names
+    them), averaged over all samples: one that failed to generate scores 0."""
+    names: list[str] = []
+    for r in records:
+        names += [k for k in ((r.get("detail") or {}).get("metrics") or {}) if k not in names]
+    return {k: sum(bool(((r.get("detail") or {}).get("metrics") or {}).get(k)) for r in records) / len(records)
+            for k in names}
+
+
 def _reason(record: dict) -> str | None:
     return (record.get("detail") or {}).get("reason")
 
@@ -87,6 +100,8 @@ def one_line(task: str, summary: dict) -> str:
     line = f"{task}: accuracy {100 * summary['accuracy']:.2f}% ({summary['correct']}/{summary['n']}, 95% CI {100 * lo:.1f}-{100 * hi:.1f})"
     if summary.get("tps") is not None:
         line += f", {summary['tps']:.1f} tok/s, TPF {summary['tpf']:.2f}, NFE {summary['nfe_mean']:.1f}"
+    if len(summary.get("metrics") or {}) > 1:
+        line += "; " + ", ".join(f"{k} {100 * v:.2f}%" for k, v in summary["metrics"].items())
     if summary.get("resumed"):
         line += f"; {summary['resumed']} of {summary['n']} samples resumed from an earlier run"
     if summary.get("generation_errors"):

@@ -1,8 +1,10 @@
 """Run a benchmark end to end: prompts -> completions -> scores -> results on disk.
 
-Completions come from an injectable `generate_fn(prompts) -> outputs` (each output has
-`.text` and optionally `.stats`; `refusion.generate` with a bound model in real runs, a
-fake in tests) or from a predictions file made elsewhere. Results go to OUT/:
+Completions come from an injectable `generate_fn(queries) -> outputs` (a query is the
+sample's user message, or a `Chat` where the protocol asks for a whole conversation; each
+output has `.text` and optionally `.stats`; the eval command's binding of
+`refusion.generate` in real runs, a fake in tests) or from a predictions file made
+elsewhere. Results go to OUT/:
 
 - samples.jsonl  one line per sample as soon as it is scored (prompt, output, extracted,
                  gold, correct, stats); a rerun with the same settings skips these;
@@ -101,7 +103,8 @@ class ResultsDir:
                 f.unlink(missing_ok=True)
         if run.exists() and self.samples.exists():
             before = json.loads(run.read_text())
-            keys = ("task", "model", "config", "data", "predictions")
+            before.setdefault("protocol", "robust")  # written before there were protocols
+            keys = ("task", "protocol", "model", "config", "data", "predictions")
             if any(before.get(k) != settings.get(k) for k in keys):
                 changed = [k for k in keys if before.get(k) != settings.get(k)]
                 raise ResumeMismatchError(
@@ -175,7 +178,7 @@ def evaluate(
     else:
         complete = _from_generate(generate_fn)
     config_dict = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
-    settings = {"task": bench.name, "model": model, "config": config_dict, "data": data or "default",
+    settings = {"task": bench.name, "protocol": bench.protocol, "model": model, "config": config_dict, "data": data or "default",
                 "predictions": str(predictions) if predictions else None, "limit": limit}
     results = ResultsDir(out_dir or Path("runs") / "eval" / bench.name, settings, overwrite)
     done = results.done()
@@ -201,7 +204,8 @@ def evaluate(
             bar.update(len(batch))
             bar.set_postfix(acc=f"{sum(r['correct'] for r in records) / len(records):.3f}")
     first_error = next((r["detail"]["error"] for r in records if (r.get("detail") or {}).get("reason") == GENERATION_ERROR), None)
-    summary = {"task": bench.name, "model": model, **summarize(records, bench.extracts), "config": config_dict,
+    summary = {"task": bench.name, "protocol": bench.protocol, "model": model, **summarize(records, bench.extracts),
+               "config": config_dict,
                "first_generation_error": first_error,
                "data": settings["data"], "predictions": settings["predictions"], "limit": limit,
                "resumed": len(wanted & done.keys()), "missing_predictions": missing,
@@ -210,6 +214,8 @@ def evaluate(
                "files": {"samples": str(results.samples), "summary": str(results.summary)}}
     if isinstance(bench, CodeBenchmark):
         summary["sandbox"] = isolation().describe()
+    if bench.notes():
+        summary["scoring"] = bench.notes()
     results.write_summary(summary)
     summary["line"] = one_line(bench.name, summary)
     return summary
@@ -233,7 +239,7 @@ def _from_generate(generate_fn: GenerateFn) -> Callable[[list[Sample]], list[Com
 
     def complete(batch: list[Sample]) -> list[Completion]:
         try:
-            outputs = list(generate_fn([s.prompt for s in batch]))
+            outputs = list(generate_fn([s.query for s in batch]))
         except ConfigError as e:  # ContextLengthError among them: the request's fault, not the run's
             if len(batch) == 1:
                 return [Completion("", error=str(e))]
@@ -267,10 +273,12 @@ def _score(bench: Benchmark, batch: list[Sample], completions: list[Completion],
 
 
 def _record(sample: Sample, completion: Completion, scored: Scored, gen_seconds: float | None) -> dict:
+    request = {"messages": list(sample.request.messages), "until": list(sample.request.until)} if sample.request else {}
     return {
         "id": sample.id,
         "index": sample.index,
         "prompt": sample.prompt,
+        **request,
         "output": completion.text,
         "extracted": scored.extracted,
         "gold": sample.gold,
