@@ -281,7 +281,14 @@ MB = {"task_id": 11, "text": "Write a function to add one.", "code": "def add_on
 
 def test_mbpp_runs_the_raw_output_with_the_three_asserts():
     bench, s = one("mbpp", MB)
-    assert s.request.until == ("[DONE]",) and s.prompt.endswith("assert math.floor(add_one(0.5)) == 1\n[BEGIN]\n")
+    assert s.request.until == ("[DONE]",)
+    assert s.request.messages == ({"role": "user", "content": (
+        "You are an expert Python programmer. Your task is to write a single Python function to solve the problem "
+        "described below, and here is your task: Write a function to add one.\n\nDirectly after the '[BEGIN]' marker, "
+        "you must write only the Python code for the function. Do not provide any explanations, comments, or "
+        "introductory text. The function must include the 'def' line, its arguments, the function body, and a "
+        "'return' statement. Your code should pass these tests:\n\nassert add_one(1) == 2\nassert add_one(2) == 3\n"
+        "assert math.floor(add_one(0.5)) == 1\n[BEGIN]\n")},)
     outputs = [finish("```python\nimport math\ndef add_one(x):\n    return x + 1\n```\nIt adds one.", s.request.until),
                "import math\ndef add_one(x):\n    return x + 1\n[DONE] trailing prose",
                "def add_one(x):\n    return x + 1\n",  # the test's `math` is not imported: no setup code here

@@ -287,6 +287,7 @@ class HumanEval(CodeBenchmark):
 class MBPP(CodeBenchmark):
     name, preset, fields = "mbpp", "mbpp", "text (or prompt), test_list, task_id"
     hub = HubSource("google-research-datasets/mbpp", ("full",))
+    # the authors' mbpp prompt word for word (the paper protocol uses it as well)
     template = (
         "You are an expert Python programmer. Your task is to write a single Python function to solve the problem "
         "described below, and here is your task: {text}\n\nDirectly after the '[BEGIN]' marker, you must write only "

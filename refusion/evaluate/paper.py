@@ -265,22 +265,15 @@ class HumanEval(PaperCode, robust.HumanEval):
 
 
 class MBPP(PaperCode, robust.MBPP):
-    """mbpp, zero-shot: the output as it is (after the python-block rule) run with the
-    first three asserts, without the dataset's setup code or imports."""
+    """mbpp, zero-shot: the robust benchmark's prompt, which is theirs word for word; the
+    output as it is (after the python-block rule) run with the first three asserts,
+    without the dataset's setup code or imports."""
 
-    template = (
-        "You are an expert Python programmer. Your task is to write a single Python function to solve the problem "
-        "described below, and here is your task: {text}\n\nDirectly after the '[BEGIN]' marker, you must write only "
-        "the Python code for the function. Do not provide any explanations, comments, or introductory text. The "
-        "function must include the 'def' line, its arguments, the function body, and a 'return' statement. Your "
-        "code should pass these tests:\n\n{tests}\n[BEGIN]\n"
-    )
     until = ("[DONE]",)
 
     def sample(self, record, index):
         sample = super().sample(record, index)
-        user = self.template.format(text=record["text"], tests="\n".join(record["test_list"][:3]))
-        return _with_template(sample, user, self.chat(user))
+        return _with_template(sample, sample.prompt, self.chat(sample.prompt))
 
     def extract(self, sample, output):
         return output
