@@ -23,6 +23,7 @@ import shutil
 import socket
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,8 @@ from safetensors.torch import save_file
 from .config import DTYPE_NAMES, ModelConfig
 from .errors import CheckpointError, ConfigError
 from .model import Transformer, rope_inv_freq
+from .parallel.launch import tensor_shard
+from .parallel.tensor import local_config, make_row_parallel, slice_of
 from .prompts import MASK_TOKEN, mask_id_of, tokenizer_mask_id
 from .recommended import Recommended, recommended_of
 
@@ -54,6 +57,7 @@ def load(
     path: PathLike | None = None,
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype | None = None,
+    tensor_parallel_size: int = 1,
 ) -> tuple[Transformer, Any]:
     """Load a model and its tokenizer.
 
@@ -64,17 +68,30 @@ def load(
     the device can run it, else float32; or "float32" / "bfloat16" / "float16" / a torch
     dtype. The tokenizer is None when the directory has no tokenizer files.
     `model.config.mask_token_id` is the config's, else the tokenizer's `<|mask|>` id.
+    tensor_parallel_size N > 1 (in a group of N processes, see `refusion.parallel`): this
+    rank's share of the model, read as slices of the checkpoint's tensors; its config is
+    the share's (`model.tensor_parallel` says which).
     """
     dev = _check_device(device)
     wanted = parse_dtype(dtype, dev)  # a bad dtype fails before any file is read
     source = _resolve(path)
+    shard = tensor_shard(tensor_parallel_size)
     if source.suffix == ".gguf":
+        if shard is not None:
+            raise ConfigError("tensor parallelism reads safetensors slices; convert the GGUF file first "
+                              "(refusion convert FILE.gguf OUT) and load OUT")
         return _load_gguf(source, dev, wanted)
     config, tokenizer = _read_metadata(source)
     model = _empty_model(config)
     headers = _checked_headers(source, model)
-    state = _read_tensors(headers, set(_expected_shapes(model)), dev, wanted or _config_dtype(config, dev))
+    slicer = None
+    if shard is not None:
+        model = _empty_model(local_config(config, shard.world))
+        make_row_parallel(model, shard)
+        slicer = lambda name: slice_of(name, config, shard)  # noqa: E731
+    state = _read_tensors(headers, set(_expected_shapes(model)), dev, wanted or _config_dtype(config, dev), slicer)
     model = _fill(model, state, dev)
+    model.tensor_parallel = shard
     model.recommended = Recommended.read(source)  # decode settings that travel with the weights
     return model, tokenizer
 
@@ -351,15 +368,25 @@ def _read_tensors(
     names: set[str],
     device: torch.device,
     dtype: torch.dtype,
+    slicer: Callable[[str], tuple[int, int, int] | None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The named tensors, cast and moved one at a time (peak memory: one extra tensor)."""
+    """The named tensors, cast and moved one at a time (peak memory: one extra tensor);
+    where `slicer` gives (dim, start, stop) for a name, only that slice is read."""
     state: dict[str, torch.Tensor] = {}
     for f in sorted({f for f, _ in headers.values()}):
         try:
             with safe_open(f, framework="pt") as st:
                 for name in st.keys():
-                    if name in names:
-                        state[name] = st.get_tensor(name).to(device=device, dtype=dtype)
+                    if name not in names:
+                        continue
+                    part = slicer(name) if slicer is not None else None
+                    if part is None:
+                        tensor = st.get_tensor(name)
+                    else:
+                        dim, a, b = part
+                        view = st.get_slice(name)
+                        tensor = view[a:b] if dim == 0 else view[:, a:b]
+                    state[name] = tensor.to(device=device, dtype=dtype)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"cannot read the tensors of {f}: {e}") from None
     return state

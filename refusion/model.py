@@ -239,6 +239,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.gradient_checkpointing = False
+        self.tensor_parallel = None  # this rank's Shard when the model is split (checkpoint.load)
 
     @property
     def device(self) -> torch.device:

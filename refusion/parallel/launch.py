@@ -1,0 +1,110 @@
+"""Processes for parallel runs: one per device, in a `torch.distributed` group (gloo on
+CPU, NCCL on CUDA), started by `spawn` (the command's own `--tensor-parallel-size N`) or
+by `torchrun`, whose environment `process_group` reads."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError
+from .tensor import Shard
+
+
+def backend_for(device: str | torch.device) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def launched() -> bool:
+    """Whether this process is one of a group already (torchrun, or `spawn`)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def tensor_shard(size: int) -> Shard | None:
+    """This process's shard of a tensor-parallel group of `size` ranks (None for size 1).
+    The group is the process group `spawn` or torchrun made, whose size must be `size`."""
+    if size == 1:
+        return None
+    if not launched():
+        raise ConfigError(f"tensor_parallel_size {size} needs {size} processes in a torch.distributed group: "
+                          f"run through the command line (--tensor-parallel-size {size}), or under "
+                          f"`torchrun --nproc-per-node {size}`, or in refusion.parallel.spawn")
+    world = dist.get_world_size()
+    if world != size:
+        raise ConfigError(f"tensor_parallel_size {size} in a group of {world} processes: launch {size} processes")
+    return Shard(dist.get_rank(), world)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(size: int, fn: Callable[..., Any], *args: Any, device: str = "cpu", quiet_others: bool = True) -> Any:
+    """Run fn(*args) in `size` new processes that form one group (rank 0's result comes
+    back); each gets an equal share of this machine's cores. The other ranks' stdout is
+    dropped when `quiet_others` (they repeat rank 0's work)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    threads = max(1, torch.get_num_threads() // size)
+    procs = [ctx.Process(target=_child, args=(rank, size, port, backend_for(device), threads, quiet_others,
+                                             results, fn, args), daemon=False) for rank in range(size)]
+    for p in procs:
+        p.start()
+    outcome, reported = None, set()
+    while len(reported) < size:
+        try:
+            rank, ok, value = results.get(timeout=1.0)
+        except queue.Empty:  # a rank that died without a word (a signal, os._exit) ends the run
+            dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"rank {dead[0]} of {size} exited with code {procs[dead[0]].exitcode} and no result")
+            continue
+        reported.add(rank)
+        value = pickle.loads(value)
+        if rank == 0 or not ok:
+            outcome = outcome if (outcome is not None and not outcome[0]) else (ok, value)
+    for p in procs:
+        p.join()
+    ok, value = outcome
+    if not ok:
+        raise value if isinstance(value, BaseException) else RuntimeError(value)
+    return value
+
+
+def _child(rank, world, port, backend, threads, quiet, results, fn, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(threads)
+    if quiet and rank != 0:
+        sys.stdout = open(os.devnull, "w")
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world)
+        value = fn(*args)
+        # plain pickle, by value: torch's queue would share tensors through this process's
+        # file descriptors, gone once it exits
+        results.put((rank, True, pickle.dumps(value if rank == 0 else None)))
+    except BaseException as e:  # reported to the parent, which raises it
+        traceback.print_exc()
+        try:
+            results.put((rank, False, pickle.dumps(e)))
+        except Exception:  # an unpicklable error: its text
+            results.put((rank, False, pickle.dumps(f"{type(e).__name__}: {e}")))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

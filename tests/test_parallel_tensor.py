@@ -1,0 +1,79 @@
+"""Tensor parallelism on two CPU processes (gloo): the shards cover the weights, TP=2
+logits match TP=1, and greedy decoding by every method is identical token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import refusion
+from refusion import DecodeConfig, ModelConfig
+from refusion.errors import ConfigError
+from refusion.parallel import Shard, check_divisible, local_config, spawn
+from refusion.parallel.tensor import slice_of
+
+TOKENS = [[5, 17, 3, 99, 42, 7, 8, 120, 11, 2, 64, 33]]
+
+
+def _logits(path: str, tokens: list[list[int]], tensor_parallel_size: int = 2) -> torch.Tensor:
+    """The logits of `tokens` by the checkpoint (in each rank: its shard), also of the
+    tokens in a permuted physical order with their true positions."""
+    model, _ = refusion.load(path, tensor_parallel_size=tensor_parallel_size)
+    t = torch.tensor(tokens)
+    pos = torch.arange(t.shape[1]).expand_as(t)
+    perm = torch.randperm(t.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return torch.stack([model(t, pos), model(t[:, perm], pos[:, perm])[:, perm.argsort()]])
+
+
+def _decode(path: str | None, prompts: list[str], cfgs: list[DecodeConfig]) -> list[list[int]]:
+    model, tok = refusion.load(path, tensor_parallel_size=2)
+    return [list(o.token_ids) for o in refusion.generate(model, tok, prompts, cfgs)]
+
+
+def test_rank_shards_put_together_are_the_weights():
+    config = ModelConfig(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2, head_dim=8)
+    for world in (2, 4, 8):
+        check_divisible(config, world)
+        local = local_config(config, world)
+        assert local.num_attention_heads * world == 8 and local.intermediate_size * world == 96
+        q = [slice_of("model.layers.0.self_attn.q_proj.weight", config, Shard(r, world)) for r in range(world)]
+        assert [(a, b) for _, a, b in q] == [(r * 64 // world, (r + 1) * 64 // world) for r in range(world)]
+        down = {slice_of("model.layers.1.mlp.down_proj.weight", config, Shard(r, world))[0] for r in range(world)}
+        assert down == {1}  # row-parallel: split along its input
+        k = [slice_of("model.layers.0.self_attn.k_proj.weight", config, Shard(r, world)) for r in range(world)]
+        # 2 KV heads: split over 2 ranks; over 4 or 8, each rank holds the one its query heads share
+        heads = [a // 8 for _, a, _ in k]
+        assert heads == [r * 2 // world for r in range(world)]
+        assert slice_of("model.embed_tokens.weight", config, Shard(0, world)) is None
+        assert slice_of("model.layers.0.self_attn.o_proj.bias", config, Shard(1, world)) is None  # added once
+    with pytest.raises(ConfigError, match="sizes that do: 1, 2, 4, 8"):
+        check_divisible(config, 3)
+
+
+@pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "qwen3"])
+def test_tp2_logits_match_tp1(family, make_hf_dir):
+    path = make_hf_dir(family)
+    want = _logits(str(path), TOKENS, tensor_parallel_size=1)
+    got = spawn(2, _logits, str(path), TOKENS)
+    for g, w in zip(got, want):  # natural and permuted physical order
+        assert ((g - w).abs().max() / w.abs().max()).item() < 1e-5
+
+
+def test_tp2_greedy_decoding_is_identical_on_the_bundled_model():
+    prompts = ["Sort these numbers: 75, 25, 93, 55", "Write a Python function run(n) that returns n * 3.",
+               "Reverse the words: red green blue"]
+    cfgs = [DecodeConfig(method="ar", gen_length=48), DecodeConfig(method="refusion", gen_length=64, slot_size=8,
+                                                                   serial_blocks=2, slot_threshold=0.7,
+                                                                   token_threshold=0.3),
+            DecodeConfig(method="mdm", gen_length=32, mdm_block_length=16)]
+    model, tok = refusion.load()
+    queries = [p for p in prompts for _ in cfgs]
+    configs = [c for _ in prompts for c in cfgs]
+    want = [list(o.token_ids) for o in refusion.generate(model, tok, queries, configs)]
+    assert spawn(2, _decode, None, queries, configs) == want
+
+
+def test_tensor_parallel_needs_its_processes():
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 2"):
+        refusion.load(tensor_parallel_size=2)
