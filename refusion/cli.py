@@ -122,6 +122,9 @@ def _dispatch(argv: list[str] | None) -> int:
         return 2
     _one_line_warnings(args.verb)
     try:
+        size = getattr(args, "tensor_parallel_size", None) or 1
+        if size > 1:
+            return _run_split(args, size)
         return int(_command(args.verb).run(args) or 0)
     except ReFusionError as e:
         print(f"refusion {args.verb}: error: {e}", file=sys.stderr)
@@ -129,6 +132,36 @@ def _dispatch(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print(f"refusion {args.verb}: interrupted", file=sys.stderr)
         return 130
+
+
+# verbs whose run is the same on every rank of a split model (no terminal, no socket)
+SPLIT_VERBS = ("generate", "eval")
+
+
+def _run_split(args: argparse.Namespace, size: int) -> int:
+    """Run the verb on `size` processes, each with its share of the model (or, under
+    torchrun, in this one). Each rank runs the whole verb on the same inputs; rank 0
+    prints and writes."""
+    from .errors import ConfigError
+    from .parallel import launched, spawn
+
+    if args.verb not in SPLIT_VERBS:
+        raise ConfigError(f"--tensor-parallel-size is not yet supported by `refusion {args.verb}`; "
+                          f"it is by {' and '.join(SPLIT_VERBS)}")
+    if launched():
+        return int(_command(args.verb).run(args) or 0)
+    if str(getattr(args, "prompt_file", None)) == "-":  # the ranks have no terminal: read stdin here
+        import tempfile
+
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+            f.write(sys.stdin.read())
+        args.prompt_file = type(args.prompt_file)(f.name)
+    return int(spawn(size, _run_rank, args, device=getattr(args, "device", "cpu")) or 0)
+
+
+def _run_rank(args: argparse.Namespace) -> int:
+    _one_line_warnings(args.verb)
+    return int(_command(args.verb).run(args) or 0)
 
 
 if __name__ == "__main__":

@@ -77,3 +77,35 @@ def test_tp2_greedy_decoding_is_identical_on_the_bundled_model():
 def test_tensor_parallel_needs_its_processes():
     with pytest.raises(ConfigError, match="--tensor-parallel-size 2"):
         refusion.load(tensor_parallel_size=2)
+
+
+def test_engine_refuses_a_split_it_was_not_given():
+    from refusion.decode.config import EngineConfig
+    from refusion.decode.engine import Engine
+
+    model, tok = refusion.load()
+    with pytest.raises(ConfigError, match="split over 1 process.*tensor_parallel_size=2"):
+        Engine(model, tok, EngineConfig(tensor_parallel_size=2))
+
+
+def test_cli_generate_and_eval_split_over_two_processes(tmp_path, capfd):
+    import json
+
+    from refusion.cli import main
+
+    prompt = "Sort these numbers from smallest to largest: 55, 25, 75, 93"
+    assert main(["generate", prompt, "--json"]) == 0
+    alone = json.loads(capfd.readouterr().out)
+    assert main(["generate", prompt, "--json", "--tensor-parallel-size", "2"]) == 0
+    split = json.loads(capfd.readouterr().out)  # printed once, by rank 0
+    assert split["token_ids"] == alone["token_ids"] and split["text"] == alone["text"]
+    records = {}
+    for size in (1, 2):
+        out = tmp_path / f"tp{size}"
+        assert main(["eval", "--task", "suite", "--limit", "6", "--out", str(out), "--no-progress",
+                     "--tensor-parallel-size", str(size)]) == 0
+        records[size] = [{k: r[k] for k in ("id", "output", "correct")}
+                         for r in map(json.loads, (out / "samples.jsonl").read_text().splitlines())]
+    assert records[2] == records[1] and len(records[1]) == 6
+    assert main(["chat", "--tensor-parallel-size", "2"]) == 2
+    assert "not yet supported by `refusion chat`" in capfd.readouterr().err

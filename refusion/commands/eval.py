@@ -87,11 +87,13 @@ def _evaluate_model(args: argparse.Namespace, bench, common: dict) -> dict:
     from ..evaluate import evaluate
     from ..evaluate.benchmarks import Chat
     from ..evaluate.paper import finish_output
+    from ..parallel import is_main
 
     args.preset = args.preset or bench.preset
     decode_config_from_args(args)  # bad flags fail before the model loads
     engine_cfg = engine_config_from_args(args)
-    model, tokenizer = refusion.load(args.model, device=args.device, dtype=args.dtype)
+    model, tokenizer = refusion.load(args.model, device=args.device, dtype=args.dtype,
+                                     tensor_parallel_size=engine_cfg.tensor_parallel_size)
     cfg = decode_config_from_args(args, model=model)
     if bench.protocol == "paper":
         cfg = cfg.replace(stop=())  # the authors generate in full and cut at the task's stops afterwards
@@ -111,6 +113,11 @@ def _evaluate_model(args: argparse.Namespace, bench, common: dict) -> dict:
         return [finish_output(o, c, tokenizer) if c else o for o, c in zip(outs, chats)]
 
     out = args.out or f"runs/eval/{_run_name(bench)}-{cfg.method}"
+    if not is_main():  # the other ranks of a split model repeat rank 0's run: their results go nowhere
+        import tempfile
+
+        out = tempfile.mkdtemp(prefix="refusion-eval-rank-")
+        common = {**common, "progress": False}
     summary = evaluate(bench, generate, batch_size=args.batch_size, out_dir=out, config=cfg,
                        model=args.model or "bundled", **common)
     if lowered:

@@ -80,6 +80,7 @@ def print_examples(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from ..decode import generate
+    from ..parallel import is_main
     from ..decode.api import fit_to_context, lowered_note
 
     if args.examples:
@@ -122,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         if args.stats:
             s = out.stats
             print(f"[{cfg.method}] tokens={s.tokens} nfe={s.nfe} tpf={s.tpf:.2f} time={s.wall_time:.3f}s tps={s.tps:.1f}", file=sys.stderr)
-    if args.trace is not None:
+    if args.trace is not None and is_main():
         from ..decode.trace import write_trace_html
 
         write_trace_html(args.trace, tokenizer, prompts, outs, cfg)

@@ -153,6 +153,9 @@ class EngineConfig:
     # uses compile for a minute or so, a few graphs per model); MDM has no cache and runs eagerly
     compile: bool = knob(False, "AR and ReFusion: run forwards as one torch.compile graph "
                                 "(a minute or so at first use; needs a C++ compiler on CPU)", http=False)
+    # the model split over this many processes, one per device (refusion.parallel)
+    tensor_parallel_size: int = knob(1, "processes (one per device) the model is split over by attention heads and "
+                                        "MLP columns", lo=1, hi=4096, http=False)
 
     def __post_init__(self) -> None:
         check_fields(self)

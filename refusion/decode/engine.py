@@ -51,6 +51,7 @@ class Engine:
         if config.device is not None and torch.device(config.device) != model.device:
             model = model.to(config.device)
         self.model, self.tokenizer = model, tokenizer
+        _check_parallel(model, config)
         self.eos_ids = eos_ids_of(model.config, tokenizer)
         self.mask_id = mask_id_of(model.config, tokenizer)
         # a request without a config gets what the checkpoint recommends (its decode_config.json)
@@ -303,3 +304,16 @@ def _unit_fix(cfg: DecodeConfig, room: int) -> str:
             return (f"ReFusion decodes in units of slot_size x serial_blocks = {cfg.unit} tokens: lower serial_blocks "
                     f"to {fitting[0]}, or shorten the prompt")
     return "shorten the prompt"
+
+
+def _check_parallel(model: Transformer, config: EngineConfig) -> None:
+    """The model's split must be the one the config asks for; compiled forwards are one
+    process's graph, without the collectives a split model runs."""
+    shard = getattr(model, "tensor_parallel", None)
+    split = shard.world if shard is not None else 1
+    if split != config.tensor_parallel_size:
+        raise ConfigError(f"the model is split over {split} process(es) but tensor_parallel_size is "
+                          f"{config.tensor_parallel_size}: load it with refusion.load(..., tensor_parallel_size="
+                          f"{config.tensor_parallel_size}) in each of the processes (refusion.parallel.spawn)")
+    if split > 1 and config.compile:
+        raise ConfigError("compiled forwards (--compile) run in one process: drop --compile with --tensor-parallel-size")

@@ -29,6 +29,11 @@ def launched() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def is_main() -> bool:
+    """Whether this process prints and writes files: rank 0, or a process on its own."""
+    return not launched() or dist.get_rank() == 0
+
+
 def tensor_shard(size: int) -> Shard | None:
     """This process's shard of a tensor-parallel group of `size` ranks (None for size 1).
     The group is the process group `spawn` or torchrun made, whose size must be `size`."""
@@ -91,8 +96,8 @@ def _child(rank, world, port, backend, threads, quiet, results, fn, args) -> Non
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
-    if quiet and rank != 0:
-        sys.stdout = open(os.devnull, "w")
+    if quiet and rank != 0:  # it repeats rank 0's work, and rank 0 reports
+        sys.stdout = sys.stderr = open(os.devnull, "w")
     try:
         dist.init_process_group(backend, rank=rank, world_size=world)
         value = fn(*args)
@@ -100,7 +105,10 @@ def _child(rank, world, port, backend, threads, quiet, results, fn, args) -> Non
         # file descriptors, gone once it exits
         results.put((rank, True, pickle.dumps(value if rank == 0 else None)))
     except BaseException as e:  # reported to the parent, which raises it
-        traceback.print_exc()
+        from ..errors import ReFusionError
+
+        if not isinstance(e, (ReFusionError, KeyboardInterrupt)):
+            traceback.print_exc()
         try:
             results.put((rank, False, pickle.dumps(e)))
         except Exception:  # an unpicklable error: its text
