@@ -122,7 +122,7 @@ def _dispatch(argv: list[str] | None) -> int:
         return 2
     _one_line_warnings(args.verb)
     try:
-        size = getattr(args, "tensor_parallel_size", None) or 1
+        size = (getattr(args, "tensor_parallel_size", None) or 1) * (getattr(args, "data_parallel_size", None) or 1)
         if size > 1:
             return _run_split(args, size)
         return int(_command(args.verb).run(args) or 0)
@@ -139,16 +139,22 @@ SPLIT_VERBS = ("generate", "eval")
 
 
 def _run_split(args: argparse.Namespace, size: int) -> int:
-    """Run the verb on `size` processes, each with its share of the model (or, under
-    torchrun, in this one). Each rank runs the whole verb on the same inputs; rank 0
-    prints and writes."""
+    """Run the verb on `size` processes (data-parallel replicas x tensor-parallel ranks),
+    or, under torchrun, in this one of its processes. A tensor-parallel group runs the
+    verb on the same inputs, its first rank printing and writing; replicas share the
+    work (`eval`)."""
     from .errors import ConfigError
-    from .parallel import launched, spawn
+    from .parallel import join_torchrun, spawn
 
     if args.verb not in SPLIT_VERBS:
         raise ConfigError(f"--tensor-parallel-size is not yet supported by `refusion {args.verb}`; "
                           f"it is by {' and '.join(SPLIT_VERBS)}")
-    if launched():
+    if join_torchrun(getattr(args, "device", "cpu")):
+        import torch.distributed as dist
+
+        if dist.get_world_size() != size:
+            raise ConfigError(f"torchrun started {dist.get_world_size()} processes; the flags ask for {size} "
+                              "(data-parallel x tensor-parallel size)")
         return int(_command(args.verb).run(args) or 0)
     if str(getattr(args, "prompt_file", None)) == "-":  # the ranks have no terminal: read stdin here
         import tempfile

@@ -245,7 +245,7 @@ def test_cli_runs_a_model_with_the_task_preset(tmp_path, gsm8k_file, monkeypatch
 
     seen = {}
 
-    def fake_load(path, device="cpu", dtype=None):
+    def fake_load(path, device="cpu", dtype=None, tensor_parallel_size=1):
         seen["load"] = (path, device, dtype)
         return "model", "tokenizer"
 

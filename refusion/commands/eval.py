@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print the exact text fed to the model for document N (after the chat template) and exit")
     parser.add_argument("--limit", type=int, default=None, help="only the first N samples")
     parser.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (default 1)")
+    parser.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                        help="N model replicas, one process (device) each, share the samples; one result file")
     parser.add_argument("--out", default=None, help="results directory (default runs/eval/TASK-METHOD)")
     parser.add_argument("--data", default=None,
                         help="local JSONL/JSON/Parquet file in the public dataset's field names "
@@ -87,7 +89,6 @@ def _evaluate_model(args: argparse.Namespace, bench, common: dict) -> dict:
     from ..evaluate import evaluate
     from ..evaluate.benchmarks import Chat
     from ..evaluate.paper import finish_output
-    from ..parallel import is_main
 
     args.preset = args.preset or bench.preset
     decode_config_from_args(args)  # bad flags fail before the model loads
@@ -113,16 +114,25 @@ def _evaluate_model(args: argparse.Namespace, bench, common: dict) -> dict:
         return [finish_output(o, c, tokenizer) if c else o for o, c in zip(outs, chats)]
 
     out = args.out or f"runs/eval/{_run_name(bench)}-{cfg.method}"
-    if not is_main():  # the other ranks of a split model repeat rank 0's run: their results go nowhere
-        import tempfile
-
-        out = tempfile.mkdtemp(prefix="refusion-eval-rank-")
-        common = {**common, "progress": False}
     summary = evaluate(bench, generate, batch_size=args.batch_size, out_dir=out, config=cfg,
-                       model=args.model or "bundled", **common)
+                       model=args.model or "bundled", replicas=_replicas(engine_cfg.tensor_parallel_size), **common)
     if lowered:
         print(lowered_note(cfg, lowered, seen[0], model.config.max_position_embeddings, args.preset), file=sys.stderr)
     return summary
+
+
+def _replicas(tensor_parallel_size: int):
+    """This process's share of the run: its data-parallel replica, and whether it writes
+    (the first rank of its tensor-parallel group) and merges (the first of all)."""
+    from ..evaluate.runner import Replicas
+    from ..parallel import barrier, is_main, launched, replica
+
+    if not launched():
+        return None
+    import torch.distributed as dist
+
+    index, count = replica(tensor_parallel_size)
+    return Replicas(index, count, writes=dist.get_rank() % tensor_parallel_size == 0, first=is_main(), barrier=barrier)
 
 
 def _run_name(bench) -> str:

@@ -47,7 +47,7 @@ class Engine:
     engine loop)."""
 
     def __init__(self, model: Transformer, tokenizer=None, config: EngineConfig | None = None) -> None:
-        self.config = config = config or EngineConfig()
+        self.config = config = config or EngineConfig(tensor_parallel_size=_split(model))
         if config.device is not None and torch.device(config.device) != model.device:
             model = model.to(config.device)
         self.model, self.tokenizer = model, tokenizer
@@ -306,11 +306,16 @@ def _unit_fix(cfg: DecodeConfig, room: int) -> str:
     return "shorten the prompt"
 
 
+def _split(model: Transformer) -> int:
+    """Over how many processes the model is split (1: whole here)."""
+    shard = getattr(model, "tensor_parallel", None)
+    return shard.world if shard is not None else 1
+
+
 def _check_parallel(model: Transformer, config: EngineConfig) -> None:
     """The model's split must be the one the config asks for; compiled forwards are one
     process's graph, without the collectives a split model runs."""
-    shard = getattr(model, "tensor_parallel", None)
-    split = shard.world if shard is not None else 1
+    split = _split(model)
     if split != config.tensor_parallel_size:
         raise ConfigError(f"the model is split over {split} process(es) but tensor_parallel_size is "
                           f"{config.tensor_parallel_size}: load it with refusion.load(..., tensor_parallel_size="

@@ -15,6 +15,7 @@ elsewhere. Results go to OUT/:
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import sys
@@ -88,17 +89,37 @@ def read_predictions(path: str | os.PathLike) -> tuple[dict[str, str], dict[int,
 
 
 # -------------------------------------------------------------------------- results
+@dataclasses.dataclass(frozen=True)
+class Replicas:
+    """How this process shares a run with others (data parallelism): replica `index` of
+    `count` evaluates every count-th sample. `writes`: it appends its records (false for
+    the other ranks of a tensor-parallel group, which repeat their leader's work); `first`:
+    it prepares the results directory and, once every replica is done, writes the
+    samples in dataset order and the summary. `barrier` waits for all processes."""
+
+    index: int = 0
+    count: int = 1
+    writes: bool = True
+    first: bool = True
+    barrier: Callable[[], None] = lambda: None
+
+
 class ResultsDir:
     """OUT/samples.jsonl (append-only, resumable), OUT/summary.json, OUT/run.json."""
 
-    def __init__(self, path: str | os.PathLike, settings: dict, overwrite: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, settings: dict, overwrite: bool = False, writes: bool = True,
+                 prepare: bool = True) -> None:
+        """`prepare`: clear it (with overwrite) and record the settings; replicas open the
+        directory their first one prepared with prepare=False (and writes=False, the
+        ranks that only follow)."""
+        self.writes = writes
         settings = json.loads(json.dumps(settings, default=str))  # as a resumed run reads them back
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.samples = self.path / "samples.jsonl"
         self.summary = self.path / "summary.json"
         run = self.path / "run.json"
-        if overwrite:
+        if overwrite and prepare:
             for f in (self.samples, self.summary, run):
                 f.unlink(missing_ok=True)
         if run.exists() and self.samples.exists():
@@ -111,7 +132,8 @@ class ResultsDir:
                     f"{self.path} holds a run with other settings ({', '.join(changed)} differ); "
                     "pass --overwrite or another --out"
                 )
-        run.write_text(json.dumps(settings, indent=2, default=str) + "\n")
+        if writes and prepare:
+            run.write_text(json.dumps(settings, indent=2, default=str) + "\n")
 
     def done(self) -> dict[str, dict]:
         """Records already written, by id. A line cut short by an interrupt is dropped."""
@@ -120,7 +142,8 @@ class ResultsDir:
         raw = self.samples.read_bytes()
         if raw and not raw.endswith(b"\n"):  # interrupted mid-line: cut back to the last whole line
             raw = raw[: raw.rfind(b"\n") + 1]
-            self.samples.write_bytes(raw)
+            if self.writes:
+                self.samples.write_bytes(raw)
         records = {}
         for line in raw.decode("utf-8").splitlines():
             try:
@@ -131,13 +154,24 @@ class ResultsDir:
         return records
 
     def append(self, records: Sequence[dict]) -> None:
+        """Whole lines, under a lock: replicas append to the same file."""
+        if not self.writes:
+            return
         with open(self.samples, "a", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.write("".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records))
             f.flush()
             os.fsync(f.fileno())
 
+    def rewrite(self, records: Sequence[dict]) -> None:
+        """samples.jsonl as exactly these records, in this order (atomically)."""
+        tmp = self.samples.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records), encoding="utf-8")
+        tmp.replace(self.samples)
+
     def write_summary(self, summary: dict) -> None:
+        if not self.writes:
+            return
         tmp = self.summary.with_suffix(".tmp")
         tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
         tmp.replace(self.summary)
@@ -160,12 +194,15 @@ def evaluate(
     overwrite: bool = False,
     progress: bool = True,
     samples: Sequence[Sample] | None = None,
+    replicas: Replicas | None = None,
 ) -> dict:
     """Evaluate `generate_fn` (or a predictions file) on a benchmark; returns the summary.
 
     `config` (a DecodeConfig or dict) and `model` are recorded, and a resumed run must
-    match them. `samples` overrides loading (tests, custom subsets).
+    match them. `samples` overrides loading (tests, custom subsets). With `replicas`,
+    this process evaluates its share and the first replica's summary covers them all.
     """
+    part = replicas or Replicas()
     bench = get_benchmark(task) if isinstance(task, str) else task
     if (generate_fn is None) == (predictions is None):
         raise ValueError("pass exactly one of generate_fn and predictions")
@@ -180,13 +217,20 @@ def evaluate(
     config_dict = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
     settings = {"task": bench.name, "protocol": bench.protocol, "model": model, "config": config_dict, "data": data or "default",
                 "predictions": str(predictions) if predictions else None, "limit": limit}
-    results = ResultsDir(out_dir or Path("runs") / "eval" / bench.name, settings, overwrite)
+    out = out_dir or Path("runs") / "eval" / bench.name
+    if part.first:  # prepares the directory (overwrite, a line cut short) before anyone reads it
+        results = ResultsDir(out, settings, overwrite)
+        results.done()
+    part.barrier()
+    if not part.first:
+        results = ResultsDir(out, settings, writes=part.writes, prepare=False)
     done = results.done()
     wanted = {s.id for s in samples}
     records = [done[s.id] for s in samples if s.id in done]
-    pending = [s for s in samples if s.id not in done]
+    pending = [s for k, s in enumerate(samples) if k % part.count == part.index and s.id not in done]
     chunk = max(1, batch_size) if predictions is None else 64  # predictions: batch the sandbox
     started = time.perf_counter()
+    progress = progress and part.first
     with _progress(len(samples), len(records), bench.name, progress) as bar:
         if records:
             bar.write(f"{bench.name}: resuming {results.path}: {len(records)} of {len(samples)} samples already scored "
@@ -201,15 +245,23 @@ def evaluate(
             new = [_record(s, c, sc, share) for s, c, sc in zip(batch, completions, scored)]
             results.append(new)
             records.extend(new)
-            bar.update(len(batch))
+            bar.update(min(len(batch) * part.count, bar.total - bar.n))  # the other replicas keep about the same pace
             bar.set_postfix(acc=f"{sum(r['correct'] for r in records) / len(records):.3f}")
+    new_records = len(records) - len(wanted & done.keys())
+    part.barrier()
+    if part.count > 1 and part.first:  # every replica's records, in dataset order
+        everyone = results.done()
+        records = [everyone[s.id] for s in samples if s.id in everyone]
+        results.rewrite(records)
+        new_records = len(records) - len(wanted & done.keys())
     first_error = next((r["detail"]["error"] for r in records if (r.get("detail") or {}).get("reason") == GENERATION_ERROR), None)
     summary = {"task": bench.name, "protocol": bench.protocol, "model": model, **summarize(records, bench.extracts),
                "config": config_dict,
                "first_generation_error": first_error,
                "data": settings["data"], "predictions": settings["predictions"], "limit": limit,
                "resumed": len(wanted & done.keys()), "missing_predictions": missing,
-               "elapsed_s": time.perf_counter() - started,
+               "elapsed_s": time.perf_counter() - started, "replicas": part.count,
+               "samples_per_s": new_records / max(time.perf_counter() - started, 1e-9),
                "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                "files": {"samples": str(results.samples), "summary": str(results.summary)}}
     if isinstance(bench, CodeBenchmark):

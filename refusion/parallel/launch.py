@@ -7,10 +7,11 @@ from __future__ import annotations
 import os
 import pickle
 import queue
-import socket
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -24,9 +25,21 @@ def backend_for(device: str | torch.device) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
+# a replica may wait at the end of a run for the slowest: far longer than a collective's default
+WAIT = timedelta(hours=24)
+
+
 def launched() -> bool:
     """Whether this process is one of a group already (torchrun, or `spawn`)."""
     return dist.is_available() and dist.is_initialized()
+
+
+def join_torchrun(device: str | torch.device = "cpu") -> bool:
+    """Under torchrun (its RANK and WORLD_SIZE in the environment), join its group; True
+    when this process is then one of several."""
+    if not launched() and int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
+        dist.init_process_group(backend_for(device), timeout=WAIT)
+    return launched()
 
 
 def is_main() -> bool:
@@ -34,25 +47,41 @@ def is_main() -> bool:
     return not launched() or dist.get_rank() == 0
 
 
+_GROUPS: dict[int, list[Any]] = {}  # tensor-parallel size -> its groups of consecutive ranks
+
+
 def tensor_shard(size: int) -> Shard | None:
     """This process's shard of a tensor-parallel group of `size` ranks (None for size 1).
-    The group is the process group `spawn` or torchrun made, whose size must be `size`."""
+    The processes (from `spawn` or torchrun) are world = replicas x size, consecutive
+    ranks forming one group; every rank must ask, as torch.distributed makes groups
+    collectively."""
     if size == 1:
         return None
     if not launched():
         raise ConfigError(f"tensor_parallel_size {size} needs {size} processes in a torch.distributed group: "
                           f"run through the command line (--tensor-parallel-size {size}), or under "
                           f"`torchrun --nproc-per-node {size}`, or in refusion.parallel.spawn")
-    world = dist.get_world_size()
-    if world != size:
-        raise ConfigError(f"tensor_parallel_size {size} in a group of {world} processes: launch {size} processes")
-    return Shard(dist.get_rank(), world)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % size:
+        raise ConfigError(f"tensor_parallel_size {size} in a group of {world} processes: launch a multiple of {size}")
+    if world == size:
+        return Shard(rank, size)
+    if size not in _GROUPS:
+        _GROUPS[size] = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(world // size)]
+    return Shard(rank % size, size, _GROUPS[size][rank // size])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def replica(tensor_parallel_size: int = 1) -> tuple[int, int]:
+    """(index, count) of this process's data-parallel replica: a replica is one group of
+    tensor_parallel_size consecutive ranks; (0, 1) for a process on its own."""
+    if not launched():
+        return 0, 1
+    return dist.get_rank() // tensor_parallel_size, dist.get_world_size() // tensor_parallel_size
+
+
+def barrier() -> None:
+    if launched():
+        dist.barrier()
 
 
 def spawn(size: int, fn: Callable[..., Any], *args: Any, device: str = "cpu", quiet_others: bool = True) -> Any:
@@ -63,9 +92,9 @@ def spawn(size: int, fn: Callable[..., Any], *args: Any, device: str = "cpu", qu
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    rendezvous = tempfile.mktemp(prefix="refusion-rendezvous-")  # a FileStore: no port to race for
     threads = max(1, torch.get_num_threads() // size)
-    procs = [ctx.Process(target=_child, args=(rank, size, port, backend_for(device), threads, quiet_others,
+    procs = [ctx.Process(target=_child, args=(rank, size, rendezvous, backend_for(device), threads, quiet_others,
                                              results, fn, args), daemon=False) for rank in range(size)]
     for p in procs:
         p.start()
@@ -86,20 +115,21 @@ def spawn(size: int, fn: Callable[..., Any], *args: Any, device: str = "cpu", qu
             outcome = outcome if (outcome is not None and not outcome[0]) else (ok, value)
     for p in procs:
         p.join()
+    if os.path.exists(rendezvous):
+        os.unlink(rendezvous)
     ok, value = outcome
     if not ok:
         raise value if isinstance(value, BaseException) else RuntimeError(value)
     return value
 
 
-def _child(rank, world, port, backend, threads, quiet, results, fn, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+def _child(rank, world, rendezvous, backend, threads, quiet, results, fn, args) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
     if quiet and rank != 0:  # it repeats rank 0's work, and rank 0 reports
         sys.stdout = sys.stderr = open(os.devnull, "w")
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world, timeout=WAIT)
         value = fn(*args)
         # plain pickle, by value: torch's queue would share tensors through this process's
         # file descriptors, gone once it exits
