@@ -370,26 +370,61 @@ def _read_tensors(
     dtype: torch.dtype,
     slicer: Callable[[str], tuple[int, int, int] | None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The named tensors, cast and moved one at a time (peak memory: one extra tensor);
-    where `slicer` gives (dim, start, stop) for a name, only that slice is read."""
+    """The named tensors, cast and moved one at a time; where `slicer` gives (dim, start,
+    stop) for a name, only that slice. Read with plain reads into each tensor's own
+    memory, not through a memory map, whose pages would count against the process until
+    the file is closed: the peak is about the weights kept plus one tensor."""
     state: dict[str, torch.Tensor] = {}
     for f in sorted({f for f, _ in headers.values()}):
         try:
-            with safe_open(f, framework="pt") as st:
-                for name in st.keys():
-                    if name not in names:
-                        continue
-                    part = slicer(name) if slicer is not None else None
-                    if part is None:
-                        tensor = st.get_tensor(name)
-                    else:
-                        dim, a, b = part
-                        view = st.get_slice(name)
-                        tensor = view[a:b] if dim == 0 else view[:, a:b]
-                    state[name] = tensor.to(device=device, dtype=dtype)
-        except (SafetensorError, OSError) as e:
+            entries, data_start = _safetensors_header(f)
+            with open(f, "rb", buffering=0) as fh:
+                for name, entry in entries.items():
+                    if name in names:
+                        part = slicer(name) if slicer is not None else None
+                        state[name] = _read_tensor(fh, entry, data_start, part).to(device=device, dtype=dtype)
+        except (OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"cannot read the tensors of {f}: {e}") from None
     return state
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _safetensors_header(file: Path) -> tuple[dict[str, dict], int]:
+    """The tensor entries of a safetensors file (dtype, shape, data_offsets) and where its data starts."""
+    with open(file, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def _read_tensor(fh, entry: dict, data_start: int, part: tuple[int, int, int] | None) -> torch.Tensor:
+    """One tensor (or rows a:b of it, part=(0, a, b); columns, part=(1, a, b)) read from
+    the open file into new memory."""
+    dtype, shape = _SAFETENSORS_DTYPES[entry["dtype"]], list(entry["shape"])
+    start, end = entry["data_offsets"]
+    offset, rows = start, shape
+    if part is not None and part[0] == 0:
+        _, a, b = part
+        row_bytes = (end - start) // shape[0] if shape[0] else 0
+        offset, rows = start + a * row_bytes, [b - a] + shape[1:]
+    tensor = torch.empty(rows, dtype=dtype)
+    if tensor.numel():
+        buffer = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        fh.seek(data_start + offset)
+        got = 0
+        while got < len(buffer):
+            n = fh.readinto(buffer[got:])
+            if not n:
+                raise ValueError(f"the file ends inside a tensor ({got} of {len(buffer)} bytes read)")
+            got += n
+    if part is not None and part[0] == 1:
+        tensor = tensor[:, part[1] : part[2]].contiguous()
+    return tensor
 
 
 def _fill(model: Transformer, state: dict[str, torch.Tensor], device: torch.device) -> Transformer:
@@ -444,8 +479,15 @@ def _plain_hf_dict(hf_config: Any) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- save
-def save_pretrained(model: Transformer, tokenizer: Any, out_dir: PathLike, overwrite: bool = False) -> Path:
+MAX_SHARD_BYTES = 5 * 10**9  # transformers' default shard size
+
+
+def save_pretrained(model: Transformer, tokenizer: Any, out_dir: PathLike, overwrite: bool = False,
+                    max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
     """Write config.json, model.safetensors and the tokenizer files (if any) to out_dir.
+    Weights above `max_shard_bytes` go to shards model-0000i-of-0000n.safetensors of at
+    most that size (a tensor larger than it alone in one) with model.safetensors.index.json,
+    as transformers writes them.
 
     Written into a staging directory next to out_dir, then renamed into place, so a
     failure never leaves a half-written checkpoint; staging directories of out_dir that a
@@ -455,6 +497,9 @@ def save_pretrained(model: Transformer, tokenizer: Any, out_dir: PathLike, overw
     `transformers` gives them. The result loads in `transformers.AutoModelForCausalLM` too.
     """
     out = Path(out_dir)
+    if getattr(model, "tensor_parallel", None) is not None:
+        raise CheckpointError("this model is one rank's share of a tensor-parallel split; save the whole model "
+                              "(load it with tensor_parallel_size=1)")
     check_output_dir(out, overwrite)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -463,7 +508,7 @@ def save_pretrained(model: Transformer, tokenizer: Any, out_dir: PathLike, overw
     except OSError as e:
         raise CheckpointError(f"cannot write {out}: {e}") from None
     try:
-        _write_checkpoint(model, tokenizer, staging)
+        _write_checkpoint(model, tokenizer, staging, max_shard_bytes)
         _follow_umask(staging)
         _move_into_place(staging, out)
     except (OSError, SafetensorError) as e:
@@ -583,21 +628,48 @@ def check_output_dir(out: Path, overwrite: bool) -> None:
         raise CheckpointError(f"{out} exists and is not empty; refusing to overwrite it (use --force / overwrite=True)")
 
 
-def _write_checkpoint(model: Transformer, tokenizer: Any, directory: Path) -> None:
+def _write_checkpoint(model: Transformer, tokenizer: Any, directory: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     config = model.config.to_hf_dict()
     config["torch_dtype"] = str(model.dtype).removeprefix("torch.")  # what the weights are, as saved
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    _write_weights(model, directory / "model.safetensors")
+    _write_weights(model, directory, max_shard_bytes)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
     recommended_of(model).write(directory)
 
 
-def _write_weights(model: Transformer, file: Path) -> None:
+def _write_weights(model: Transformer, directory: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     state = model.state_dict()
     if model.config.tie_word_embeddings:  # one tensor on disk, as transformers writes it
         drop_tied_head(state)
-    save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, file, metadata={"format": "pt"})
+    shards = _shards(state, max_shard_bytes)
+    if len(shards) == 1:
+        _write_shard(state, shards[0], directory / "model.safetensors")
+        return
+    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    for keys, name in zip(shards, names):  # one shard in memory (on the CPU) at a time
+        _write_shard(state, keys, directory / name)
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+             "weight_map": {k: name for keys, name in zip(shards, names) for k in keys}}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    """Tensor names in state order, cut into runs of at most max_bytes (a larger tensor alone)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in state.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+def _write_shard(state: dict[str, torch.Tensor], keys: list[str], file: Path) -> None:
+    save_file({k: state[k].detach().cpu().contiguous() for k in keys}, file, metadata={"format": "pt"})
 
 
 def drop_tied_head(state: dict[str, torch.Tensor]) -> None:

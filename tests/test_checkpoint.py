@@ -81,6 +81,22 @@ def test_transformers_loads_what_we_save(make_hf_dir, tmp_path, name):
     torch.testing.assert_close(logits_of(model, vocab), hf_logits_of(hf, vocab))
 
 
+def test_save_in_shards_with_an_index_that_transformers_and_we_load(make_hf_dir, tmp_path):
+    model, tokenizer = load(make_hf_dir("qwen3"))
+    out = save_pretrained(model, tokenizer, tmp_path / "sharded", max_shard_bytes=60_000)
+    shards = sorted(out.glob("model-*-of-*.safetensors"))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(shards) > 2 and not (out / "model.safetensors").exists()
+    assert set(index["weight_map"].values()) == {f.name for f in shards}
+    biggest = max(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert all(f.stat().st_size <= max(60_000, biggest) + 10_000 for f in shards)  # + the header
+    vocab = model.config.vocab_size
+    again, _ = load(out)
+    assert torch.equal(logits_of(again, vocab), logits_of(model, vocab))
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    torch.testing.assert_close(logits_of(model, vocab), hf_logits_of(hf, vocab))
+
+
 def test_sharded_safetensors_with_index(make_hf_dir):
     path = make_hf_dir("llama", shard_size="60KB")
     assert (path / "model.safetensors.index.json").is_file() and len(list(path.glob("model-*.safetensors"))) > 2

@@ -238,8 +238,8 @@ def fake_staging(parent: Path, target: str, pid: int, host: str | None = None, s
 def test_staging_names_carry_the_writer(tiny_model, tmp_path, monkeypatch):
     seen: list[Path] = []
 
-    def fail(_model, file):
-        seen.append(file.parent)
+    def fail(_model, directory, _max_shard_bytes):
+        seen.append(directory)
         raise OSError("disk full")
 
     monkeypatch.setattr(checkpoint, "_write_weights", fail)
