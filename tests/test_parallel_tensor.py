@@ -109,3 +109,29 @@ def test_cli_generate_and_eval_split_over_two_processes(tmp_path, capfd):
     assert records[2] == records[1] and len(records[1]) == 6
     assert main(["chat", "--tensor-parallel-size", "2"]) == 2
     assert "not yet supported by `refusion chat`" in capfd.readouterr().err
+
+
+def _shard_bytes(path: str) -> tuple[int, int]:
+    """A rank's weight bytes, and its KV cache's for 3 rows of 40 positions."""
+    model, _ = refusion.load(path, tensor_parallel_size=2)
+    cache = model.new_cache(3, 40)
+    kv = sum(t.numel() * t.element_size() for t in [*cache.k, *cache.v, cache.tokens, cache.positions])
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values()), kv
+
+
+def test_info_sizes_what_the_ranks_hold(make_hf_dir, capsys):
+    import json
+
+    from refusion.checkpoint import load_metadata
+    from refusion.cli import main
+    from refusion.sizing import memory_plan
+
+    path = make_hf_dir("llama3")  # one KV head: replicated over the two ranks
+    config, _ = load_metadata(path)
+    weights, kv = spawn(2, _shard_bytes, str(path))
+    plan = memory_plan(config, torch.float32, 3, 40, tensor_parallel_size=2)
+    assert (plan["weights_bytes"], plan["kv_cache_bytes"]) == (weights, kv)
+    capsys.readouterr()  # what writing the checkpoint printed
+    assert main(["info", str(path), "--batch-size", "3", "--context", "40", "--tensor-parallel-size", "2", "--json"]) == 0
+    (ar, _) = json.loads(capsys.readouterr().out)["memory"]
+    assert ar["weights_bytes"] == weights and ar["kv_cache_bytes"] == kv

@@ -16,14 +16,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "model", nargs="?", default=None, help="model directory, hub id or .gguf file (default: the bundled model)"
     )
     parser.add_argument("--json", action="store_true", help="print the facts as one JSON object")
+    memory = parser.add_argument_group("memory per device (with --batch-size and --context)")
+    memory.add_argument("--batch-size", type=int, default=None, help="requests decoded together")
+    memory.add_argument("--context", type=int, default=None, help="positions per request (prompt + generation)")
+    # its own dest: here the flag sizes a split, it does not launch one
+    memory.add_argument("--tensor-parallel-size", dest="split", type=int, default=1,
+                        help="devices the model is split over (default 1)")
+    memory.add_argument("--dtype", default=None, help="weights and cache dtype (default: the checkpoint's)")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..checkpoint import describe
 
     info = describe(args.model)
+    if (args.batch_size is None) != (args.context is None):
+        from ..errors import ConfigError
+
+        raise ConfigError("give --batch-size and --context together (e.g. --batch-size 8 --context 4096)")
+    if args.batch_size is not None:
+        info["memory"] = _memory(args, info)
     print(json.dumps(info, indent=2) if args.json else format_info(info))
     return 0
+
+
+def _memory(args: argparse.Namespace, info: dict[str, Any]) -> list[dict[str, Any]]:
+    """The plan for AR rows and for ReFusion requests with the checkpoint's settings."""
+    from ..checkpoint import DTYPES, load_metadata
+    from ..decode.config import DecodeConfig
+    from ..errors import ConfigError
+    from ..parallel import check_divisible
+    from ..sizing import memory_plan
+
+    if args.batch_size < 1 or args.context < 1 or args.split < 1:
+        raise ConfigError("--batch-size, --context and --tensor-parallel-size take positive numbers")
+    config, _ = load_metadata(args.model)
+    check_divisible(config, args.split)
+    name = args.dtype or str(info["dtype"] or "float32").removeprefix("torch.")
+    if name not in DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    cfg = DecodeConfig(**((info.get("recommended") or {}).get("decode") or {}))
+    refusion_rows = 1 + cfg.slots_per_block if cfg.method == "refusion" else 1
+    plans = []
+    for label, rows in (("ar", 1), (f"refusion ({cfg.slots_per_block} slots per block)", refusion_rows)):
+        plan = memory_plan(config, DTYPES[name], args.batch_size, args.context, args.split, rows)
+        plans.append({"decoding": label, **plan})
+    return plans
 
 
 def format_info(info: dict[str, Any]) -> str:
@@ -54,5 +91,14 @@ def format_info(info: dict[str, Any]) -> str:
         rows.append(("chat", "single turns only (`refusion chat` keeps no history)"))
     if rec.get("examples"):
         rows.append(("examples", f"{len(rec['examples'])} prompts: `refusion generate --examples`"))
+    for plan in info.get("memory") or []:
+        rows.append((f"memory, {plan['decoding']}",
+                     f"{_size(plan['total_bytes'])} per device = weights {_size(plan['weights_bytes'])} + KV cache "
+                     f"{_size(plan['kv_cache_bytes'])} ({plan['batch_size']} requests x {plan['context']} positions, "
+                     f"{plan['cache_rows']} cache rows, {plan['dtype']}, tensor-parallel size {plan['tensor_parallel_size']})"))
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

@@ -30,6 +30,7 @@ from ..errors import ConfigError, ContextLengthError, MissingMaskTokenError
 from ..model import Transformer
 from ..prompts import Prompt, encode_prompt, eos_ids_of, mask_id_of
 from ..recommended import recommended_of
+from ..sizing import kv_bytes_per_entry
 from .ar import ARRow, Feed
 from .config import DecodeConfig, EngineConfig
 from .forward import Forward, compiled_step, make_room
@@ -218,8 +219,7 @@ class Engine:
         self.cache = make_room(self.model, self.cache, [r.req.prompt for r in new], running, extra, reserve)
 
     def _bytes_per_entry(self) -> int:
-        c = self.model.config
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.model.dtype.itemsize
+        return kv_bytes_per_entry(self.model.config, self.model.dtype)
 
     def _fits(self, req: Request, new: list[CachedRow]) -> bool:
         """Would the KV cache of every running row, the rows admitted this step and `req`
