@@ -5,7 +5,9 @@
 #   2. `refusion bench speed` on SmolLM2-135M (float32, against the speed targets; bfloat16 too on cuda),
 #      then its forwards and AR decode compiled (--compile);
 #   3. AR vs ReFusion vs MDM at batch 1 and 16 on the bundled model and on a randomly
-#      initialised Qwen3-0.6B-shaped model (bfloat16 on cuda), printed as one table.
+#      initialised Qwen3-0.6B-shaped model (bfloat16 on cuda), printed as one table;
+#   4. tensor parallelism (generate, TP=2 against TP=1) and data parallelism (eval, DP=2
+#      against DP=1) where there are two GPUs (skipped, and said so, with fewer).
 # Usage: scripts/gpu_check.sh [--device cpu|cuda] [--small]
 #   --small: a scaled-down random model and shorter runs (the default with --device cpu,
 #   where a 0.6B model in float32 would take far too long).
@@ -87,6 +89,23 @@ for spec in (None, f"random:{shape}"):
         print(f"{name:18} {dtype:9} {method:10} {b1['tpf']:6.2f} {ms_fwd:11.2f} {b1['tps']:10.1f} {b16['tps']:11.1f} {b16['tps'] / b1['tps']:6.2f}x {b1.get('overhead', float('nan')):9.1%}", flush=True)
     del model
 EOF
+
+step "4. tensor and data parallelism (two processes, NCCL on cuda, gloo on cpu)"
+gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
+if [ "$device" = cuda ] && [ "$gpus" -lt 2 ]; then
+  echo "skipped: $gpus GPU(s) here, the parallel paths need 2"
+else
+  prompt="Sort these numbers from smallest to largest: 55, 25, 75, 93"
+  one=$("$py" -m refusion.cli generate "$prompt" --device "$device" --json) || status=1
+  two=$("$py" -m refusion.cli generate "$prompt" --device "$device" --json --tensor-parallel-size 2) || status=1
+  "$py" -c 'import json, sys; a, b = (json.loads(x)["token_ids"] for x in sys.argv[1:]); print("TP=2 tokens", "equal" if a == b else "DIFFER", "to TP=1"); sys.exit(a != b)' "$one" "$two" || status=1
+  out="${OUT:-/tmp}/parallel_eval"
+  for dp in 1 2; do
+    "$py" -m refusion.cli eval --task suite --limit 32 --device "$device" --no-progress --overwrite \
+      --data-parallel-size "$dp" --out "$out/dp$dp" || status=1
+  done
+  "$py" -c 'import json, sys; r = [[(x["id"], x["output"]) for x in map(json.loads, open(f"{sys.argv[1]}/dp{n}/samples.jsonl"))] for n in (1, 2)]; print("DP=2 records", "equal" if r[0] == r[1] else "DIFFER", "to DP=1"); sys.exit(r[0] != r[1])' "$out" || status=1
+fi
 
 step "done: $([ $status -eq 0 ] && echo 'every step passed' || echo 'a step FAILED (see above)')"
 exit $status
