@@ -9,6 +9,9 @@
 #   scripts/train_bundled.sh refusion-short  ar's step-2250 checkpoint + 1750 ReFusion steps:
 #                                      the earlier bundled model, same 4000-step budget as `ar`
 #   scripts/train_bundled.sh scratch   ReFusion from random weights, 4000 steps (a reference)
+#   scripts/train_bundled.sh refusion-ft  the paper's setting: the finished AR baseline
+#                                      (ar-long) + 8000 ReFusion steps, every 250th step's
+#                                      checkpoint kept for the learning curve
 #
 # As in the paper, ReFusion is made from an autoregressive model: here the AR run's own
 # checkpoint at step 2250, so ReFusion and its AR baseline see the same data,
@@ -60,8 +63,12 @@ case "$what" in
     [ -f runs/bundled-ar/model.safetensors ] || { echo "run '$0 ar' first" >&2; exit 2; }
     train --model runs/bundled-ar --out runs/bundled-ar-long --objective ar --seed 1 \
       --max-steps 6250 --lr 1e-3 --warmup-steps 100 --keep-checkpoints 2 ;;
+  refusion-ft)
+    [ -f runs/bundled-ar-long/model.safetensors ] || { echo "run '$0 ar-long' first" >&2; exit 2; }
+    train --model runs/bundled-ar-long --out runs/bundled-refusion-ft --objective refusion \
+      --max-steps 8000 --lr 1e-3 --warmup-steps 50 --keep-checkpoints 0 ;;
   scratch)
     train --init-config "$work/config.json" --tokenizer "$work/tokenizer" --out runs/bundled-refusion-scratch \
       --objective refusion --max-steps 4000 --lr 3e-3 --warmup-steps 100 --keep-checkpoints 2 ;;
-  *) echo "usage: $0 ar|refusion|ar-long|refusion-short|scratch" >&2; exit 2 ;;
+  *) echo "usage: $0 ar|refusion|ar-long|refusion-short|refusion-ft|scratch" >&2; exit 2 ;;
 esac
