@@ -51,8 +51,13 @@ def run(args: argparse.Namespace) -> int:
     work = args.dir or Path(tempfile.mkdtemp(prefix="refusion-bench-load-"))
     try:
         t0 = time.perf_counter()
-        weight_bytes = write_random_checkpoint(work, _config(args))
-        written = time.perf_counter() - t0
+        index = work / "model.safetensors.index.json"
+        if index.is_file() and json.loads((work / "config.json").read_text()) == _config(args).to_hf_dict():
+            print(f"reusing the checkpoint in {work}", file=sys.stderr)
+            weight_bytes, written = json.loads(index.read_text())["metadata"]["total_size"], None
+        else:
+            weight_bytes = write_random_checkpoint(work, _config(args))
+            written = time.perf_counter() - t0
         results = [measure(work, n, args.tokens) for n in splits]
     finally:
         if args.dir is None:
@@ -124,8 +129,17 @@ def measure(directory: Path, tensor_parallel_size: int, tokens: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+def _rss_bytes(field: str) -> int:
+    """VmRSS (now) or VmHWM (the peak) of this process, from /proc: getrusage's maximum
+    would carry over the peak of the process that exec'd this one."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # elsewhere: the best there is
 
 
 def _probe_rank(directory: str, tensor_parallel_size: int, tokens: int) -> dict:
@@ -136,11 +150,11 @@ def _probe_rank(directory: str, tensor_parallel_size: int, tokens: int) -> dict:
     from refusion.decode.config import DecodeConfig
 
     torch.ones(8, 8, dtype=torch.bfloat16) @ torch.ones(8, 8, dtype=torch.bfloat16)  # the libraries' own memory
-    baseline = _peak_rss_bytes()
+    baseline = _rss_bytes("VmRSS")
     t0 = time.perf_counter()
     model, _ = refusion.load(directory, dtype="bfloat16", tensor_parallel_size=tensor_parallel_size)
     load_s = time.perf_counter() - t0
-    loaded = _peak_rss_bytes()
+    loaded = _rss_bytes("VmHWM")
     held = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     t0 = time.perf_counter()
     (out,) = refusion.generate(model, None, [[11, 12, 13, 14, 15, 16, 17, 18]], DecodeConfig(method="ar", gen_length=tokens))
@@ -174,8 +188,8 @@ def _probe(directory: str, tensor_parallel_size: int, tokens: int) -> None:
 
 def format_report(report: dict) -> str:
     gb = report["weight_bytes"] / 1e9
-    lines = [f"random {report['shape']} checkpoint ({report['layers']} layers, bf16): weights {gb:.2f} GB, "
-             f"written in {report['write_s']:.0f} s"]
+    written = "reused" if report["write_s"] is None else f"written in {report['write_s']:.0f} s"
+    lines = [f"random {report['shape']} checkpoint ({report['layers']} layers, bf16): weights {gb:.2f} GB, {written}"]
     lines.append(f"{'TP':>3} {'rank':>4} {'load s':>7} {'peak RSS above baseline':>24} {'x weights':>9} "
                  f"{'held':>9} {'decode':>14}")
     for run_ in report["runs"]:
@@ -184,8 +198,8 @@ def format_report(report: dict) -> str:
             lines.append(f"{run_['tensor_parallel_size']:>3} {r:>4} {x['load_s']:>7.1f} "
                          f"{x['load_peak_above_baseline'] / 1e9:>21.2f} GB {ratio:>9.2f} {x['held_bytes'] / 1e9:>6.2f} GB "
                          f"{x['tokens']} tok {x['decode_s']:>5.1f} s")
-    lines.append("peak RSS: the process's maximum resident memory after loading, less its maximum before; "
-                 "held: the weights the process keeps")
+    lines.append("peak RSS: the process's peak resident memory (VmHWM) after loading, less its resident memory "
+                 "before (interpreter and libraries); held: the weights the process keeps")
     return "\n".join(lines)
 
 
