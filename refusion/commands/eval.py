@@ -115,24 +115,29 @@ def _evaluate_model(args: argparse.Namespace, bench, common: dict) -> dict:
 
     out = args.out or f"runs/eval/{_run_name(bench)}-{cfg.method}"
     summary = evaluate(bench, generate, batch_size=args.batch_size, out_dir=out, config=cfg,
-                       model=args.model or "bundled", replicas=_replicas(engine_cfg.tensor_parallel_size), **common)
+                       model=args.model or "bundled", replicas=_replicas(model), **common)
     if lowered:
         print(lowered_note(cfg, lowered, seen[0], model.config.max_position_embeddings, args.preset), file=sys.stderr)
     return summary
 
 
-def _replicas(tensor_parallel_size: int):
-    """This process's share of the run: its data-parallel replica, and whether it writes
-    (the first rank of its tensor-parallel group) and merges (the first of all)."""
+def _replicas(model):
+    """This process's share of the run: the replicas' shared claims on chunks of samples,
+    whether it writes (the first rank of its tensor-parallel group: the others follow its
+    claims) and merges (the first of all)."""
     from ..evaluate.runner import Replicas
-    from ..parallel import barrier, is_main, launched, replica
+    from ..parallel import barrier, is_main, launched, replica, work_counter
 
     if not launched():
         return None
     import torch.distributed as dist
 
-    index, count = replica(tensor_parallel_size)
-    return Replicas(index, count, writes=dist.get_rank() % tensor_parallel_size == 0, first=is_main(), barrier=barrier)
+    shard = model.tensor_parallel
+    size = shard.world if shard is not None else 1
+    _, count = replica(size)
+    leader = dist.get_rank() - dist.get_rank() % size
+    return Replicas(count, work_counter(leader, shard.group if shard is not None else None, size),
+                    writes=dist.get_rank() == leader, first=is_main(), barrier=barrier)
 
 
 def _run_name(bench) -> str:

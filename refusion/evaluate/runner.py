@@ -91,14 +91,16 @@ def read_predictions(path: str | os.PathLike) -> tuple[dict[str, str], dict[int,
 # -------------------------------------------------------------------------- results
 @dataclasses.dataclass(frozen=True)
 class Replicas:
-    """How this process shares a run with others (data parallelism): replica `index` of
-    `count` evaluates every count-th sample. `writes`: it appends its records (false for
-    the other ranks of a tensor-parallel group, which repeat their leader's work); `first`:
-    it prepares the results directory and, once every replica is done, writes the
-    samples in dataset order and the summary. `barrier` waits for all processes."""
+    """How this process shares a run with `count` replicas (data parallelism). `claim()`
+    returns the next unclaimed chunk number of the run, shared by all replicas (each
+    chunk is batch_size samples of the dataset's order), so that a replica with short
+    samples takes more of them. `writes`: it appends its records (false for the other
+    ranks of a tensor-parallel group, which repeat their leader's work); `first`: it
+    prepares the results directory and, once every replica is done, writes the samples
+    in dataset order and the summary. `barrier` waits for all processes."""
 
-    index: int = 0
     count: int = 1
+    claim: Callable[[], int] | None = None
     writes: bool = True
     first: bool = True
     barrier: Callable[[], None] = lambda: None
@@ -227,7 +229,6 @@ def evaluate(
     done = results.done()
     wanted = {s.id for s in samples}
     records = [done[s.id] for s in samples if s.id in done]
-    pending = [s for k, s in enumerate(samples) if k % part.count == part.index and s.id not in done]
     chunk = max(1, batch_size) if predictions is None else 64  # predictions: batch the sandbox
     started = time.perf_counter()
     progress = progress and part.first
@@ -235,8 +236,7 @@ def evaluate(
         if records:
             bar.write(f"{bench.name}: resuming {results.path}: {len(records)} of {len(samples)} samples already scored "
                       "(--overwrite starts afresh)", file=sys.stderr)
-        for i in range(0, len(pending), chunk):
-            batch = pending[i : i + chunk]
+        for batch in _batches(samples, done, chunk, part.claim):
             t0 = time.perf_counter()
             completions = complete(batch)
             gen_seconds = (time.perf_counter() - t0) if predictions is None else None
@@ -271,6 +271,24 @@ def evaluate(
     results.write_summary(summary)
     summary["line"] = one_line(bench.name, summary)
     return summary
+
+
+def _batches(samples: Sequence[Sample], done: dict, chunk: int, claim: Callable[[], int] | None):
+    """The batches this process evaluates: the samples not yet done, `chunk` at a time;
+    with `claim`, the chunks of the dataset's order it wins (less those done)."""
+    if claim is None:
+        pending = [s for s in samples if s.id not in done]
+        for i in range(0, len(pending), chunk):
+            yield pending[i : i + chunk]
+        return
+    while True:
+        k = claim()
+        window = samples[k * chunk : (k + 1) * chunk]
+        if not window:
+            return
+        batch = [s for s in window if s.id not in done]
+        if batch:
+            yield batch
 
 
 def _unique_ids(samples: Sequence[Sample]) -> list[Sample]:

@@ -91,6 +91,26 @@ def barrier() -> None:
         dist.barrier()
 
 
+def work_counter(leader: int, group: Any = None, group_size: int = 1) -> Callable[[], int]:
+    """A counter all processes share: each call returns the next number (0, 1, 2, ...)
+    that no process has taken. Only the `leader` of each tensor-parallel group (of
+    `group_size` ranks, `group`; None: the default group) takes numbers; it hands each to
+    the other ranks of its group, which call as often as it does. Made collectively:
+    every process calls this once."""
+    path = [tempfile.mktemp(prefix="refusion-claims-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    store = dist.FileStore(path[0], dist.get_world_size())
+    takes = dist.get_rank() == leader
+
+    def take() -> int:
+        number = [store.add("taken", 1) - 1 if takes else None]
+        if group_size > 1:
+            dist.broadcast_object_list(number, src=leader, group=group)
+        return int(number[0])
+
+    return take
+
+
 def spawn(size: int, fn: Callable[..., Any], *args: Any, device: str = "cpu", quiet_others: bool = True) -> Any:
     """Run fn(*args) in `size` new processes that form one group (rank 0's result comes
     back); each gets an equal share of this machine's cores. The other ranks' stdout is
