@@ -330,14 +330,9 @@ def _check_not_truncated(file: Path) -> None:
     the 8-byte header length and the JSON header, nothing more. A file whose header does
     not parse is left to `safe_open`, whose error says what is wrong with it."""
     try:
-        with file.open("rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            header_len = int.from_bytes(fh.read(8), "little")
-            if header_len > size:
-                return
-            header = json.loads(fh.read(header_len))
-        data_end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-        needed = 8 + header_len + int(data_end)
+        size = file.stat().st_size
+        entries, data_start = _safetensors_header(file, size)
+        needed = data_start + int(max((t["data_offsets"][1] for t in entries.values()), default=0))
     except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
         return
     if size < needed:
@@ -393,10 +388,13 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
                        "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def _safetensors_header(file: Path) -> tuple[dict[str, dict], int]:
-    """The tensor entries of a safetensors file (dtype, shape, data_offsets) and where its data starts."""
+def _safetensors_header(file: Path, size: int | None = None) -> tuple[dict[str, dict], int]:
+    """The tensor entries of a safetensors file (dtype, shape, data_offsets) and where its
+    data starts; ValueError for a header longer than the file (`size`, when known)."""
     with open(file, "rb") as fh:
         n = int.from_bytes(fh.read(8), "little")
+        if size is not None and n > size:
+            raise ValueError(f"{file}: a header of {n} bytes in a file of {size}")
         header = json.loads(fh.read(n))
     header.pop("__metadata__", None)
     return header, 8 + n
@@ -642,30 +640,35 @@ def _write_weights(model: Transformer, directory: Path, max_shard_bytes: int = M
     state = model.state_dict()
     if model.config.tie_word_embeddings:  # one tensor on disk, as transformers writes it
         drop_tied_head(state)
-    shards = _shards(state, max_shard_bytes)
+    sizes = {k: t.numel() * t.element_size() for k, t in state.items()}
+    shards = shard_plan(sizes, max_shard_bytes)
     if len(shards) == 1:
-        _write_shard(state, shards[0], directory / "model.safetensors")
+        _write_shard(state, shards[0][1], directory / "model.safetensors")
         return
-    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    for keys, name in zip(shards, names):  # one shard in memory (on the CPU) at a time
+    for name, keys in shards:  # one shard in memory (on the CPU) at a time
         _write_shard(state, keys, directory / name)
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-             "weight_map": {k: name for keys, name in zip(shards, names) for k in keys}}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    write_index(directory, shards, sizes)
 
 
-def _shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
-    """Tensor names in state order, cut into runs of at most max_bytes (a larger tensor alone)."""
-    shards: list[list[str]] = [[]]
+def shard_plan(sizes: dict[str, int], max_bytes: int) -> list[tuple[str, list[str]]]:
+    """(file name, tensor names) per shard: the tensors in order, cut into runs of at most
+    max_bytes (a larger tensor alone), named as transformers names them."""
+    groups: list[list[str]] = [[]]
     size = 0
-    for name, t in state.items():
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > max_bytes:
-            shards.append([])
+    for name, n in sizes.items():
+        if groups[-1] and size + n > max_bytes:
+            groups.append([])
             size = 0
-        shards[-1].append(name)
+        groups[-1].append(name)
         size += n
-    return shards
+    return [(f"model-{i:05d}-of-{len(groups):05d}.safetensors", keys) for i, keys in enumerate(groups, 1)]
+
+
+def write_index(directory: Path, shards: list[tuple[str, list[str]]], sizes: dict[str, int]) -> None:
+    """model.safetensors.index.json: each tensor's shard, and the weights' total bytes."""
+    index = {"metadata": {"total_size": sum(sizes.values())},
+             "weight_map": {k: name for name, keys in shards for k in keys}}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def _write_shard(state: dict[str, torch.Tensor], keys: list[str], file: Path) -> None:

@@ -1,14 +1,33 @@
-"""How much memory a model needs per device: its weights (a rank's share under tensor
-parallelism) and the KV cache for a batch of a given context, from the config alone."""
+"""Memory: how much a model needs per device (its weights, a rank's share under tensor
+parallelism, and the KV cache for a batch of a given context, from the config alone),
+and how much a process holds. Imports no torch until a function needs it (the load test
+reads a server's memory with it)."""
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from .config import ModelConfig
-from .parallel.tensor import Shard, local_config, slice_of
+    from .config import ModelConfig
+
+
+def process_memory_kib(pid: int | str | None = None) -> dict[str, int] | None:
+    """VmRSS (resident now) and VmHWM (the peak) of a process (None: this one) in KiB,
+    from /proc; None where there is no /proc. getrusage's maximum would not do: it
+    carries over the peak of the process that exec'd this one."""
+    try:
+        text = Path(f"/proc/{pid or 'self'}/status").read_text()
+    except OSError:
+        return None
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0])
+    return out
 
 
 def kv_bytes_per_entry(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -21,6 +40,7 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype, tensor_parallel_size: 
     """Bytes of the weights one device holds: all of them, or rank 0's share (every rank
     holds the same amount)."""
     from .checkpoint import _empty_model, _expected_shapes
+    from .parallel.tensor import Shard, slice_of
 
     shard = Shard(0, tensor_parallel_size) if tensor_parallel_size > 1 else None
     total = 0
@@ -41,6 +61,8 @@ def memory_plan(config: ModelConfig, dtype: torch.dtype, batch_size: int, contex
     """Per device: weights, KV cache of batch_size requests of `context` positions (each
     holding rows_per_request cache rows: a ReFusion request forks one per slot of a
     block while it infills), and their sum, in bytes."""
+    from .parallel.tensor import local_config
+
     local = local_config(config, tensor_parallel_size) if tensor_parallel_size > 1 else config
     rows = batch_size * rows_per_request
     kv = rows * context * (kv_bytes_per_entry(local, dtype) + 16)  # + the token and position ids

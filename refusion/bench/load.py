@@ -86,37 +86,23 @@ def write_random_checkpoint(directory: Path, config, max_shard_bytes: int | None
     import torch
     from safetensors.torch import save_file
 
-    from ..checkpoint import MAX_SHARD_BYTES, _empty_model, _expected_shapes
+    from ..checkpoint import MAX_SHARD_BYTES, _empty_model, _expected_shapes, shard_plan, write_index
 
-    limit = max_shard_bytes or MAX_SHARD_BYTES
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
     shapes = _expected_shapes(_empty_model(config))
-    groups: list[list[str]] = [[]]
-    size = 0
-    for name, shape in shapes.items():
-        n = 2 * int(torch.Size(shape).numel())
-        if groups[-1] and size + n > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += n
+    sizes = {name: 2 * int(torch.Size(shape).numel()) for name, shape in shapes.items()}
+    shards = shard_plan(sizes, max_shard_bytes or MAX_SHARD_BYTES)
     gen = torch.Generator().manual_seed(0)
-    weight_map, total = {}, 0
-    for i, names in enumerate(groups, 1):
-        file = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+    for file, names in shards:
         tensors = {}
         for name in names:
-            shape = shapes[name]
-            std = 1.0 if "norm" in name else 0.02
-            tensors[name] = (torch.randn(shape, generator=gen) * std + (1.0 if "norm" in name else 0.0)).to(torch.bfloat16)
-            weight_map[name] = file
-            total += tensors[name].numel() * 2
+            norm = "norm" in name
+            tensors[name] = (torch.randn(shapes[name], generator=gen) * (1.0 if norm else 0.02) + float(norm)).to(torch.bfloat16)
         save_file(tensors, directory / file, metadata={"format": "pt"})
         del tensors
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return total
+    write_index(directory, shards, sizes)
+    return sum(sizes.values())
 
 
 def measure(directory: Path, tensor_parallel_size: int, tokens: int) -> dict:
@@ -130,16 +116,11 @@ def measure(directory: Path, tensor_parallel_size: int, tokens: int) -> dict:
 
 
 def _rss_bytes(field: str) -> int:
-    """VmRSS (now) or VmHWM (the peak) of this process, from /proc: getrusage's maximum
-    would carry over the peak of the process that exec'd this one."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # elsewhere: the best there is
+    """VmRSS (now) or VmHWM (the peak) of this process in bytes."""
+    from ..sizing import process_memory_kib
+
+    kib = process_memory_kib()
+    return kib[field] * 1024 if kib else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _probe_rank(directory: str, tensor_parallel_size: int, tokens: int) -> dict:

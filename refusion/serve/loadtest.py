@@ -25,9 +25,10 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
+
+from ..sizing import process_memory_kib
 
 PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?",
@@ -161,14 +162,7 @@ def median_phase(rounds: list[dict]) -> dict:
 
 
 def rss_kib(pid: int | None) -> dict[str, int] | None:
-    if pid is None:
-        return None
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0])
-    return out
+    return process_memory_kib(pid) if pid is not None else None
 
 
 def _phases(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple[str, int, bool]]:
