@@ -136,6 +136,8 @@ def _dispatch(argv: list[str] | None) -> int:
 
 # verbs whose run is the same on every rank of a split model (no terminal, no socket)
 SPLIT_VERBS = ("generate", "eval")
+# verbs that own a terminal or a socket: rank 0 runs them, the other ranks follow its engine
+LEADER_VERBS = ("chat", "serve")
 
 
 def _run_split(args: argparse.Namespace, size: int) -> int:
@@ -146,9 +148,11 @@ def _run_split(args: argparse.Namespace, size: int) -> int:
     from .errors import ConfigError
     from .parallel import join_torchrun, spawn
 
+    if args.verb in LEADER_VERBS:
+        return _lead(args, size)
     if args.verb not in SPLIT_VERBS:
         raise ConfigError(f"--tensor-parallel-size is not yet supported by `refusion {args.verb}`; "
-                          f"it is by {' and '.join(SPLIT_VERBS)}")
+                          f"it is by {', '.join(SPLIT_VERBS + LEADER_VERBS)}")
     if join_torchrun(getattr(args, "device", "cpu")):
         import torch.distributed as dist
 
@@ -163,6 +167,30 @@ def _run_split(args: argparse.Namespace, size: int) -> int:
             f.write(sys.stdin.read())
         args.prompt_file = type(args.prompt_file)(f.name)
     return int(spawn(size, _run_rank, args, device=getattr(args, "device", "cpu")) or 0)
+
+
+def _lead(args: argparse.Namespace, size: int) -> int:
+    """This process runs the verb as rank 0; the other ranks (started here, or by
+    torchrun) follow its engine."""
+    from .errors import ConfigError
+    from .parallel import join_torchrun
+    from .parallel.follow import follow, lead, release
+
+    if (getattr(args, "data_parallel_size", None) or 1) > 1:
+        raise ConfigError(f"`refusion {args.verb}` takes --tensor-parallel-size only")
+    device = getattr(args, "device", "cpu")
+    if join_torchrun(device):
+        import torch.distributed as dist
+
+        if dist.get_rank() != 0:
+            return follow(args)
+        procs = []
+    else:
+        procs = lead(size, args, device)
+    try:
+        return int(_command(args.verb).run(args) or 0)
+    finally:
+        release(procs)
 
 
 def _run_rank(args: argparse.Namespace) -> int:

@@ -41,14 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..decode import Engine
+    from ..parallel.follow import engine_for
     from ..recommended import recommended_of
 
     args.model = args.model or args.model_pos
     decode_config_from_args(args)  # bad flags fail before the model loads
     model, tokenizer = load_from_args(args)
     cfg = decode_config_from_args(args, model=model)
-    engine = Engine(model, tokenizer, engine_config_from_args(args))
+    engine = engine_for(model, tokenizer, engine_config_from_args(args))
     rec = recommended_of(model)
     keep, note = keeps_history(args.history, rec.single_turn)
     if rec.about:

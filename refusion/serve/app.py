@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException
 
 from ..decode import DecodeConfig, Engine, EngineConfig
 from ..errors import CompileError, ContextLengthError, MissingMaskTokenError, ReFusionError
+from ..parallel.follow import engine_for
 from ..prompts import chat_ids, encode_prompt
 from .loop import EngineLoop, Job, QueueFull, ShuttingDown
 from .metrics import Metrics
@@ -59,7 +60,7 @@ def create_app(
     the model (tests wrap its step)."""
     if tokenizer is None:
         raise ReFusionError("serving needs a tokenizer: this checkpoint has none")
-    engine = engine or Engine(model, tokenizer, engine_config)
+    engine = engine or engine_for(model, tokenizer, engine_config)
     cfg = cfg or engine.default_config
     metrics = Metrics()
     engine_loop = EngineLoop(engine, max_queue=max_queue, metrics=metrics)
@@ -73,6 +74,8 @@ def create_app(
         engine_loop.start()
         yield
         await asyncio.get_running_loop().run_in_executor(None, engine_loop.shutdown, shutdown_timeout)
+        if hasattr(engine, "close"):  # a split model's leader lets the other ranks go (uvicorn then re-raises the signal)
+            await asyncio.get_running_loop().run_in_executor(None, engine.close)
 
     app = FastAPI(title="ReFusion", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine_loop, app.state.metrics, app.state.shutdown_timeout = engine_loop, metrics, shutdown_timeout
