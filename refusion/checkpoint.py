@@ -383,9 +383,10 @@ def _read_tensors(
     return state
 
 
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                       "U8": torch.uint8, "BOOL": torch.bool}
+_SAFETENSORS_DTYPES = {name: getattr(torch, attr) for name, attr in (
+    ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"), ("F8_E4M3", "float8_e4m3fn"),
+    ("F8_E5M2", "float8_e5m2"), ("I64", "int64"), ("I32", "int32"), ("I16", "int16"), ("I8", "int8"),
+    ("U64", "uint64"), ("U32", "uint32"), ("U16", "uint16"), ("U8", "uint8"), ("BOOL", "bool")) if hasattr(torch, attr)}
 
 
 def _safetensors_header(file: Path, size: int | None = None) -> tuple[dict[str, dict], int]:
@@ -403,6 +404,8 @@ def _safetensors_header(file: Path, size: int | None = None) -> tuple[dict[str, 
 def _read_tensor(fh, entry: dict, data_start: int, part: tuple[int, int, int] | None) -> torch.Tensor:
     """One tensor (or rows a:b of it, part=(0, a, b); columns, part=(1, a, b)) read from
     the open file into new memory."""
+    if entry["dtype"] not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"tensor dtype {entry['dtype']} is not one this torch reads")
     dtype, shape = _SAFETENSORS_DTYPES[entry["dtype"]], list(entry["shape"])
     start, end = entry["data_offsets"]
     offset, rows = start, shape

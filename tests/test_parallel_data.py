@@ -50,3 +50,22 @@ def test_a_killed_two_replica_run_resumes(tmp_path):
     assert run_eval(out, 2, limit=16) == 0
     assert records(out) == records(tmp_path / "dp1")  # each sample once, in dataset order
     assert json.loads((out / "summary.json").read_text())["resumed"] >= 3
+
+
+def test_a_shorter_run_with_replicas_keeps_the_records_it_did_not_ask_for(tmp_path):
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert run_eval(ref, 1, limit=12) == 0
+    lines = (ref / "samples.jsonl").read_text().splitlines(keepends=True)
+    out.mkdir()
+    (out / "samples.jsonl").write_text("".join(lines[6:]))  # a directory holding samples 6-11 only
+    (out / "run.json").write_text((ref / "run.json").read_text())
+    assert run_eval(out, 2, limit=6) == 0  # samples 0-5, by two replicas
+    assert records(out) == records(ref)  # theirs in dataset order, then the ones it did not ask for
+    assert json.loads((out / "summary.json").read_text())["n"] == 6  # the run's own samples
+
+
+def test_predictions_are_not_split(tmp_path, capsys):
+    preds = tmp_path / "p.jsonl"
+    preds.write_text(json.dumps({"index": 0, "output": "x"}) + "\n")
+    assert main(["eval", "--task", "suite", "--predictions", str(preds), "--data-parallel-size", "2"]) == 2
+    assert "drop --data-parallel-size" in capsys.readouterr().err

@@ -108,8 +108,8 @@ def test_cli_generate_and_eval_split_over_two_processes(tmp_path, capfd):
         records[size] = [{k: r[k] for k in ("id", "output", "correct")}
                          for r in map(json.loads, (out / "samples.jsonl").read_text().splitlines())]
     assert records[2] == records[1] and len(records[1]) == 6
-    assert main(["chat", "--tensor-parallel-size", "2"]) == 2
-    assert "not yet supported by `refusion chat`" in capfd.readouterr().err
+    assert main(["bench", "decode", "--tensor-parallel-size", "2"]) == 2
+    assert "not yet supported by `refusion bench`" in capfd.readouterr().err
 
 
 def _shard_bytes(path: str) -> tuple[int, int]:

@@ -62,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     bench = get_benchmark(args.task, args.protocol)
     if args.show_prompt is not None:
         return _show_prompt(args, bench)
+    if args.predictions and ((args.data_parallel_size or 1) > 1 or (args.tensor_parallel_size or 1) > 1):
+        raise ConfigError("--predictions scores without a model: drop --data-parallel-size / --tensor-parallel-size")
     timeout = args.timeout if args.timeout is not None else getattr(bench, "timeout", 10.0)
     common = dict(data=args.data, limit=args.limit, limits=Limits(timeout=timeout), workers=args.workers,
                   overwrite=args.overwrite, progress=not args.no_progress)
@@ -72,6 +74,10 @@ def run(args: argparse.Namespace) -> int:
         summary = evaluate(bench, predictions=args.predictions, out_dir=out, **common)
     else:
         summary = _evaluate_model(args, bench, common)
+    from ..parallel import is_main
+
+    if not is_main():  # another replica or rank: rank 0 reports the whole run
+        return 0
     if args.json:
         print(json.dumps({k: v for k, v in summary.items() if k != "line"}, indent=2, default=str))
     else:

@@ -266,7 +266,7 @@ def _parses(code: str) -> bool:
     try:
         ast.parse(code)
         return True
-    except (SyntaxError, MemoryError, ValueError):
+    except (SyntaxError, MemoryError, ValueError, RecursionError):
         return False
 
 

@@ -137,14 +137,15 @@ class ResultsDir:
         if writes and prepare:
             run.write_text(json.dumps(settings, indent=2, default=str) + "\n")
 
-    def done(self) -> dict[str, dict]:
-        """Records already written, by id. A line cut short by an interrupt is dropped."""
+    def done(self, repair: bool = True) -> dict[str, dict]:
+        """Records already written, by id. A line cut short by an interrupt is dropped, and
+        with `repair` cut from the file (never while other replicas may be appending)."""
         if not self.samples.exists():
             return {}
         raw = self.samples.read_bytes()
         if raw and not raw.endswith(b"\n"):  # interrupted mid-line: cut back to the last whole line
             raw = raw[: raw.rfind(b"\n") + 1]
-            if self.writes:
+            if self.writes and repair:
                 self.samples.write_bytes(raw)
         records = {}
         for line in raw.decode("utf-8").splitlines():
@@ -222,11 +223,11 @@ def evaluate(
     out = out_dir or Path("runs") / "eval" / bench.name
     if part.first:  # prepares the directory (overwrite, a line cut short) before anyone reads it
         results = ResultsDir(out, settings, overwrite)
-        results.done()
+        done = results.done()
     part.barrier()
-    if not part.first:
+    if not part.first:  # the others read what was there; their own appends come later
         results = ResultsDir(out, settings, writes=part.writes, prepare=False)
-    done = results.done()
+        done = results.done(repair=False)
     wanted = {s.id for s in samples}
     records = [done[s.id] for s in samples if s.id in done]
     chunk = max(1, batch_size) if predictions is None else 64  # predictions: batch the sandbox
@@ -249,10 +250,10 @@ def evaluate(
             bar.set_postfix(acc=f"{sum(r['correct'] for r in records) / len(records):.3f}")
     new_records = len(records) - len(wanted & done.keys())
     part.barrier()
-    if part.count > 1 and part.first:  # every replica's records, in dataset order
+    if part.count > 1 and part.first:  # every replica's records, in dataset order (earlier runs' others after)
         everyone = results.done()
         records = [everyone[s.id] for s in samples if s.id in everyone]
-        results.rewrite(records)
+        results.rewrite(records + [r for k, r in everyone.items() if k not in wanted])
         new_records = len(records) - len(wanted & done.keys())
     first_error = next((r["detail"]["error"] for r in records if (r.get("detail") or {}).get("reason") == GENERATION_ERROR), None)
     summary = {"task": bench.name, "protocol": bench.protocol, "model": model, **summarize(records, bench.extracts),
@@ -268,7 +269,8 @@ def evaluate(
         summary["sandbox"] = isolation().describe()
     if bench.notes():
         summary["scoring"] = bench.notes()
-    results.write_summary(summary)
+    if part.first:  # the others hold their share only
+        results.write_summary(summary)
     summary["line"] = one_line(bench.name, summary)
     return summary
 

@@ -9,6 +9,7 @@ import pickle
 import queue
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -113,8 +114,10 @@ def work_counter(leader: int, group: Any = None, group_size: int = 1) -> Callabl
 
 def spawn(size: int, fn: Callable[..., Any], *args: Any, device: str = "cpu", quiet_others: bool = True) -> Any:
     """Run fn(*args) in `size` new processes that form one group (rank 0's result comes
-    back); each gets an equal share of this machine's cores. The other ranks' stdout is
-    dropped when `quiet_others` (they repeat rank 0's work)."""
+    back); each gets an equal share of this machine's cores. The other ranks' output is
+    dropped when `quiet_others`, but for the traceback of an error that is not ours. When
+    a rank fails, the others get ten seconds to report, then are ended (a rank waiting in
+    an NCCL collective would otherwise wait for hours)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -125,21 +128,33 @@ def spawn(size: int, fn: Callable[..., Any], *args: Any, device: str = "cpu", qu
                                              results, fn, args), daemon=False) for rank in range(size)]
     for p in procs:
         p.start()
-    outcome, reported = None, set()
+    outcome, reported, give_up = None, set(), None
     while len(reported) < size:
+        if give_up is not None and time.monotonic() > give_up:  # a rank failed: the rest may wait in a collective
+            break
         try:
             rank, ok, value = results.get(timeout=1.0)
         except queue.Empty:  # a rank that died without a word (a signal, os._exit) ends the run
             dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
-            if dead:
+            if dead and outcome is None:
                 for p in procs:
                     p.kill()
                 raise RuntimeError(f"rank {dead[0]} of {size} exited with code {procs[dead[0]].exitcode} and no result")
             continue
         reported.add(rank)
-        value = pickle.loads(value)
+        try:
+            value = pickle.loads(value)
+        except Exception as e:  # an error that pickles but does not rebuild
+            value = RuntimeError(f"rank {rank} failed; its error could not be rebuilt here ({e})")
+        if not ok and give_up is None:
+            give_up = time.monotonic() + 10.0
         if rank == 0 or not ok:
             outcome = outcome if (outcome is not None and not outcome[0]) else (ok, value)
+    for p in procs:
+        if give_up is not None and p.is_alive():
+            p.join(timeout=1.0)
+            if p.is_alive():
+                p.kill()
     for p in procs:
         p.join()
     if os.path.exists(rendezvous):
@@ -153,7 +168,8 @@ def spawn(size: int, fn: Callable[..., Any], *args: Any, device: str = "cpu", qu
 def _child(rank, world, rendezvous, backend, threads, quiet, results, fn, args) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
-    if quiet and rank != 0:  # it repeats rank 0's work, and rank 0 reports
+    real_stderr = sys.stderr
+    if quiet and rank != 0:  # rank 0 reports (another replica's notes would repeat its own)
         sys.stdout = sys.stderr = open(os.devnull, "w")
     try:
         _own_device(backend, rank)
@@ -166,7 +182,8 @@ def _child(rank, world, rendezvous, backend, threads, quiet, results, fn, args) 
         from ..errors import ReFusionError
 
         if not isinstance(e, (ReFusionError, KeyboardInterrupt)):
-            traceback.print_exc()
+            print(f"rank {rank}:", file=real_stderr)
+            traceback.print_exc(file=real_stderr)
         try:
             results.put((rank, False, pickle.dumps(e)))
         except Exception:  # an unpicklable error: its text
