@@ -132,7 +132,7 @@ def _replicas(model):
     whether it writes (the first rank of its tensor-parallel group: the others follow its
     claims) and merges (the first of all)."""
     from ..evaluate.runner import Replicas
-    from ..parallel import barrier, is_main, launched, replica, work_counter
+    from ..parallel import barrier, is_main, launched, work_counter
 
     if not launched():
         return None
@@ -140,9 +140,8 @@ def _replicas(model):
 
     shard = model.tensor_parallel
     size = shard.world if shard is not None else 1
-    _, count = replica(size)
-    leader = dist.get_rank() - dist.get_rank() % size
-    return Replicas(count, work_counter(leader, shard.group if shard is not None else None, size),
+    leader = dist.get_rank() - dist.get_rank() % size  # a replica is `size` consecutive ranks
+    return Replicas(dist.get_world_size() // size, work_counter(leader, shard.group if shard is not None else None, size),
                     writes=dist.get_rank() == leader, first=is_main(), barrier=barrier)
 
 

@@ -162,22 +162,25 @@ class ResultsDir:
             return
         with open(self.samples, "a", encoding="utf-8") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
-            f.write("".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records))
+            f.write(_lines(records))
             f.flush()
             os.fsync(f.fileno())
 
     def rewrite(self, records: Sequence[dict]) -> None:
         """samples.jsonl as exactly these records, in this order (atomically)."""
         tmp = self.samples.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records), encoding="utf-8")
+        tmp.write_text(_lines(records), encoding="utf-8")
         tmp.replace(self.samples)
 
     def write_summary(self, summary: dict) -> None:
-        if not self.writes:
-            return
         tmp = self.summary.with_suffix(".tmp")
         tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
         tmp.replace(self.summary)
+
+
+def _lines(records: Sequence[dict]) -> str:
+    """Records as JSON lines, as samples.jsonl holds them."""
+    return "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records)
 
 
 # --------------------------------------------------------------------------- the run

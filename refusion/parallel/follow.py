@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 from typing import Any
 
 import torch.distributed as dist
 
-from .launch import WAIT, _own_device, backend_for, launched
+from .launch import WAIT, _own_device, backend_for, launched, start_ranks
 
 STOP = "stop"
 
@@ -112,22 +111,11 @@ def _apply(engine: Any, op: tuple) -> None:
 def lead(size: int, args: argparse.Namespace, device: str = "cpu") -> list:
     """Make this process rank 0 of `size` and start ranks 1.. as followers of `args`'s
     verb; returns their processes (join them after the verb's engine is closed)."""
-    import torch.multiprocessing as mp
-
-    from .launch import _child
-
     import torch
 
-    ctx = mp.get_context("spawn")
-    rendezvous = tempfile.mktemp(prefix="refusion-rendezvous-")
-    results = ctx.Queue()
+    procs, _, rendezvous = start_ranks(range(1, size), size, follow, (args,), device)
+    torch.set_num_threads(max(1, torch.get_num_threads() // size))
     backend = backend_for(device)
-    threads = max(1, torch.get_num_threads() // size)
-    torch.set_num_threads(threads)
-    procs = [ctx.Process(target=_child, args=(rank, size, rendezvous, backend, threads, True, results, follow, (args,)))
-             for rank in range(1, size)]
-    for p in procs:
-        p.start()
     os.environ.update(RANK="0", WORLD_SIZE=str(size), LOCAL_RANK="0")
     _own_device(backend, 0)
     dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=0, world_size=size, timeout=WAIT)

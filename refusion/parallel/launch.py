@@ -79,14 +79,6 @@ def tensor_shard(size: int) -> Shard | None:
     return Shard(rank % size, size, _GROUPS[size][rank // size])
 
 
-def replica(tensor_parallel_size: int = 1) -> tuple[int, int]:
-    """(index, count) of this process's data-parallel replica: a replica is one group of
-    tensor_parallel_size consecutive ranks; (0, 1) for a process on its own."""
-    if not launched():
-        return 0, 1
-    return dist.get_rank() // tensor_parallel_size, dist.get_world_size() // tensor_parallel_size
-
-
 def barrier() -> None:
     if launched():
         dist.barrier()
@@ -118,16 +110,7 @@ def spawn(size: int, fn: Callable[..., Any], *args: Any, device: str = "cpu", qu
     dropped when `quiet_others`, but for the traceback of an error that is not ours. When
     a rank fails, the others get ten seconds to report, then are ended (a rank waiting in
     an NCCL collective would otherwise wait for hours)."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    rendezvous = tempfile.mktemp(prefix="refusion-rendezvous-")  # a FileStore: no port to race for
-    threads = max(1, torch.get_num_threads() // size)
-    procs = [ctx.Process(target=_child, args=(rank, size, rendezvous, backend_for(device), threads, quiet_others,
-                                             results, fn, args), daemon=False) for rank in range(size)]
-    for p in procs:
-        p.start()
+    procs, results, rendezvous = start_ranks(range(size), size, fn, args, device, quiet_others)
     outcome, reported, give_up = None, set(), None
     while len(reported) < size:
         if give_up is not None and time.monotonic() > give_up:  # a rank failed: the rest may wait in a collective
@@ -163,6 +146,25 @@ def spawn(size: int, fn: Callable[..., Any], *args: Any, device: str = "cpu", qu
     if not ok:
         raise value if isinstance(value, BaseException) else RuntimeError(value)
     return value
+
+
+def start_ranks(ranks, size: int, fn: Callable[..., Any], args: tuple, device: str = "cpu",
+                quiet_others: bool = True, rendezvous: str | None = None) -> tuple[list, Any, str]:
+    """Start processes for `ranks` of a group of `size` that meet at `rendezvous` (a new
+    FileStore path by default: no port to race for), each running fn(*args) with an
+    equal share of this machine's cores; returns them, the queue their results come
+    on, and the rendezvous."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    rendezvous = rendezvous or tempfile.mktemp(prefix="refusion-rendezvous-")
+    threads = max(1, torch.get_num_threads() // size)
+    procs = [ctx.Process(target=_child, args=(rank, size, rendezvous, backend_for(device), threads, quiet_others,
+                                             results, fn, args), daemon=False) for rank in ranks]
+    for p in procs:
+        p.start()
+    return procs, results, rendezvous
 
 
 def _child(rank, world, rendezvous, backend, threads, quiet, results, fn, args) -> None:
