@@ -121,6 +121,7 @@ def _dispatch(argv: list[str] | None) -> int:
         parser.print_help()
         return 2
     _one_line_warnings(args.verb)
+    args._argv = argv  # a verb that starts copies of itself (serve's replicas) passes them on
     try:
         size = (getattr(args, "tensor_parallel_size", None) or 1) * (getattr(args, "data_parallel_size", None) or 1)
         if size > 1:
@@ -176,9 +177,14 @@ def _lead(args: argparse.Namespace, size: int) -> int:
     from .parallel import join_torchrun
     from .parallel.follow import follow, lead, release
 
-    if (getattr(args, "data_parallel_size", None) or 1) > 1:
-        raise ConfigError(f"`refusion {args.verb}` takes --tensor-parallel-size only")
     device = getattr(args, "device", "cpu")
+    if (getattr(args, "data_parallel_size", None) or 1) > 1:
+        if args.verb != "serve":
+            raise ConfigError(f"`refusion {args.verb}` takes --tensor-parallel-size only")
+        if join_torchrun(device):
+            raise ConfigError("under torchrun, `refusion serve` takes --tensor-parallel-size only: run "
+                              "`refusion serve --data-parallel-size N` on its own, and it starts its replicas")
+        return int(_command("serve").run_replicas(args) or 0)
     if join_torchrun(device):
         import torch.distributed as dist
 

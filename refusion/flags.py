@@ -19,6 +19,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the checkpoint's, if the device runs it)")
 
 
+def add_data_parallel_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """--data-parallel-size N: N replicas of the model, a process (and device) each."""
+    parser.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                        help=f"N model replicas, one process (device) each, {what} (default: 1)")
+
+
 def _flag_fields(cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if f.metadata.get("flag", True)]
 

@@ -4,6 +4,7 @@ model, driven by the official `openai` client (and httpx for raw HTTP)."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -83,10 +84,47 @@ def live(loaded, **kwargs) -> Iterator[LiveServer]:
         server.stop()
 
 
-@pytest.fixture(scope="module")
-def server(loaded):
-    with live(loaded) as s:
+class ReplicatedServer:
+    """`refusion serve --data-parallel-size 2` in a subprocess: a front over two replica
+    processes of the same model, answering as one server. `metrics` sums each sample
+    over the replicas, so a test reads the same names as from one server."""
+
+    def __init__(self, model_dir) -> None:
+        from test_serve_hostile import Process
+
+        self.process = Process(model_dir, "--data-parallel-size", "2", "--served-model-name", MODEL,
+                               "--gen-length", "32", "--log-level", "warning")
+        self.url = self.process.url
+
+    def client(self, api_key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, value in parse_metrics(httpx.get(self.url + "/metrics").text).items():
+            key = re.sub(r'replica="\d+",?', "", name).replace("{}", "")
+            out[key] = out.get(key, 0.0) + value
+        return out
+
+    def stop(self) -> None:
+        from test_serve_replicas import _stop
+
+        _stop(self.process)
+
+
+@pytest.fixture(scope="module", params=["one process", "two replicas"])
+def server(request, loaded, model_dirs):
+    """The server the openai-client tests run against: in this process, and as a front
+    over two replica processes (`--data-parallel-size 2`)."""
+    if request.param == "one process":
+        with live(loaded) as s:
+            yield s
+        return
+    s = ReplicatedServer(model_dirs[1])
+    try:
         yield s
+    finally:
+        s.stop()
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:

@@ -30,7 +30,8 @@ from refusion.serve.protocol import APIError, fit_length, parse_request  # noqa:
 import test_serve  # noqa: E402
 from test_serve import MODEL, GatedEngine, LiveServer, live, wait_for  # noqa: E402
 
-# test_serve's fixtures, shared here (one converted tiny model and one live server per module)
+# test_serve's fixtures, shared here (one converted tiny model; one live server per module, in this
+# process and as a front over two replicas)
 model_dirs, loaded, server = test_serve.model_dirs, test_serve.loaded, test_serve.server
 
 CHAT = "/v1/chat/completions"
@@ -263,6 +264,8 @@ def test_shutdown_refuses_new_and_queued_requests_with_503_and_cuts_streams_with
 
 
 def test_a_closing_engine_loop_answers_new_requests_with_503(server):
+    if not hasattr(server, "loop"):
+        pytest.skip("a front has no engine loop; its replicas' drain is tested in test_serve_replicas")
     loop = server.loop
     try:
         loop._closing = True  # as between the first signal and uvicorn closing its sockets

@@ -12,7 +12,7 @@ import json
 import sys
 
 from ..errors import ConfigError
-from ..flags import add_decode_arguments, decode_config_from_args, engine_config_from_args
+from ..flags import add_data_parallel_argument, add_decode_arguments, decode_config_from_args, engine_config_from_args
 
 
 EPILOG = (
@@ -37,8 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print the exact text fed to the model for document N (after the chat template) and exit")
     parser.add_argument("--limit", type=int, default=None, help="only the first N samples")
     parser.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (default 1)")
-    parser.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
-                        help="N model replicas, one process (device) each, share the samples; one result file")
+    add_data_parallel_argument(parser, "share the samples; one result file")
     parser.add_argument("--out", default=None, help="results directory (default runs/eval/TASK-METHOD)")
     parser.add_argument("--data", default=None,
                         help="local JSONL/JSON/Parquet file in the public dataset's field names "

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-from pathlib import Path
 
 from ..errors import MissingExtraError, ReFusionError
-from ..flags import add_decode_arguments, add_model_arguments, decode_config_from_args, engine_config_from_args, load_from_args
+from ..flags import (add_data_parallel_argument, add_decode_arguments, add_model_arguments, decode_config_from_args,
+                     engine_config_from_args, load_from_args)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM/SIGINT, seconds running requests get to finish before they are cut "
                         "(new and queued ones get 503 at once; a second signal exits now) (default: 30)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_data_parallel_argument(g, "behind this one address; each request goes to the least-loaded")
+    g.add_argument("--replica-socket", default=None, help=argparse.SUPPRESS)  # a replica: serve on this Unix socket
     add_decode_arguments(parser)
 
 
@@ -37,19 +39,37 @@ def _check_web_stack() -> None:
 def run(args: argparse.Namespace) -> int:
     _check_web_stack()
     from ..serve import serve  # the web stack loads only when this verb runs
+    from ..serve.replicas import served_name
 
     args.model = args.model or args.model_pos
-    if args.max_queue < 1 or args.shutdown_timeout < 0:
-        raise ReFusionError("--max-queue must be >= 1 and --shutdown-timeout >= 0")
-    decode_config_from_args(args)  # bad flags fail before the model loads
+    _check_flags(args)
     engine_cfg = engine_config_from_args(args)
     model, tokenizer = load_from_args(args)
     cfg = decode_config_from_args(args, model=model)
-    name = args.served_model_name or (Path(args.model).name if args.model else "refusion")
     serve(
         model, tokenizer, cfg, engine_config=engine_cfg,
-        host=args.host, port=args.port, model_name=name, api_key=args.api_key,
+        host=args.host, port=args.port, model_name=served_name(args), api_key=args.api_key,
         max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
-        log_level=args.log_level,
+        log_level=args.log_level, uds=args.replica_socket,
     )
     return 0
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Bad flags fail before a model loads (or a replica starts)."""
+    if args.max_queue < 1 or args.shutdown_timeout < 0:
+        raise ReFusionError("--max-queue must be >= 1 and --shutdown-timeout >= 0")
+    if args.data_parallel_size < 1:
+        raise ReFusionError("--data-parallel-size takes a positive number")
+    decode_config_from_args(args)
+    engine_config_from_args(args)
+
+
+def run_replicas(args: argparse.Namespace) -> int:
+    """`--data-parallel-size N`: this process is the front of N replicas."""
+    _check_web_stack()
+    from ..serve.replicas import run_front, served_name
+
+    args.model = args.model or args.model_pos
+    _check_flags(args)
+    return run_front(args, args._argv, served_name(args))

@@ -4,6 +4,7 @@
 - `loop.py`: the engine loop, one worker thread that owns the `Engine` and steps it
 - `server.py`: uvicorn's server with the shutdown order serving needs (`make_server`)
 - `app.py`: the routes (/v1/models, /v1/completions, /v1/chat/completions, /health, /metrics)
+- `replicas.py`: `--data-parallel-size N`, N replicas behind one front (least-loaded routing)
 - `metrics.py`: Prometheus text format, by hand
 - `loadtest.py`: `python -m refusion.serve.loadtest`, concurrent streaming clients
 
@@ -36,6 +37,7 @@ def serve(
     port: int = 8000,
     shutdown_timeout: float = 30.0,
     log_level: str = "info",
+    uds: str | None = None,
     **kwargs: Any,
 ) -> None:
     """Run the server until interrupted. The first SIGINT/SIGTERM stops it taking work
@@ -45,4 +47,4 @@ def serve(
     from .server import make_server
 
     app = create_app(model, tokenizer, cfg, shutdown_timeout=shutdown_timeout, **kwargs)
-    make_server(app, host=host, port=port, log_level=log_level).run()
+    make_server(app, host=host, port=port, log_level=log_level, uds=uds).run()

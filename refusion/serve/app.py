@@ -79,6 +79,7 @@ def create_app(
 
     app = FastAPI(title="ReFusion", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine_loop, app.state.metrics, app.state.shutdown_timeout = engine_loop, metrics, shutdown_timeout
+    app.state.begin_drain = engine_loop.close
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -315,14 +316,19 @@ def _data(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def _read_json(request: Request) -> Any:
+async def read_body(request: Request) -> bytes:
+    """The request's bytes, at most MAX_BODY of them (else a 413)."""
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > MAX_BODY:
         raise APIError(413, f"the request body is over {MAX_BODY} bytes", code="request_too_large")
     raw = await request.body()
     if len(raw) > MAX_BODY:
         raise APIError(413, f"the request body is over {MAX_BODY} bytes", code="request_too_large")
-    body = _loads(raw)
+    return raw
+
+
+async def _read_json(request: Request) -> Any:
+    body = _loads(await read_body(request))
     if _deeper_than(body, MAX_DEPTH):
         raise _too_deep()
     return body

@@ -100,12 +100,31 @@ class Histogram(_Metric):
         return lines
 
 
-class Metrics:
+class Registry:
+    """Metrics rendered together, under one lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._all: list[_Metric] = []
+
+    def _add(self, cls: type, name: str, help_text: str, **kwargs) -> _Metric:
+        m = cls(self._lock, name, help_text, **kwargs)
+        self._all.append(m)
+        return m
+
+    def render(self) -> str:
+        with self._lock:
+            lines = []
+            for m in self._all:
+                lines += m.header() + m.render()
+        return "\n".join(lines) + "\n"
+
+
+class Metrics(Registry):
     """Everything `/metrics` reports. Thread-safe: the decode thread and the event loop both write."""
 
     def __init__(self, prefix: str = "refusion") -> None:
-        self._lock = threading.Lock()
-        self._all: list[_Metric] = []
+        super().__init__()
         p = prefix + "_"
         self.requests = self._add(Counter, p + "requests_total", "HTTP requests by route and status code", labels=("route", "status"))
         self.errors = self._add(Counter, p + "errors_total", "Error responses by error type", labels=("type",))
@@ -126,15 +145,3 @@ class Metrics:
         self.queue_length = self._add(Gauge, p + "queue_length", "Completions waiting to join the engine's batch")
         self.running = self._add(Gauge, p + "running_completions", "Completions the engine is decoding")
         self.rejected = self._add(Counter, p + "rejected_total", "Requests refused because the queue was full")
-
-    def _add(self, cls: type, name: str, help_text: str, **kwargs) -> _Metric:
-        m = cls(self._lock, name, help_text, **kwargs)
-        self._all.append(m)
-        return m
-
-    def render(self) -> str:
-        with self._lock:
-            lines = []
-            for m in self._all:
-                lines += m.header() + m.render()
-        return "\n".join(lines) + "\n"

@@ -12,8 +12,10 @@ signal exits at once.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import threading
 import os
 import signal
 import socket
@@ -31,24 +33,50 @@ BACKSTOP_SECONDS = 5.0
 
 
 class Server(uvicorn.Server):
-    """A uvicorn server for an app made by `create_app` (it reads the app's engine loop
-    and shutdown timeout from `app.state`)."""
+    """A uvicorn server for an app made by `create_app` or `replicas.create_front`. It
+    reads from `app.state`: `shutdown_timeout`, `begin_drain(timeout)` (called as the
+    drain begins) and, optionally, `on_exit_now(sig)` (called before a second signal
+    ends the process)."""
 
-    def __init__(self, config: uvicorn.Config) -> None:
+    def __init__(self, config: uvicorn.Config, drain_on_usr1: bool = False) -> None:
         super().__init__(config)
         self.app_state = config.app.state
+        self.drain_on_usr1 = drain_on_usr1
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """uvicorn's signals; a replica also takes SIGUSR1, its front's word to drain, as a
+        first SIGTERM, and as nothing when it drains already (systemd, say, signals every
+        process of a service, and the front passes its own signal on too)."""
+        with super().capture_signals():
+            if not (self.drain_on_usr1 and threading.current_thread() is threading.main_thread()):
+                yield
+                return
+            previous = signal.signal(signal.SIGUSR1, self._drain_asked)
+            try:
+                yield
+            finally:
+                signal.signal(signal.SIGUSR1, previous)
+
+    def _drain_asked(self, _sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            self.handle_exit(signal.SIGTERM, frame)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """First signal: shut down gracefully (uvicorn raises the signal again once done,
         so the process ends as that signal says: SIGTERM's exit status, or SIGINT's
         KeyboardInterrupt). Second: exit now."""
         if self.should_exit:
+            hook = getattr(self.app_state, "on_exit_now", None)
+            if hook is not None:
+                hook(sig)
             exit_now(sig)
         super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        """Close the engine loop before uvicorn's drain, so its deadline runs alongside."""
-        self.app_state.engine_loop.close(self.app_state.shutdown_timeout)
+        """Begin the app's drain (close the engine loop; a front: tell its replicas) before
+        uvicorn's own, so its deadline runs alongside."""
+        self.app_state.begin_drain(self.app_state.shutdown_timeout)
         await super().shutdown(sockets)
 
 
@@ -67,12 +95,15 @@ def exit_now(sig: int) -> None:
     os._exit(128 + sig)
 
 
-def make_server(app: Any, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> Server:
-    """The server for `app`; `server.run()` serves until a signal (or `should_exit`)."""
+def make_server(app: Any, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+                uds: str | None = None) -> Server:
+    """The server for `app`; `server.run()` serves until a signal (or `should_exit`).
+    With `uds` it listens on that Unix socket instead of host:port, logs no access
+    lines and drains on SIGUSR1: a replica behind a front (which logs them)."""
     timeout = app.state.shutdown_timeout
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=_log_config(log_level),
-                            timeout_graceful_shutdown=timeout + BACKSTOP_SECONDS)
-    return Server(config)
+    config = uvicorn.Config(app, host=host, port=port, uds=uds, access_log=uds is None, log_level=log_level,
+                            log_config=_log_config(log_level), timeout_graceful_shutdown=timeout + BACKSTOP_SECONDS)
+    return Server(config, drain_on_usr1=uds is not None)
 
 
 def _log_config(level: str) -> dict[str, Any]:

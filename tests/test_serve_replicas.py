@@ -1,0 +1,169 @@
+"""`refusion serve --data-parallel-size N`: a front over N replica processes. (The
+openai-client tests of test_serve.py also run against one: its `server` fixture.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from refusion.checkpoint import BUNDLED_DIR  # noqa: E402
+from refusion.serve.replicas import Replicas, merge_metrics  # noqa: E402
+
+from test_serve_hostile import Process  # noqa: E402
+
+CHAT = [{"role": "user", "content": "Reverse the words: red green blue"}]
+
+
+def _replica_pids(front: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", "--", "--replica-socket"], capture_output=True, text=True)
+    pids = [int(x) for x in out.stdout.split()]
+    return [p for p in pids if _parent(p) == front]
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return -1
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_least_loaded_takes_the_request_and_a_tie_goes_to_the_first():
+    reps = Replicas([SimpleNamespace(index=i, in_flight=n, alive=True) for i, n in enumerate((2, 1, 1))], "/nonexistent")
+    assert reps.pick().index == 1
+    reps.all[1].in_flight = 3
+    assert reps.pick().index == 2
+    reps.all[2].alive = False  # an exited replica takes nothing
+    assert reps.pick().index == 0
+    for r in reps.all:
+        r.alive = False
+    assert reps.pick() is None
+
+
+def test_metrics_of_the_replicas_merge_under_one_header_each():
+    one = ("# HELP refusion_requests_total HTTP requests\n# TYPE refusion_requests_total counter\n"
+           'refusion_requests_total{route="/health",status="200"} 3\n'
+           "# HELP refusion_queue_length waiting\n# TYPE refusion_queue_length gauge\nrefusion_queue_length 0\n")
+    two = one.replace(" 3\n", " 5\n").replace("length 0", "length 2")
+    merged = merge_metrics([("0", one), ("1", two)]).splitlines()
+    assert merged == [
+        "# HELP refusion_requests_total HTTP requests", "# TYPE refusion_requests_total counter",
+        'refusion_requests_total{replica="0",route="/health",status="200"} 3',
+        'refusion_requests_total{replica="1",route="/health",status="200"} 5',
+        "# HELP refusion_queue_length waiting", "# TYPE refusion_queue_length gauge",
+        'refusion_queue_length{replica="0"} 0', 'refusion_queue_length{replica="1"} 2']
+
+
+def test_two_replicas_share_requests_report_each_and_outlive_one_of_them():
+    server = Process(BUNDLED_DIR, "--data-parallel-size", "2", "--log-level", "warning")
+    try:
+        health = httpx.get(server.url + "/health").json()
+        assert health["status"] == "ok" and [r["replica"] for r in health["replicas"]] == [0, 1]
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        texts: list[str] = []
+
+        def ask() -> None:
+            for _ in range(4):
+                r = client.chat.completions.create(model="refusion-tiny", messages=CHAT, max_tokens=64)
+                texts.append(r.choices[0].message.content)
+
+        threads = [threading.Thread(target=ask) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert len(texts) == 16 and len(set(texts)) == 1  # greedy: every replica answers the same
+        metrics = httpx.get(server.url + "/metrics").text
+        sent = {i: _sample(metrics, f'refusion_replica_requests_total{{replica="{i}"}}') for i in (0, 1)}
+        assert sent[0] + sent[1] == 16 and sent[0] > 0 and sent[1] > 0, sent  # concurrent requests spread
+        for i in (0, 1):  # each replica's own counters, labelled
+            assert _sample(metrics, f'refusion_requests_total{{replica="{i}",route="/v1/chat/completions",status="200"}}') == sent[i]
+            assert _sample(metrics, f'refusion_replica_up{{replica="{i}"}}') == 1
+        # a replica that dies: /health says so, and the other takes every request
+        os.kill(_by_index(server.proc.pid, 1), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while httpx.get(server.url + "/health").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and health.json()["replicas"][1]["status"] == "exited"
+        r = client.chat.completions.create(model="refusion-tiny", messages=CHAT, max_tokens=64)
+        assert r.choices[0].message.content == texts[0]
+        assert _sample(httpx.get(server.url + "/metrics").text, 'refusion_replica_up{replica="1"}') == 0
+    finally:
+        _stop(server)
+
+
+def _stop(server: Process) -> None:
+    """End a front as a user would (SIGTERM: its replicas go with it), killing it only if
+    it does not go."""
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            server.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def _by_index(front: int, index: int) -> int:
+    """The pid of replica `index` of the front `front` (its socket is named by its index)."""
+    for pid in _replica_pids(front):
+        with open(f"/proc/{pid}/cmdline") as f:
+            if f.read().split("\0")[-2].endswith(f"/{index}.sock"):
+                return pid
+    raise AssertionError(f"no replica {index}")
+
+
+def _sample(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no sample {name} in the metrics")
+
+
+def test_sigterm_on_the_front_drains_the_replicas_and_ends_them():
+    server = Process(BUNDLED_DIR, "--data-parallel-size", "2", "--log-level", "warning")
+    try:
+        replicas = _replica_pids(server.proc.pid)
+        assert len(replicas) == 2
+        lines: list[str] = []
+        with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60,
+                          json={"messages": CHAT, "max_tokens": 256, "stream": True}) as r:
+            it = r.iter_lines()
+            lines.append(next(it))  # the stream has begun
+            server.proc.send_signal(signal.SIGTERM)
+            lines += [x for x in it if x]
+        assert lines[-1] == "data: [DONE]" and not any('"error"' in x for x in lines)  # it ran to its end
+        assert server.proc.wait(60) in (0, -signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while not all(_gone(p) for p in replicas) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(_gone(p) for p in replicas)
+    finally:
+        _stop(server)
+
+
+def test_a_replica_that_cannot_start_ends_the_front_with_its_error(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "refusion.cli", "serve", str(tmp_path / "none"), "--data-parallel-size", "2",
+                          "--port", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "replica" in out.stderr and "before it was ready" in out.stderr
+    assert str(tmp_path / "none") in out.stderr  # the replica's own error, above the front's
