@@ -98,6 +98,16 @@ def test_two_replicas_share_requests_report_each_and_outlive_one_of_them():
         for i in (0, 1):  # each replica's own counters, labelled
             assert _sample(metrics, f'refusion_requests_total{{replica="{i}",route="/v1/chat/completions",status="200"}}') == sent[i]
             assert _sample(metrics, f'refusion_replica_up{{replica="{i}"}}') == 1
+        # a client that leaves, streamed or plain, cancels its row in the replica that ran it
+        long = {"messages": CHAT, "max_tokens": 480, "method": "ar", "stop_token_ids": []}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json={**long, "stream": True}, timeout=60) as r:
+            next(r.iter_lines())
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/chat/completions", json=long, timeout=httpx.Timeout(60, read=0.3))
+        deadline = time.monotonic() + 30
+        while _cancelled(server) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _cancelled(server) == 2
         # a replica that dies: /health says so, and the other takes every request
         os.kill(_by_index(server.proc.pid, 1), signal.SIGKILL)
         deadline = time.monotonic() + 30
@@ -110,6 +120,12 @@ def test_two_replicas_share_requests_report_each_and_outlive_one_of_them():
         assert _sample(httpx.get(server.url + "/metrics").text, 'refusion_replica_up{replica="1"}') == 0
     finally:
         _stop(server)
+
+
+def _cancelled(server: Process) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
+               if x.startswith("refusion_completions_total{") and 'reason="cancelled"' in x)
 
 
 def _stop(server: Process) -> None:
