@@ -136,7 +136,9 @@ def _dispatch(argv: list[str] | None) -> int:
 
 
 # verbs whose run is the same on every rank of a split model (no terminal, no socket)
-SPLIT_VERBS = ("generate", "eval")
+SPLIT_VERBS = ("generate", "eval", "bench")
+# the benchmarks that run on a split model (`bench suite` also over data-parallel replicas)
+SPLIT_BENCHES = ("suite", "decode")
 # verbs that own a terminal or a socket: rank 0 runs them, the other ranks follow its engine
 LEADER_VERBS = ("chat", "serve")
 
@@ -154,6 +156,9 @@ def _run_split(args: argparse.Namespace, size: int) -> int:
     if args.verb not in SPLIT_VERBS:
         raise ConfigError(f"--tensor-parallel-size is not yet supported by `refusion {args.verb}`; "
                           f"it is by {', '.join(SPLIT_VERBS + LEADER_VERBS)}")
+    if args.verb == "bench" and args.bench not in SPLIT_BENCHES:
+        raise ConfigError(f"`refusion bench {args.bench}` runs in one process; --tensor-parallel-size is taken by "
+                          + " and ".join(f"`bench {b}`" for b in SPLIT_BENCHES))
     if join_torchrun(getattr(args, "device", "cpu")):
         import torch.distributed as dist
 

@@ -10,7 +10,7 @@
 #                                      the earlier bundled model, same 4000-step budget as `ar`
 #   scripts/train_bundled.sh scratch   ReFusion from random weights, 4000 steps (a reference)
 #   scripts/train_bundled.sh refusion-ft  the paper's setting: the finished AR baseline
-#                                      (ar-long) + 8000 ReFusion steps, every 250th step's
+#                                      (ar-long) + 4000 ReFusion steps, every 250th step's
 #                                      checkpoint kept for the learning curve
 #
 # As in the paper, ReFusion is made from an autoregressive model: here the AR run's own
@@ -66,7 +66,7 @@ case "$what" in
   refusion-ft)
     [ -f runs/bundled-ar-long/model.safetensors ] || { echo "run '$0 ar-long' first" >&2; exit 2; }
     train --model runs/bundled-ar-long --out runs/bundled-refusion-ft --objective refusion \
-      --max-steps 8000 --lr 1e-3 --warmup-steps 50 --keep-checkpoints 0 ;;
+      --max-steps 4000 --lr 1e-3 --warmup-steps 50 --keep-checkpoints 0 ;;
   scratch)
     train --init-config "$work/config.json" --tokenizer "$work/tokenizer" --out runs/bundled-refusion-scratch \
       --objective refusion --max-steps 4000 --lr 3e-3 --warmup-steps 100 --keep-checkpoints 2 ;;

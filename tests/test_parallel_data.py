@@ -1,5 +1,7 @@
 """Data parallelism on two CPU processes: `refusion eval --data-parallel-size 2` writes
-the per-sample records DP=1 writes, in dataset order, and a killed run resumes."""
+the per-sample records DP=1 writes, in dataset order, and a killed run resumes;
+`refusion bench suite` over two replicas (or split in two) decodes every item as one
+process does."""
 
 from __future__ import annotations
 
@@ -69,3 +71,18 @@ def test_predictions_are_not_split(tmp_path, capsys):
     preds.write_text(json.dumps({"index": 0, "output": "x"}) + "\n")
     assert main(["eval", "--task", "suite", "--predictions", str(preds), "--data-parallel-size", "2"]) == 2
     assert "drop --data-parallel-size" in capsys.readouterr().err
+
+
+def _suite_records(out: Path, *flags: str) -> list:
+    assert main(["bench", "suite", "--limit", "8", "--chunk", "2", "--no-sweep", "--out", str(out), *flags]) == 0
+    table = json.loads((out / "suite.json").read_text())["table"]
+    return [(row["key"], [(r["index"], r["correct"], r["tokens"], r["nfe"]) for r in row["records"]]) for row in table]
+
+
+def test_bench_suite_over_two_replicas_or_split_decodes_as_one_process(tmp_path, capfd):
+    alone = _suite_records(tmp_path / "one")
+    assert [len(r) for _, r in alone] == [8] * len(alone) and len(alone) >= 4
+    capfd.readouterr()
+    assert _suite_records(tmp_path / "dp2", "--data-parallel-size", "2") == alone
+    assert capfd.readouterr().out.count("ReFusion L2R") == 1  # one table, from the first replica
+    assert _suite_records(tmp_path / "tp2", "--tensor-parallel-size", "2") == alone

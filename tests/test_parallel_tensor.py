@@ -108,8 +108,16 @@ def test_cli_generate_and_eval_split_over_two_processes(tmp_path, capfd):
         records[size] = [{k: r[k] for k in ("id", "output", "correct")}
                          for r in map(json.loads, (out / "samples.jsonl").read_text().splitlines())]
     assert records[2] == records[1] and len(records[1]) == 6
-    assert main(["bench", "decode", "--tensor-parallel-size", "2"]) == 2
-    assert "not yet supported by `refusion bench`" in capfd.readouterr().err
+    quick = ["--prompts", "2", "--rounds", "1", "--batch-sizes", "1,2", "--gen-length", "16", "--methods", "ar,refusion"]
+    assert main(["bench", "decode", *quick, "--tensor-parallel-size", "2", "--json", str(tmp_path / "d.json")]) == 0
+    printed = capfd.readouterr().out
+    assert printed.count("batch-size sweep") == 1  # rank 0 reports
+    decoded = json.loads((tmp_path / "d.json").read_text())["table"]
+    assert main(["bench", "decode", *quick, "--json", str(tmp_path / "d1.json")]) == 0
+    alone = json.loads((tmp_path / "d1.json").read_text())["table"]
+    assert {m: (r["tokens"], r["nfe"]) for m, r in decoded.items()} == {m: (r["tokens"], r["nfe"]) for m, r in alone.items()}
+    assert main(["bench", "speed", "--tensor-parallel-size", "2"]) == 2
+    assert "`refusion bench speed` runs in one process" in capfd.readouterr().err
 
 
 def _shard_bytes(path: str) -> tuple[int, int]:

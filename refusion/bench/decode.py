@@ -11,8 +11,10 @@ of a full batch, not the tail of one batch waiting for its longest row.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import statistics
 import time
 from typing import Any
@@ -153,6 +155,17 @@ def ceiling_tps(model, rates: dict[tuple[int, int], float], tokens: float, fed: 
 
 
 def run(args: argparse.Namespace) -> int:
+    """On a split model every rank measures alongside (their forwards meet in each
+    all-reduce); the first prints and writes the figures."""
+    from ..parallel import is_main
+
+    if is_main():
+        return _run(args, report=True)
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        return _run(args, report=False)
+
+
+def _run(args: argparse.Namespace, report: bool) -> int:
     args.model = args.model or args.model_pos
     decode_config_from_args(args)  # bad flags fail before the model loads
     model, tokenizer = load_from_args(args)
@@ -190,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     for m in methods:
         print(f"{m:10} fed/token {full[m][sizes[0]]['fed_per_token']:5.2f}   GFLOP/s " + " ".join(f"{full[m][b]['gflops']:9.1f}" for b in sizes))
     ceilings = print_ceilings(model, full, methods, sizes)
-    if args.json_out:
+    if args.json_out and report:
         with open(args.json_out, "w") as f:
             json.dump({"config": dataclasses.asdict(base), "engine": dataclasses.asdict(engine), "prompts": len(prompts), "table": table, "sweep_prompts": n_sweep, "sweep": sweep,
                        "sweep_detail": full, "matmul_peak_gflops": peak, "ceiling": ceilings}, f, indent=2)

@@ -26,7 +26,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..flags import add_decode_arguments, add_model_arguments, decode_config_from_args, engine_config_from_args, load_from_args
+from ..flags import (add_data_parallel_argument, add_decode_arguments, add_model_arguments, decode_config_from_args,
+                     engine_config_from_args, load_from_args)
 from ..decode import DecodeConfig, EngineConfig, generate
 from ..timing import sync
 from ..errors import CheckpointError, ConfigError, MissingExtraError
@@ -69,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="first N held-out items (default: all 600)")
     parser.add_argument("--families", default=None, help="comma-separated task families (default: all)")
     parser.add_argument("--chunk", type=int, default=10, help="items per interleaving chunk")
+    add_data_parallel_argument(parser, "share the chunks of items; one table, per-item timings as each replica ran them")
     parser.add_argument("--out", default="runs/bench-suite", help="directory for the JSON and the PNG")
     parser.add_argument("--json", dest="json_out", default=None, help="JSON path (default: OUT/suite.json)")
     parser.add_argument("--plot", default=None, help="PNG path of the sweep (default: OUT/sweep.png)")
@@ -187,20 +189,51 @@ def decode_one(model, tokenizer, item, index: int, cfg: DecodeConfig, engine: En
 
 
 def measure(runs: Sequence[Run], items: Sequence, models: dict[str, tuple], chunk: int, desc: str,
-            engine: EngineConfig) -> dict[str, list[Record]]:
+            engine: EngineConfig) -> dict[str, list[Record]] | None:
     """Every run on every item, interleaved chunk by chunk; rows rotate their order each
-    chunk so none always runs first after a switch of weights."""
+    chunk so none always runs first after a switch of weights. Data-parallel replicas
+    claim chunks from one counter, and the first process gets every record, in item
+    order (the others get None). Collective: every process calls it."""
+    from ..parallel import gather_to_main, is_main, replica_claims
+
+    share = replica_claims(models["refusion"][0])
     warm_up(runs, items[0], models, engine)
     records: dict[str, list[Record]] = {r.key: [] for r in runs}
-    with tqdm(total=len(runs) * len(items), desc=desc, unit="decode", file=sys.stderr, mininterval=1.0) as bar:
-        for c, start in enumerate(range(0, len(items), chunk)):
+    n_chunks = -(-len(items) // chunk)
+    total = len(runs) * len(items) // (share[0] if share else 1)
+    with tqdm(total=total, desc=desc, unit="decode", file=sys.stderr, mininterval=1.0, disable=not is_main()) as bar:
+        for c in _chunk_numbers(n_chunks, share):
             shift = c % len(runs)
             for run in [*runs[shift:], *runs[:shift]]:
                 model, tokenizer = models[run.weights]
-                for i in range(start, min(start + chunk, len(items))):
+                for i in range(c * chunk, min((c + 1) * chunk, len(items))):
                     records[run.key].append(decode_one(model, tokenizer, items[i], i, run.cfg, engine))
                     bar.update()
-    return records
+    parts = gather_to_main(records)
+    return None if parts is None else _merged(parts, runs)
+
+
+def _chunk_numbers(n_chunks: int, share) -> Any:
+    """0 .. n_chunks-1 on its own; with replicas, the chunks this one claims."""
+    if share is None:
+        yield from range(n_chunks)
+        return
+    claim = share[1]
+    while (c := claim()) < n_chunks:
+        yield c
+
+
+def _merged(parts: list[dict[str, list[Record]]], runs: Sequence[Run]) -> dict[str, list[Record]]:
+    """Each run's records from every process, one per item (the first rank's, where a
+    tensor-parallel group repeated it), in item order."""
+    out = {}
+    for run in runs:
+        by_item: dict[int, Record] = {}
+        for part in parts:
+            for r in part[run.key]:
+                by_item.setdefault(r.index, r)
+        out[run.key] = [by_item[i] for i in sorted(by_item)]
+    return out
 
 
 def warm_up(runs: Sequence[Run], item, models: dict[str, tuple], engine: EngineConfig) -> None:
@@ -334,6 +367,8 @@ def plot_sweep(points: list[dict[str, Any]], aups: dict[str, float], path: Path,
 
 # ---------------------------------------------------------------------------- the command
 def run(args: argparse.Namespace) -> int:
+    from ..parallel import is_main
+
     args.model = args.model or args.model_pos
     base, engine = base_config(args), engine_config_from_args(args)
     items = select_items(args.limit, args.families)
@@ -349,25 +384,33 @@ def run(args: argparse.Namespace) -> int:
     if ar_path is not None:
         from ..checkpoint import load
 
-        models["ar"] = load(ar_path, device=args.device, dtype=args.dtype)
-    if note:
+        models["ar"] = load(ar_path, device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size or 1)
+    main = is_main()
+    if note and main:
         print(note, file=sys.stderr)
 
     runs = table_runs(base, ar_path is not None)
-    rows = table_rows(runs, measure(runs, items, models, args.chunk, "table", engine))
-    print_table(rows, items, base, args.device)
+    records = measure(runs, items, models, args.chunk, "table", engine)
     result: dict[str, Any] = {
-        "models": {"refusion": args.model or "bundled", "ar": ar_path},
-        "device": args.device, "items": len(items), "families": sorted({it.family for it in items}),
-        "chunk": args.chunk, "config": dataclasses.asdict(base), "table": rows,
+        "models": {"refusion": args.model or "bundled", "ar": ar_path}, "device": args.device,
+        "data_parallel_size": args.data_parallel_size, "tensor_parallel_size": args.tensor_parallel_size or 1,
+        "items": len(items), "families": sorted({it.family for it in items}), "chunk": args.chunk,
+        "config": dataclasses.asdict(base),
     }
+    if main:  # the first process reports; the others take part in measuring only
+        result["table"] = table_rows(runs, records)
+        print_table(result["table"], items, base, args.device)
     if sweep is not None:
         sweep_items = items[: args.sweep_limit]
-        points, aups, y_max = sweep_points(sweep, measure(sweep, sweep_items, models, args.chunk, "sweep", engine))
-        print_sweep(points, aups, len(sweep_items))
-        plot_sweep(points, aups, plot_path, f"held-out suite, {len(sweep_items)} items, batch size 1, {args.device}")
-        print(f"figure: {plot_path}")
-        result["sweep"] = {"items": len(sweep_items), "points": points, "aup": aups, "y_max": y_max, "plot": str(plot_path)}
+        sweep_records = measure(sweep, sweep_items, models, args.chunk, "sweep", engine)
+        if main:
+            points, aups, y_max = sweep_points(sweep, sweep_records)
+            print_sweep(points, aups, len(sweep_items))
+            plot_sweep(points, aups, plot_path, f"held-out suite, {len(sweep_items)} items, batch size 1, {args.device}")
+            print(f"figure: {plot_path}")
+            result["sweep"] = {"items": len(sweep_items), "points": points, "aup": aups, "y_max": y_max, "plot": str(plot_path)}
+    if not main:
+        return 0
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=1))
     print(f"figures and per-item records: {json_path}")

@@ -131,17 +131,13 @@ def _replicas(model):
     whether it writes (the first rank of its tensor-parallel group: the others follow its
     claims) and merges (the first of all)."""
     from ..evaluate.runner import Replicas
-    from ..parallel import barrier, is_main, launched, work_counter
+    from ..parallel import barrier, is_main, replica_claims
 
-    if not launched():
+    share = replica_claims(model)
+    if share is None:
         return None
-    import torch.distributed as dist
-
-    shard = model.tensor_parallel
-    size = shard.world if shard is not None else 1
-    leader = dist.get_rank() - dist.get_rank() % size  # a replica is `size` consecutive ranks
-    return Replicas(dist.get_world_size() // size, work_counter(leader, shard.group if shard is not None else None, size),
-                    writes=dist.get_rank() == leader, first=is_main(), barrier=barrier)
+    count, claim, leads = share
+    return Replicas(count, claim, writes=leads, first=is_main(), barrier=barrier)
 
 
 def _run_name(bench) -> str:

@@ -104,6 +104,31 @@ def work_counter(leader: int, group: Any = None, group_size: int = 1) -> Callabl
     return take
 
 
+def replica_claims(model: Any) -> tuple[int, Callable[[], int], bool] | None:
+    """This process's share of work split over data-parallel replicas, each a
+    tensor-parallel group of `model`'s split (consecutive ranks): (replicas, claim, leads).
+    `claim()` returns the next unclaimed chunk number of the run, shared by all replicas
+    (a replica whose chunks are quick takes more); `leads`: the first rank of its group
+    (the others repeat its work). None in a process on its own. Collective: every rank
+    calls it once per run."""
+    if not launched():
+        return None
+    shard = getattr(model, "tensor_parallel", None)
+    size = shard.world if shard is not None else 1
+    leader = dist.get_rank() - dist.get_rank() % size
+    claim = work_counter(leader, shard.group if shard is not None else None, size)
+    return dist.get_world_size() // size, claim, dist.get_rank() == leader
+
+
+def gather_to_main(obj: Any) -> list[Any] | None:
+    """Every rank's `obj`, in rank order, on rank 0 (None elsewhere); [obj] on its own."""
+    if not launched():
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
 def spawn(size: int, fn: Callable[..., Any], *args: Any, device: str = "cpu", quiet_others: bool = True) -> Any:
     """Run fn(*args) in `size` new processes that form one group (rank 0's result comes
     back); each gets an equal share of this machine's cores. The other ranks' output is
