@@ -1,0 +1,181 @@
+"""`refusion bench curve RUN`: how much ReFusion training a converted model needs.
+
+A `refusion train` run keeps a checkpoint every --save-every steps. This decodes the
+held-out suite (`refusion.tasks`) with ReFusion at every `--every`-th one (and at the
+run's base model, step 0, and its final model), greedy, batch size 1, with the settings
+`bench suite` uses, and reads the held-out AR and MDM parts of the loss from the run's
+log. Printed as a table, written as JSON, and drawn: accuracy per family, tokens per
+forward and the two losses against training steps, with the base model's own AR
+decoding as the line to reach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from ..errors import CheckpointError, ConfigError
+from ..flags import add_decode_arguments
+from .suite import base_config, decode_one, pyplot, select_items, summarise
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", metavar="RUN", help="a `refusion train` output directory (its checkpoints/ and log.jsonl)")
+    parser.add_argument("--every", type=int, default=500, help="decode every checkpoint whose step is a multiple of this (default: 500)")
+    parser.add_argument("--base", default=None, help="the model step 0 is (default: the run's --model, from its trainer state)")
+    parser.add_argument("--limit", type=int, default=None, help="first N held-out items (default: all 600)")
+    parser.add_argument("--families", default=None, help="comma-separated task families (default: all)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--out", default=None, help="JSON path (default: RUN/curve.json)")
+    parser.add_argument("--plot", default=None, help="PNG path (default: RUN/curve.png)")
+    add_decode_arguments(parser, engine=False)
+    parser.set_defaults(max_batch_size=None, chunk=1, sweep_limit=None)
+
+
+def checkpoints(run: Path, every: int) -> list[tuple[int, Path]]:
+    """(step, directory) of the run's checkpoints at multiples of `every`, and its final
+    model (the run's directory, at its last step), in step order."""
+    found = {}
+    for d in sorted((run / "checkpoints").glob("step-*")):
+        m = re.fullmatch(r"step-(\d+)", d.name)
+        if m and (d / "model.safetensors").is_file() and int(m.group(1)) % every == 0:
+            found[int(m.group(1))] = d
+    final = run / "model.safetensors"
+    if final.is_file():
+        found[_final_step(run)] = run
+    if not found:
+        raise CheckpointError(f"{run} holds no checkpoints at multiples of {every} steps and no final model: "
+                              "point at a `refusion train --out` directory, or lower --every")
+    return sorted(found.items())
+
+
+def _final_step(run: Path) -> int:
+    steps = [r["step"] for r in _log(run) if "step" in r]
+    return max(steps) if steps else 0
+
+
+def _log(run: Path) -> list[dict[str, Any]]:
+    path = run / "log.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # a line cut by a kill
+            continue
+    return out
+
+
+def losses(run: Path) -> list[dict[str, float]]:
+    """The held-out losses the trainer logged, by step (the last record of a step wins: a
+    resumed run logs its steps again)."""
+    by_step = {r["step"]: r for r in _log(run) if "eval_ar_loss" in r}
+    return [{"step": s, "ar": by_step[s]["eval_ar_loss"], "mdm": by_step[s]["eval_mdm_loss"]} for s in sorted(by_step)]
+
+
+def base_model(run: Path, given: str | None) -> str | None:
+    """What step 0 is: --base, else the --model the run was started from."""
+    if given:
+        return given
+    for state in sorted((run / "checkpoints").glob("step-*/trainer_state.json")):
+        model = json.loads(state.read_text()).get("config", {}).get("model")
+        return model if model and Path(model).exists() else None
+    return None
+
+
+def decode_all(path: str | Path, items, cfg, device: str, dtype: str | None, desc: str) -> dict[str, Any]:
+    from ..checkpoint import load
+    from ..decode import EngineConfig
+
+    model, tokenizer = load(path, device=device, dtype=dtype)
+    engine = EngineConfig(max_batch_size=1)
+    records = [decode_one(model, tokenizer, it, i, cfg, engine)
+               for i, it in enumerate(tqdm(items, desc=desc, unit="item", file=sys.stderr, mininterval=1.0, leave=False))]
+    return summarise(records)
+
+
+def run(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run)
+    if args.every < 1:
+        raise ConfigError(f"--every takes a positive number of steps, got {args.every}")
+    args.model = None
+    cfg = base_config(args)
+    items = select_items(args.limit, args.families)
+    points = checkpoints(run_dir, args.every)
+    base = base_model(run_dir, args.base)
+    if base is not None:
+        points = [(0, Path(base))] + [p for p in points if p[0] != 0]
+    pyplot()  # a missing extra fails before the decoding
+    reference = None
+    if base is not None:
+        reference = {"model": str(base), **decode_all(base, items, cfg.replace(method="ar"), args.device, args.dtype, "base, AR")}
+    rows = []
+    for step, path in tqdm(points, desc="checkpoints", unit="ckpt", file=sys.stderr):
+        rows.append({"step": step, "model": str(path), **decode_all(path, items, cfg, args.device, args.dtype, f"step {step}")})
+    curve = {"run": str(run_dir), "items": len(items), "config": dataclasses.asdict(cfg), "ar_reference": reference,
+             "points": rows, "losses": losses(run_dir)}
+    print_curve(curve)
+    out = Path(args.out) if args.out else run_dir / "curve.json"
+    plot = Path(args.plot) if args.plot else run_dir / "curve.png"
+    plot_curve(curve, plot)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(curve, indent=1))
+    print(f"figure: {plot}\nfigures: {out}")
+    return 0
+
+
+def print_curve(curve: dict[str, Any]) -> None:
+    rows = curve["points"]
+    families = list(rows[0]["per_family"])
+    print(f"held-out suite, {curve['items']} items, ReFusion decoding (greedy, batch size 1) at each checkpoint")
+    print(f"{'step':>6} {'acc%':>6}" + "".join(f" {f[:6]:>6}" for f in families) + f" {'TPF':>5} {'tok/s':>7}")
+    ref = curve["ar_reference"]
+    if ref:
+        print(f"{'AR':>6} {100 * ref['accuracy']:6.1f}" + "".join(f" {100 * ref['per_family'][f]:6.1f}" for f in families)
+              + f" {ref['tpf']:5.2f} {ref['tokens_per_s']:7.1f}   (the base model, AR decoding)")
+    for r in rows:
+        print(f"{r['step']:6d} {100 * r['accuracy']:6.1f}" + "".join(f" {100 * r['per_family'][f]:6.1f}" for f in families)
+              + f" {r['tpf']:5.2f} {r['tokens_per_s']:7.1f}")
+    if curve["losses"]:
+        print("held-out loss (the trainer's): " + ", ".join(f"{x['step']}: AR {x['ar']:.4f} MDM {x['mdm']:.4f}" for x in curve["losses"]))
+
+
+def plot_curve(curve: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    rows, ref = curve["points"], curve["ar_reference"]
+    steps = [r["step"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax = axes[0]
+    ax.plot(steps, [100 * r["accuracy"] for r in rows], color="black", marker="o", label="all")
+    for f in rows[0]["per_family"]:
+        ax.plot(steps, [100 * r["per_family"][f] for r in rows], marker=".", alpha=0.7, label=f)
+    if ref:
+        ax.axhline(100 * ref["accuracy"], color="black", linestyle="--", label=f"AR decoding of step 0 ({100 * ref['accuracy']:.1f}%)")
+    ax.set_ylabel("held-out accuracy (%)")
+    ax.legend(fontsize=8)
+    axes[1].plot(steps, [r["tpf"] for r in rows], color="tab:red", marker="o")
+    axes[1].set_ylabel("tokens per forward (ReFusion)")
+    if curve["losses"]:
+        ls = curve["losses"]
+        axes[2].plot([x["step"] for x in ls], [x["ar"] for x in ls], marker="o", label="AR part")
+        axes[2].plot([x["step"] for x in ls], [x["mdm"] for x in ls], marker="o", label="MDM part")
+        axes[2].set_yscale("log")
+        axes[2].legend(fontsize=8)
+    axes[2].set_ylabel("held-out loss")
+    for a in axes:
+        a.set_xlabel("ReFusion training steps")
+        a.grid(alpha=0.3)
+    fig.suptitle(f"{curve['run']}: held-out suite, {curve['items']} items, greedy, batch size 1")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,37 @@
+"""`refusion bench curve RUN`: the learning curve of a real (four-step) ReFusion run of
+the bundled model, read back from its checkpoints and log."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from refusion.checkpoint import BUNDLED_DIR
+from refusion.cli import main
+
+pytest.importorskip("matplotlib")
+
+
+def test_curve_decodes_each_checkpoint_and_reads_the_losses(tmp_path, capsys):
+    data, run = tmp_path / "train.jsonl", tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "refusion.tasks", "data", "train", "64", str(data)], check=True)
+    assert main(["train", "--model", str(BUNDLED_DIR), "--data", str(data), "--out", str(run), "--objective", "refusion",
+                 "--max-steps", "4", "--batch-size", "4", "--save-every", "2", "--eval-every", "2", "--keep-checkpoints", "0",
+                 "--lr", "1e-3", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["bench", "curve", str(run), "--every", "2", "--limit", "4"]) == 0
+    curve = json.loads((run / "curve.json").read_text())
+    assert [p["step"] for p in curve["points"]] == [0, 2, 4]
+    assert curve["points"][0]["model"] == str(BUNDLED_DIR) and curve["ar_reference"]["tpf"] == 1.0
+    assert [x["step"] for x in curve["losses"]] == [2, 4] and all(x["mdm"] > 0 for x in curve["losses"])
+    assert (run / "curve.png").stat().st_size > 10_000
+    # step 0 is the base model as `bench suite` decodes it: same tokens and forwards per item
+    assert main(["bench", "suite", "--limit", "4", "--no-sweep", "--out", str(tmp_path / "suite")]) == 0
+    suite = json.loads((tmp_path / "suite" / "suite.json").read_text())
+    refusion_row = next(r for r in suite["table"] if r["key"] == "refusion")
+    step0 = curve["points"][0]
+    assert (step0["tokens"], step0["nfe"], step0["accuracy"]) == (refusion_row["tokens"], refusion_row["nfe"], refusion_row["accuracy"])
+    assert "AR decoding" in capsys.readouterr().out
