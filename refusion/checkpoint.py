@@ -39,7 +39,14 @@ from .parallel.tensor import local_config, make_row_parallel, slice_of
 from .prompts import MASK_TOKEN, mask_id_of, tokenizer_mask_id
 from .recommended import Recommended, recommended_of
 
-BUNDLED_DIR = Path(__file__).parent / "bundled" / "refusion-tiny"
+BUNDLED_ROOT = Path(__file__).parent / "bundled"
+BUNDLED_DIR = BUNDLED_ROOT / "refusion-tiny"  # the default model
+BUNDLED_PREFIX = "bundled:"  # `bundled:NAME` names a model shipped in the package: refusion-tiny, ar-tiny
+
+
+def bundled_names() -> list[str]:
+    """The models this installation ships (`bundled:NAME`)."""
+    return sorted(d.name for d in BUNDLED_ROOT.iterdir() if (d / "config.json").is_file()) if BUNDLED_ROOT.is_dir() else []
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -63,8 +70,9 @@ def load(
 
     path: a local Hugging Face model directory (config.json + model.safetensors, or
     shards with model.safetensors.index.json), a hub id (downloaded with
-    huggingface_hub), a `.gguf` file (de-quantised by transformers), or None for the
-    model bundled with the package. dtype: None or "auto" = the config's torch_dtype if
+    huggingface_hub), a `.gguf` file (de-quantised by transformers), `bundled:NAME` for
+    a model shipped with the package (`bundled:refusion-tiny`, `bundled:ar-tiny`, its
+    AR baseline), or None for `bundled:refusion-tiny`. dtype: None or "auto" = the config's torch_dtype if
     the device can run it, else float32; or "float32" / "bfloat16" / "float16" / a torch
     dtype. The tokenizer is None when the directory has no tokenizer files.
     `model.config.mask_token_id` is the config's, else the tokenizer's `<|mask|>` id.
@@ -197,6 +205,12 @@ def _resolve(path: PathLike | None) -> Path:
                 "pass a model directory, a .gguf file or a hub id instead"
             )
         return BUNDLED_DIR
+    if isinstance(path, str) and path.startswith(BUNDLED_PREFIX):
+        name = path[len(BUNDLED_PREFIX):]
+        if name not in bundled_names():
+            have = ", ".join(BUNDLED_PREFIX + n for n in bundled_names()) or "none"
+            raise CheckpointError(f"no bundled model {path!r}; this installation ships: {have}")
+        return BUNDLED_ROOT / name
     local = Path(path).expanduser()
     if local.is_dir():
         return local

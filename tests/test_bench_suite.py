@@ -124,7 +124,7 @@ def test_sweep_png_and_aup_recomputed_from_points(small_run) -> None:
 
 # ---------------------------------------------------------------------------- options and errors
 def test_default_ar_missing_skips_row_and_families_filter(tmp_path, monkeypatch, capsys) -> None:
-    monkeypatch.setattr(suite, "DEFAULT_AR_MODEL", tmp_path / "no-such-run")
+    monkeypatch.setattr(suite, "DEFAULT_AR_MODEL", "bundled:no-such-model")
     argv = ["bench", "suite", "--limit", "2", "--families", "code,lists", "--no-sweep", *TINY,
             "--gen-length", "8", "--json", str(tmp_path / "t.json")]
     assert main(argv) == 0

@@ -3,6 +3,7 @@ openai-client tests of test_serve.py also run against one: its `server` fixture.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -108,16 +109,25 @@ def test_two_replicas_share_requests_report_each_and_outlive_one_of_them():
         while _cancelled(server) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _cancelled(server) == 2
-        # a replica that dies: /health says so, and the other takes every request
-        os.kill(_by_index(server.proc.pid, 1), signal.SIGKILL)
+        # a replica that dies mid-stream: the stream ends with an error event; /health says so, and the
+        # other replica takes every request
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json={**long, "stream": True}, timeout=60) as r:
+            it = r.iter_lines()
+            lines = [next(it)]  # both idle: the first replica runs it
+            os.kill(_by_index(server.proc.pid, 0), signal.SIGKILL)
+            lines += [x for x in it if x]
+        assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][len("data: "):])["error"]["code"] == "replica_failed"
         deadline = time.monotonic() + 30
         while httpx.get(server.url + "/health").status_code == 200 and time.monotonic() < deadline:
             time.sleep(0.1)
         health = httpx.get(server.url + "/health")
-        assert health.status_code == 503 and health.json()["replicas"][1]["status"] == "exited"
+        assert health.status_code == 503 and health.json()["replicas"][0]["status"] == "exited"
+        before = _sample(httpx.get(server.url + "/metrics").text, 'refusion_replica_requests_total{replica="1"}')
         r = client.chat.completions.create(model="refusion-tiny", messages=CHAT, max_tokens=64)
         assert r.choices[0].message.content == texts[0]
-        assert _sample(httpx.get(server.url + "/metrics").text, 'refusion_replica_up{replica="1"}') == 0
+        metrics = httpx.get(server.url + "/metrics").text
+        assert _sample(metrics, 'refusion_replica_up{replica="0"}') == 0
+        assert _sample(metrics, 'refusion_replica_requests_total{replica="1"}') == before + 1
     finally:
         _stop(server)
 

@@ -33,7 +33,7 @@ from ..timing import sync
 from ..errors import CheckpointError, ConfigError, MissingExtraError
 from .aup import aup
 
-DEFAULT_AR_MODEL = Path("runs/bundled-ar")
+DEFAULT_AR_MODEL = "bundled:ar-tiny"  # the bundled model's AR baseline, shipped beside it
 # Settings that suit the bundled model (its answers are short); every one can be overridden by a flag.
 SUITE_DEFAULTS = DecodeConfig(method="refusion", gen_length=128, slot_size=8, serial_blocks=4, slot_threshold=0.7, token_threshold=0.3)
 
@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_decode_arguments(parser)
     parser.add_argument("--ar-model", default=None, help="the AR baseline (`refusion train --objective ar`); "
-                        f"default: {DEFAULT_AR_MODEL} once trained, else its row is skipped")
+                        f"default: {DEFAULT_AR_MODEL}, the bundled model's (its row is skipped where it is not installed)")
     parser.add_argument("--limit", type=int, default=None, help="first N held-out items (default: all 600)")
     parser.add_argument("--families", default=None, help="comma-separated task families (default: all)")
     parser.add_argument("--chunk", type=int, default=10, help="items per interleaving chunk")
@@ -104,18 +104,18 @@ def select_items(limit: int | None, families: str | None) -> list:
     return load_test_items(limit, names)
 
 
-def _is_checkpoint(path: Path) -> bool:
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
-
-
 def resolve_ar_model(given: str | None) -> tuple[str | None, str | None]:
     """(what to load for the AR baseline, or None with a note saying why it is skipped).
     A path the user names must exist: a typo should not silently drop the baseline row."""
+    from ..checkpoint import BUNDLED_PREFIX, bundled_names
+
     if given is None:
-        if _is_checkpoint(DEFAULT_AR_MODEL):
-            return str(DEFAULT_AR_MODEL), None
-        return None, (f"note: AR baseline row skipped: no trained model in {DEFAULT_AR_MODEL} "
-                      "(train one with `refusion train --objective ar`, or pass --ar-model)")
+        if DEFAULT_AR_MODEL[len(BUNDLED_PREFIX):] in bundled_names():
+            return DEFAULT_AR_MODEL, None
+        return None, (f"note: AR baseline row skipped: {DEFAULT_AR_MODEL} is not installed "
+                      "(train one with `refusion train --objective ar` and pass --ar-model)")
+    if given.startswith(BUNDLED_PREFIX):
+        return given, None  # `load` names what is shipped if this is not
     local = Path(given).expanduser()
     looks_local = given.startswith((".", "/", "~")) or given.count("/") != 1 or Path(given.split("/")[0]).is_dir()
     if looks_local and not local.exists():

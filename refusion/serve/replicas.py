@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -315,8 +316,12 @@ async def _pass_on(request: Request, replicas: Replicas) -> Response:
         try:
             async for chunk in answer.aiter_raw():
                 yield chunk
-        except httpx.HTTPError:  # the replica went away mid-answer: the client sees the cut
+        except httpx.HTTPError:  # the replica went away mid-answer
             log.warning("replica %d broke off a response", replica.index)
+            if answer.headers.get("content-type", "").startswith("text/event-stream"):  # a stream ends as the server's own do
+                error = APIError(502, f"replica {replica.index} stopped during the response", type="server_error",
+                                 code="replica_failed")
+                yield f"\n\ndata: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()  # after a cut event
         finally:
             release()
             await answer.aclose()
@@ -410,4 +415,10 @@ def run_front(args: argparse.Namespace, argv: list[str], model_name: str) -> int
 
 def served_name(args: argparse.Namespace) -> str:
     """The model id clients use: --served-model-name, else the model directory's name."""
-    return args.served_model_name or (Path(args.model).name if args.model else "refusion")
+    from ..checkpoint import BUNDLED_PREFIX
+
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model and args.model.startswith(BUNDLED_PREFIX):
+        return args.model[len(BUNDLED_PREFIX):]
+    return Path(args.model).name if args.model else "refusion"
