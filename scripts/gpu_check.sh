@@ -105,6 +105,29 @@ else
       --data-parallel-size "$dp" --out "$out/dp$dp" || status=1
   done
   "$py" -c 'import json, sys; r = [[(x["id"], x["output"]) for x in map(json.loads, open(f"{sys.argv[1]}/dp{n}/samples.jsonl"))] for n in (1, 2)]; print("DP=2 records", "equal" if r[0] == r[1] else "DIFFER", "to DP=1"); sys.exit(r[0] != r[1])' "$out" || status=1
+  if "$py" -c 'import fastapi, uvicorn, httpx' 2> /dev/null; then  # serve over two replicas, one GPU each
+    "$py" -m refusion.cli serve --device "$device" --data-parallel-size 2 --port 8931 --log-level warning &
+    front=$!
+    "$py" - "$one" "$prompt" <<'PY' || status=1
+import json, sys, time, urllib.request
+want, prompt = json.loads(sys.argv[1])["text"], sys.argv[2]
+url = "http://127.0.0.1:8931"
+for _ in range(600):
+    try:
+        urllib.request.urlopen(url + "/health", timeout=2)
+        break
+    except OSError:
+        time.sleep(1)
+body = json.dumps({"messages": [{"role": "user", "content": prompt}]}).encode()
+req = urllib.request.Request(url + "/v1/chat/completions", body, {"content-type": "application/json"})
+got = json.loads(urllib.request.urlopen(req, timeout=120).read())["choices"][0]["message"]["content"]
+print("serve DP=2 answer", "equal" if got == want else "DIFFERS", "to generate")
+sys.exit(got != want)
+PY
+    kill -TERM "$front"; wait "$front"
+  else
+    echo "skipped: serve --data-parallel-size 2 (the serve extra is not installed)"
+  fi
 fi
 
 step "done: $([ $status -eq 0 ] && echo 'every step passed' || echo 'a step FAILED (see above)')"

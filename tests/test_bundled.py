@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import refusion
-from refusion.checkpoint import BUNDLED_DIR
+from refusion.checkpoint import BUNDLED_DIR, BUNDLED_ROOT, bundled_names
+from refusion.errors import CheckpointError
 from refusion.cli import main
 from refusion.tasks import check, load_test_items
 
@@ -21,6 +22,25 @@ def bundled():
 def test_bundled_checkpoint_fits_the_package_budget():
     assert (BUNDLED_DIR / "model.safetensors").stat().st_size <= 16 * 2**20
     assert json.loads((BUNDLED_DIR / "config.json").read_text())["mask_token_id"] is not None
+
+
+def test_both_bundled_models_ship_and_fit_the_package_budget():
+    assert bundled_names() == ["ar-tiny", "refusion-tiny"]
+    assert sum(f.stat().st_size for f in BUNDLED_ROOT.rglob("*") if f.is_file()) < 40 * 2**20
+    assert json.loads((BUNDLED_ROOT / "ar-tiny" / "decode_config.json").read_text())["decode"]["method"] == "ar"
+
+
+def test_bundled_names_load_the_shipped_models(bundled):
+    model, _ = bundled
+    named, _ = refusion.load("bundled:refusion-tiny")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), named.state_dict().values()))
+    ar, tok = refusion.load("bundled:ar-tiny")
+    items = load_test_items()[::50]  # 12 items, every family
+    outs = refusion.generate(ar, tok, [it.prompt for it in items])  # its decode_config: AR decoding
+    assert all(o.stats.nfe == o.stats.tokens for o in outs)  # one token per forward
+    assert sum(check(it, o.text) for it, o in zip(items, outs)) >= 10  # the trained baseline, not a stand-in
+    with pytest.raises(CheckpointError, match="bundled:ar-tiny, bundled:refusion-tiny"):
+        refusion.load("bundled:ar-small")
 
 
 def test_transformers_loads_the_bundled_model(bundled):
