@@ -166,13 +166,18 @@ def _run_split(args: argparse.Namespace, size: int) -> int:
             raise ConfigError(f"torchrun started {dist.get_world_size()} processes; the flags ask for {size} "
                               "(data-parallel x tensor-parallel size)")
         return int(_command(args.verb).run(args) or 0)
+    stdin_copy = None
     if str(getattr(args, "prompt_file", None)) == "-":  # the ranks have no terminal: read stdin here
         import tempfile
 
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
             f.write(sys.stdin.read())
-        args.prompt_file = type(args.prompt_file)(f.name)
-    return int(spawn(size, _run_rank, args, device=getattr(args, "device", "cpu")) or 0)
+        args.prompt_file = stdin_copy = type(args.prompt_file)(f.name)
+    try:
+        return int(spawn(size, _run_rank, args, device=getattr(args, "device", "cpu")) or 0)
+    finally:
+        if stdin_copy is not None:
+            os.unlink(stdin_copy)
 
 
 def _lead(args: argparse.Namespace, size: int) -> int:
