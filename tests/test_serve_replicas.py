@@ -193,3 +193,17 @@ def test_a_replica_that_cannot_start_ends_the_front_with_its_error(tmp_path):
     assert out.returncode == 2
     assert "replica" in out.stderr and "before it was ready" in out.stderr
     assert str(tmp_path / "none") in out.stderr  # the replica's own error, above the front's
+
+
+def test_a_taken_port_fails_before_any_replica_starts():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "refusion.cli", "serve", "--data-parallel-size", "2", "--port", str(port)],
+                             capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr and "--port" in out.stderr
+    assert "starting 2 replicas" not in out.stderr and time.monotonic() - t0 < 60

@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -396,6 +397,7 @@ def run_front(args: argparse.Namespace, argv: list[str], model_name: str) -> int
     from .server import make_server
 
     size, split = args.data_parallel_size, args.tensor_parallel_size or 1
+    sock = _listen(args.host, args.port)  # a taken port fails before N models load
     print(f"refusion serve: starting {size} replicas"
           + (f" of {split} ranks each" if split > 1 else "") + " ...", file=sys.stderr, flush=True)
     replicas = start_replicas(argv, size, split, args.device)
@@ -407,10 +409,23 @@ def run_front(args: argparse.Namespace, argv: list[str], model_name: str) -> int
     print(f"refusion serve: {size} replicas ready", file=sys.stderr, flush=True)
     app = create_front(replicas, model_name, args.shutdown_timeout)
     try:
-        make_server(app, host=args.host, port=args.port, log_level=args.log_level).run()
+        make_server(app, host=args.host, port=args.port, log_level=args.log_level).run(sockets=[sock])
     finally:
         replicas.stop()  # a front that failed to start (the port taken) leaves no replica behind
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The front's listening socket, bound now."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise ReFusionError(f"cannot listen on {host}:{port} ({e.strerror or e}): pass --port with a free port "
+                            "(or --host with an address of this machine)") from None
+    return sock
 
 
 def served_name(args: argparse.Namespace) -> str:
