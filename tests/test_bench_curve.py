@@ -35,3 +35,17 @@ def test_curve_decodes_each_checkpoint_and_reads_the_losses(tmp_path, capsys):
     step0 = curve["points"][0]
     assert (step0["tokens"], step0["nfe"], step0["accuracy"]) == (refusion_row["tokens"], refusion_row["nfe"], refusion_row["accuracy"])
     assert "AR decoding" in capsys.readouterr().out
+    # run again: the points it holds are not decoded again (only the final model, which may have changed)
+    import refusion.bench.curve as curve_mod
+
+    decoded = []
+    real = curve_mod.decode_all
+    curve_mod.decode_all = lambda path, *a: decoded.append(str(path)) or real(path, *a)
+    try:
+        assert main(["bench", "curve", str(run), "--every", "2", "--limit", "4"]) == 0
+    finally:
+        curve_mod.decode_all = real
+    assert decoded == [str(run)]
+    again = json.loads((run / "curve.json").read_text())["points"]
+    assert again[:2] == curve["points"][:2]
+    assert [(p["tokens"], p["nfe"]) for p in again] == [(p["tokens"], p["nfe"]) for p in curve["points"]]

@@ -6,7 +6,8 @@ run's base model, step 0, and its final model), greedy, batch size 1, with the s
 `bench suite` uses, and reads the held-out AR and MDM parts of the loss from the run's
 log. Printed as a table, written as JSON, and drawn: accuracy per family, tokens per
 forward and the two losses against training steps, with the base model's own AR
-decoding as the line to reach.
+decoding as the line to reach. Run again as training goes on, it decodes only the
+checkpoints its JSON does not hold yet (same settings).
 """
 
 from __future__ import annotations
@@ -115,22 +116,43 @@ def run(args: argparse.Namespace) -> int:
     if base is not None:
         points = [(0, Path(base))] + [p for p in points if p[0] != 0]
     pyplot()  # a missing extra fails before the decoding
-    reference = None
-    if base is not None:
+    out = Path(args.out) if args.out else run_dir / "curve.json"
+    plot = Path(args.plot) if args.plot else run_dir / "curve.png"
+    settings = {"run": str(run_dir), "items": len(items), "families": args.families, "config": dataclasses.asdict(cfg),
+                "device": args.device, "dtype": args.dtype}
+    known = _earlier(out, settings)
+    reference = known.get(("ar", str(base)))
+    if base is not None and reference is None:
         reference = {"model": str(base), **decode_all(base, items, cfg.replace(method="ar"), args.device, args.dtype, "base, AR")}
     rows = []
     for step, path in tqdm(points, desc="checkpoints", unit="ckpt", file=sys.stderr):
-        rows.append({"step": step, "model": str(path), **decode_all(path, items, cfg, args.device, args.dtype, f"step {step}")})
-    curve = {"run": str(run_dir), "items": len(items), "config": dataclasses.asdict(cfg), "ar_reference": reference,
-             "points": rows, "losses": losses(run_dir)}
+        row = known.get((step, str(path)))
+        if row is None or path == run_dir:  # the final model may have been rewritten since
+            row = {"step": step, "model": str(path), **decode_all(path, items, cfg, args.device, args.dtype, f"step {step}")}
+        rows.append(row)
+    curve = {**settings, "ar_reference": reference, "points": rows, "losses": losses(run_dir)}
     print_curve(curve)
-    out = Path(args.out) if args.out else run_dir / "curve.json"
-    plot = Path(args.plot) if args.plot else run_dir / "curve.png"
     plot_curve(curve, plot)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(curve, indent=1))
     print(f"figure: {plot}\nfigures: {out}")
     return 0
+
+
+def _earlier(out: Path, settings: dict[str, Any]) -> dict[Any, dict[str, Any]]:
+    """The points an earlier run of the same settings wrote to `out`, by (step, model),
+    and its AR reference under ("ar", model): a curve re-run as training goes on decodes
+    only the new checkpoints."""
+    try:
+        before = json.loads(out.read_text())
+    except (OSError, ValueError):
+        return {}
+    if any(before.get(k) != json.loads(json.dumps(v)) for k, v in settings.items()):
+        return {}
+    known = {(p["step"], p["model"]): p for p in before.get("points", [])}
+    if before.get("ar_reference"):
+        known[("ar", before["ar_reference"]["model"])] = before["ar_reference"]
+    return known
 
 
 def print_curve(curve: dict[str, Any]) -> None:
