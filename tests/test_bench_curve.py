@@ -35,7 +35,9 @@ def test_curve_decodes_each_checkpoint_and_reads_the_losses(tmp_path, capsys):
     step0 = curve["points"][0]
     assert (step0["tokens"], step0["nfe"], step0["accuracy"]) == (refusion_row["tokens"], refusion_row["nfe"], refusion_row["accuracy"])
     assert "AR decoding" in capsys.readouterr().out
-    # run again: the points it holds are not decoded again (only the final model, which may have changed)
+    # run again: nothing is decoded again; a rewritten checkpoint is; a pruned one keeps its point
+    import shutil
+
     import refusion.bench.curve as curve_mod
 
     decoded = []
@@ -43,9 +45,15 @@ def test_curve_decodes_each_checkpoint_and_reads_the_losses(tmp_path, capsys):
     curve_mod.decode_all = lambda path, *a: decoded.append(str(path)) or real(path, *a)
     try:
         assert main(["bench", "curve", str(run), "--every", "2", "--limit", "4"]) == 0
+        assert decoded == []
+        assert json.loads((run / "curve.json").read_text())["points"] == curve["points"]
+        config = run / "checkpoints" / "step-00000004" / "config.json"
+        config.write_text(config.read_text())  # written again, as a new run into the same --out would
+        shutil.rmtree(run / "checkpoints" / "step-00000002")
+        assert main(["bench", "curve", str(run), "--every", "2", "--limit", "4"]) == 0
     finally:
         curve_mod.decode_all = real
-    assert decoded == [str(run)]
+    assert decoded == [str(run / "checkpoints" / "step-00000004")]
     again = json.loads((run / "curve.json").read_text())["points"]
-    assert again[:2] == curve["points"][:2]
-    assert [(p["tokens"], p["nfe"]) for p in again] == [(p["tokens"], p["nfe"]) for p in curve["points"]]
+    assert [p["step"] for p in again] == [0, 2, 4] and again[:2] == curve["points"][:2]
+    assert (again[2]["tokens"], again[2]["nfe"]) == (curve["points"][2]["tokens"], curve["points"][2]["nfe"])

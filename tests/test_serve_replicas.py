@@ -207,3 +207,26 @@ def test_a_taken_port_fails_before_any_replica_starts():
                              capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr and "--port" in out.stderr
     assert "starting 2 replicas" not in out.stderr and time.monotonic() - t0 < 60
+
+
+def test_the_front_checks_the_key_first_and_stops_when_every_replica_is_gone():
+    server = Process(BUNDLED_DIR, "--data-parallel-size", "2", "--api-key", "k", "--log-level", "warning")
+    try:
+        big = b"x" * (17 * 2**20)  # over the body limit: a wrong key is still what the answer says
+        r = httpx.post(server.url + "/v1/completions", content=big, headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(server.url + "/metrics").status_code == 401
+        assert httpx.get(server.url + "/health").status_code == 200  # never needs the key
+        ok = httpx.post(server.url + "/v1/completions", json={"prompt": "Sort: 3, 1, 2", "max_tokens": 8},
+                        headers={"authorization": "Bearer k"}, timeout=60)
+        assert ok.status_code == 200 and "date" in ok.headers and len(ok.headers.get_list("date")) == 1
+        assert 'refusion_replica_up{replica="1"} 1' in httpx.get(server.url + "/metrics", headers={"authorization": "Bearer k"}).text
+        for i in (0, 1):
+            os.killpg(_by_index(server.proc.pid, i), signal.SIGKILL)
+        assert server.proc.wait(30) == 2  # a supervisor sees the front go, and can start it again
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not any("every replica exited" in x for x in server.log_after(0)):
+            time.sleep(0.1)
+        assert any("every replica exited" in x for x in server.log_after(0))
+    finally:
+        _stop(server)

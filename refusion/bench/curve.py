@@ -43,24 +43,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def checkpoints(run: Path, every: int) -> list[tuple[int, Path]]:
     """(step, directory) of the run's checkpoints at multiples of `every`, and its final
-    model (the run's directory, at its last step), in step order."""
+    model (the run's directory) where no checkpoint holds its last step, in step order."""
     found = {}
     for d in sorted((run / "checkpoints").glob("step-*")):
         m = re.fullmatch(r"step-(\d+)", d.name)
-        if m and (d / "model.safetensors").is_file() and int(m.group(1)) % every == 0:
+        if m and (d / "config.json").is_file() and int(m.group(1)) % every == 0:  # config.json: written last
             found[int(m.group(1))] = d
-    final = run / "model.safetensors"
-    if final.is_file():
-        found[_final_step(run)] = run
+    final = _final_step(run)
+    if (run / "config.json").is_file() and final is not None and final not in found:
+        found[final] = run
     if not found:
         raise CheckpointError(f"{run} holds no checkpoints at multiples of {every} steps and no final model: "
                               "point at a `refusion train --out` directory, or lower --every")
     return sorted(found.items())
 
 
-def _final_step(run: Path) -> int:
-    steps = [r["step"] for r in _log(run) if "step" in r]
-    return max(steps) if steps else 0
+def _final_step(run: Path) -> int | None:
+    """The step the run's own directory holds: that of the trainer's last `end` record."""
+    ends = [r["step"] for r in _log(run) if r.get("event") == "end"]
+    return ends[-1] if ends else None
 
 
 def _log(run: Path) -> list[dict[str, Any]]:
@@ -84,13 +85,35 @@ def losses(run: Path) -> list[dict[str, float]]:
 
 
 def base_model(run: Path, given: str | None) -> str | None:
-    """What step 0 is: --base, else the --model the run was started from."""
+    """What step 0 is: --base, else the --model the run was started from (none given: the
+    bundled model; a run from --init-config has no step 0). None, with a note, when it
+    cannot be found from here."""
+    from ..checkpoint import load_metadata
+
     if given:
         return given
-    for state in sorted((run / "checkpoints").glob("step-*/trainer_state.json")):
-        model = json.loads(state.read_text()).get("config", {}).get("model")
-        return model if model and Path(model).exists() else None
-    return None
+    states = sorted((run / "checkpoints").glob("step-*/trainer_state.json"))
+    if not states:
+        return None
+    config = json.loads(states[0].read_text()).get("config", {})
+    if config.get("init_config"):
+        return None
+    model = config.get("model") or "bundled:refusion-tiny"
+    try:
+        load_metadata(model)
+    except Exception as e:  # a relative path from another directory, a hub id offline
+        print(f"note: no step 0: the run's base model {model!r} is not readable from here ({e}); pass --base", file=sys.stderr)
+        return None
+    return model
+
+
+def _fingerprint(path: Path | str) -> int | None:
+    """When a checkpoint directory was written (its config.json, written last): a point
+    decoded from an older run of the same --out is not reused."""
+    try:
+        return (Path(path) / "config.json").stat().st_mtime_ns
+    except OSError:
+        return None
 
 
 def decode_all(path: str | Path, items, cfg, device: str, dtype: str | None, desc: str) -> dict[str, Any]:
@@ -114,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     points = checkpoints(run_dir, args.every)
     base = base_model(run_dir, args.base)
     if base is not None:
-        points = [(0, Path(base))] + [p for p in points if p[0] != 0]
+        points = [(0, base)] + [p for p in points if p[0] != 0]
     pyplot()  # a missing extra fails before the decoding
     out = Path(args.out) if args.out else run_dir / "curve.json"
     plot = Path(args.plot) if args.plot else run_dir / "curve.png"
@@ -124,19 +147,32 @@ def run(args: argparse.Namespace) -> int:
     reference = known.get(("ar", str(base)))
     if base is not None and reference is None:
         reference = {"model": str(base), **decode_all(base, items, cfg.replace(method="ar"), args.device, args.dtype, "base, AR")}
-    rows = []
+    rows = {p["step"]: p for p in known.values() if "step" in p}  # earlier points, whose checkpoints may be pruned since
     for step, path in tqdm(points, desc="checkpoints", unit="ckpt", file=sys.stderr):
         row = known.get((step, str(path)))
-        if row is None or path == run_dir:  # the final model may have been rewritten since
-            row = {"step": step, "model": str(path), **decode_all(path, items, cfg, args.device, args.dtype, f"step {step}")}
-        rows.append(row)
-    curve = {**settings, "ar_reference": reference, "points": rows, "losses": losses(run_dir)}
+        if row is None or row.get("fingerprint") != _fingerprint(path):
+            try:
+                row = {"step": step, "model": str(path), "fingerprint": _fingerprint(path),
+                       **decode_all(path, items, cfg, args.device, args.dtype, f"step {step}")}
+            except (CheckpointError, OSError) as e:  # pruned by the trainer since it was listed
+                print(f"note: step {step} skipped: {e}", file=sys.stderr)
+                continue
+        rows[step] = row
+        _write(out, {**settings, "ar_reference": reference, "points": [rows[k] for k in sorted(rows)], "losses": []})
+    curve = {**settings, "ar_reference": reference, "points": [rows[k] for k in sorted(rows)], "losses": losses(run_dir)}
     print_curve(curve)
     plot_curve(curve, plot)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(curve, indent=1))
+    _write(out, curve)
     print(f"figure: {plot}\nfigures: {out}")
     return 0
+
+
+def _write(out: Path, curve: dict[str, Any]) -> None:
+    """Written after every point (and atomically), so a curve stopped part-way keeps what it decoded."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(curve, indent=1))
+    tmp.replace(out)
 
 
 def _earlier(out: Path, settings: dict[str, Any]) -> dict[Any, dict[str, Any]]:
@@ -149,7 +185,7 @@ def _earlier(out: Path, settings: dict[str, Any]) -> dict[Any, dict[str, Any]]:
         return {}
     if any(before.get(k) != json.loads(json.dumps(v)) for k, v in settings.items()):
         return {}
-    known = {(p["step"], p["model"]): p for p in before.get("points", [])}
+    known: dict[Any, dict[str, Any]] = {(p["step"], p["model"]): p for p in before.get("points", [])}
     if before.get("ar_reference"):
         known[("ar", before["ar_reference"]["model"])] = before["ar_reference"]
     return known

@@ -392,16 +392,25 @@ class _Observe:
                 record()
 
         try:
-            if self.api_key is not None and path != "/health" and not self._authorised(scope):
-                e = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", type="authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                return await _error_response(self.metrics, e)(scope, receive, observed_send)
+            if not authorised(scope, self.api_key):
+                return await _error_response(self.metrics, unauthorised())(scope, receive, observed_send)
             await self.app(scope, receive, observed_send)
         finally:
             record()
 
-    def _authorised(self, scope) -> bool:
-        for k, v in scope["headers"]:
-            if k == b"authorization":
-                scheme, _, token = v.decode("latin-1").partition(" ")
-                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
-        return False
+
+def authorised(scope: dict, api_key: str | None) -> bool:
+    """Whether a request may pass: no key set, /health (which never needs one), or
+    'Authorization: Bearer KEY' with the key."""
+    if api_key is None or scope["path"] == "/health":
+        return True
+    for k, v in scope["headers"]:
+        if k == b"authorization":
+            scheme, _, token = v.decode("latin-1").partition(" ")
+            return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+    return False
+
+
+def unauthorised() -> APIError:
+    return APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", type="authentication_error",
+                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

@@ -51,6 +51,7 @@ log = logging.getLogger("refusion.serve")
 # headers that describe one connection, not the message: never passed through
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
               "host", "content-length"}
+OWN = {"date", "server"}  # a response's own, which the front's server writes
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
 
@@ -62,16 +63,19 @@ class Replica:
         self.in_flight = 0
         self.client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=socket_path), base_url="http://replica",
                                         timeout=httpx.Timeout(None, connect=10.0),
-                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
+                                                            keepalive_expiry=2.0))  # under uvicorn's 5 s
 
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def signal(self, sig: int) -> None:
+    def signal(self, sig: int, group: bool = False) -> None:
+        """Signal the replica; with `group`, its tensor-parallel ranks too (its session's
+        processes: they would otherwise wait in a collective for a leader gone)."""
         if self.alive:
             try:
-                self.proc.send_signal(sig)
+                os.killpg(self.proc.pid, sig) if group else self.proc.send_signal(sig)
             except ProcessLookupError:
                 pass
 
@@ -89,10 +93,11 @@ class FrontMetrics(Registry):
 class Replicas:
     """The replica processes: started together, ready together, stopped together."""
 
-    def __init__(self, replicas: list[Replica], root: str) -> None:
-        self.all, self.root = replicas, root
+    def __init__(self, replicas: list[Replica], root: str, api_key: str | None = None) -> None:
+        self.all, self.root, self.api_key = replicas, root, api_key
         self.metrics = FrontMetrics()
         self.closing = False
+        self.all_gone = False  # every replica exited before the front was asked to stop
         for r in replicas:
             self.metrics.dispatched.inc(0, str(r.index))
 
@@ -128,9 +133,9 @@ class Replicas:
                 r.signal(signal.SIGUSR1)
 
     def exit_now(self, sig: int) -> None:
-        """A second signal: passed on, so the replicas exit at once too."""
+        """A second signal: passed on, so the replicas (and their ranks) exit at once too."""
         for r in self.all:
-            r.signal(sig)
+            r.signal(sig, group=True)
         shutil.rmtree(self.root, ignore_errors=True)
 
     def stop(self, wait: float = 10.0) -> None:
@@ -143,7 +148,7 @@ class Replicas:
                 r.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("replica %d did not exit in time: killed", r.index)
-                r.proc.kill()
+                r.signal(signal.SIGKILL, group=True)
                 r.proc.wait()
         shutil.rmtree(self.root, ignore_errors=True)
 
@@ -152,7 +157,8 @@ class Replicas:
             await r.client.aclose()
 
 
-def start_replicas(argv: list[str], size: int, tensor_parallel_size: int = 1, device: str = "cpu") -> Replicas:
+def start_replicas(argv: list[str], size: int, tensor_parallel_size: int = 1, device: str = "cpu",
+                   api_key: str | None = None) -> Replicas:
     """Start `size` replicas of the `refusion serve` that `argv` (its arguments after
     `refusion`) describes, each on a socket of its own, with this machine's cores (or
     GPUs, `tensor_parallel_size` each) shared between them."""
@@ -170,7 +176,7 @@ def start_replicas(argv: list[str], size: int, tensor_parallel_size: int = 1, de
         cmd = [sys.executable, "-m", "refusion.cli", *argv, "--data-parallel-size", "1", "--replica-socket", path]
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_end_with_parent)
         replicas.append(Replica(i, path, proc))
-    return Replicas(replicas, root)
+    return Replicas(replicas, root, api_key)
 
 
 def _gpus_per_replica(device: str, size: int, tensor_parallel_size: int) -> list[list[str]] | None:
@@ -206,8 +212,10 @@ def create_front(replicas: Replicas, model_name: str, shutdown_timeout: float = 
     """The HTTP front over started, ready replicas."""
 
     @asynccontextmanager
-    async def lifespan(_app: FastAPI):
+    async def lifespan(app: FastAPI):
+        watcher = asyncio.ensure_future(_watch(replicas, app))
         yield
+        watcher.cancel()
         # after uvicorn's drain: the replicas had their signal when it began; wait for them
         wait = shutdown_timeout + 10.0
         await asyncio.get_running_loop().run_in_executor(None, replicas.stop, wait)
@@ -252,6 +260,20 @@ def create_front(replicas: Replicas, model_name: str, shutdown_timeout: float = 
     return app
 
 
+async def _watch(replicas: Replicas, app: FastAPI, every: float = 1.0) -> None:
+    """Stop the front when every replica has exited on its own (a supervisor then sees
+    the front exit, and can start it again, instead of a front answering 503 for ever)."""
+    while True:
+        await asyncio.sleep(every)
+        if not replicas.closing and not any(r.alive for r in replicas.all):
+            log.error("every replica has exited: the front stops")
+            replicas.all_gone = True
+            server = getattr(app.state, "server", None)
+            if server is not None:
+                server.should_exit = True
+            return
+
+
 async def _replica_health(r: Replica) -> dict[str, Any]:
     state: dict[str, Any] = {"replica": r.index, "status": "exited", "in_flight": r.in_flight}
     if not r.alive:
@@ -279,13 +301,15 @@ def _passed_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]
 
 
 def _response_headers(answer: httpx.Response) -> dict[str, str]:
-    return {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP}
+    return {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP | OWN}
 
 
 async def _pass_on(request: Request, replicas: Replicas) -> Response:
     """Send the request to the least-loaded replica and its answer back, as it comes."""
-    from .app import read_body
+    from .app import authorised, read_body, unauthorised
 
+    if not authorised(request.scope, replicas.api_key):  # before reading a body that would be refused
+        raise unauthorised()
     body = await read_body(request)
     replica = replicas.pick()
     if replica is None:
@@ -300,7 +324,8 @@ async def _pass_on(request: Request, replicas: Replicas) -> Response:
             replica.in_flight -= 1
 
     try:
-        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        raw = request.scope.get("raw_path") or request.url.path.encode()  # as sent: %3F stays %3F
+        target = raw.decode("latin-1") + (f"?{request.url.query}" if request.url.query else "")
         upstream = replica.client.build_request(request.method, target, headers=_passed_headers(request.headers.raw),
                                                 content=body)
         answer = await _until_disconnect(request, replica.client.send(upstream, stream=True))
@@ -319,10 +344,11 @@ async def _pass_on(request: Request, replicas: Replicas) -> Response:
                 yield chunk
         except httpx.HTTPError:  # the replica went away mid-answer
             log.warning("replica %d broke off a response", replica.index)
-            if answer.headers.get("content-type", "").startswith("text/event-stream"):  # a stream ends as the server's own do
-                error = APIError(502, f"replica {replica.index} stopped during the response", type="server_error",
-                                 code="replica_failed")
-                yield f"\n\ndata: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()  # after a cut event
+            if not answer.headers.get("content-type", "").startswith("text/event-stream"):
+                raise  # the client's connection is cut too, so a partial body does not pass for a whole one
+            error = APIError(502, f"replica {replica.index} stopped during the response", type="server_error",
+                             code="replica_failed")  # a stream ends as the server's own do
+            yield f"\n\ndata: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()  # after a cut event
         finally:
             release()
             await answer.aclose()
@@ -400,7 +426,7 @@ def run_front(args: argparse.Namespace, argv: list[str], model_name: str) -> int
     sock = _listen(args.host, args.port)  # a taken port fails before N models load
     print(f"refusion serve: starting {size} replicas"
           + (f" of {split} ranks each" if split > 1 else "") + " ...", file=sys.stderr, flush=True)
-    replicas = start_replicas(argv, size, split, args.device)
+    replicas = start_replicas(argv, size, split, args.device, args.api_key)
     try:
         replicas.wait_ready()
     except BaseException:
@@ -408,10 +434,14 @@ def run_front(args: argparse.Namespace, argv: list[str], model_name: str) -> int
         raise
     print(f"refusion serve: {size} replicas ready", file=sys.stderr, flush=True)
     app = create_front(replicas, model_name, args.shutdown_timeout)
+    app.state.server = make_server(app, host=args.host, port=args.port, log_level=args.log_level)
     try:
-        make_server(app, host=args.host, port=args.port, log_level=args.log_level).run(sockets=[sock])
+        app.state.server.run(sockets=[sock])
     finally:
-        replicas.stop()  # a front that failed to start (the port taken) leaves no replica behind
+        replicas.stop()  # a front that failed to start leaves no replica behind
+    if replicas.all_gone:
+        codes = ", ".join(str(r.proc.returncode) for r in replicas.all)
+        raise ReFusionError(f"every replica exited (exit codes {codes}; their errors are above), so the front stopped")
     return 0
 
 
