@@ -9,6 +9,10 @@
 #   scripts/train_bundled.sh refusion-short  ar's step-2250 checkpoint + 1750 ReFusion steps:
 #                                      the earlier bundled model, same 4000-step budget as `ar`
 #   scripts/train_bundled.sh scratch   ReFusion from random weights, 4000 steps (a reference)
+#   scripts/train_bundled.sh ship      copy the two shipped models into the package:
+#                                      runs/bundled-refusion-long -> refusion/bundled/refusion-tiny,
+#                                      runs/bundled-ar-long -> refusion/bundled/ar-tiny (their
+#                                      decode_config.json files stay; they are written by hand)
 #   scripts/train_bundled.sh refusion-ft  the paper's setting: the finished AR baseline
 #                                      (ar-long) + 4000 ReFusion steps, every 250th step's
 #                                      checkpoint kept for the learning curve
@@ -70,5 +74,12 @@ case "$what" in
   scratch)
     train --init-config "$work/config.json" --tokenizer "$work/tokenizer" --out runs/bundled-refusion-scratch \
       --objective refusion --max-steps 4000 --lr 3e-3 --warmup-steps 100 --keep-checkpoints 2 ;;
-  *) echo "usage: $0 ar|refusion|ar-long|refusion-short|refusion-ft|scratch" >&2; exit 2 ;;
+  ship)
+    for pair in bundled-refusion-long:refusion-tiny bundled-ar-long:ar-tiny; do
+      run="runs/${pair%%:*}" dest="refusion/bundled/${pair##*:}"
+      [ -f "$run/model.safetensors" ] || { echo "$run has no final model: train it first" >&2; exit 2; }
+      mkdir -p "$dest"
+      cp "$run"/{config.json,model.safetensors,tokenizer.json,tokenizer_config.json,chat_template.jinja} "$dest"/
+    done ;;
+  *) echo "usage: $0 ar|refusion|ar-long|refusion-short|refusion-ft|scratch|ship" >&2; exit 2 ;;
 esac
