@@ -1,9 +1,9 @@
 """`refusion bench curve RUN`: how much ReFusion training a converted model needs.
 
 A `refusion train` run keeps a checkpoint every --save-every steps. This decodes the
-held-out suite (`refusion.tasks`) with ReFusion at every `--every`-th one (and at the
-run's base model, step 0, and its final model), greedy, batch size 1, with the settings
-`bench suite` uses, and reads the held-out AR and MDM parts of the loss from the run's
+held-out suite (`refusion.tasks`) with ReFusion (or `--method`'s decoding) at every
+`--every`-th one (and at the run's base model, step 0, and its final model), greedy,
+batch size 1, with the settings `bench suite` uses, and reads the held-out AR and MDM parts of the loss from the run's
 log. Printed as a table, written as JSON, and drawn: accuracy per family, tokens per
 forward and the two losses against training steps, with the base model's own AR
 decoding as the line to reach. Run again as training goes on, it decodes only the
@@ -131,8 +131,9 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run)
     if args.every < 1:
         raise ConfigError(f"--every takes a positive number of steps, got {args.every}")
-    args.model = None
+    args.model, method, args.method = None, args.method, None  # --method: the curve of another decoding
     cfg = base_config(args)
+    cfg = cfg.replace(method=method) if method else cfg
     items = select_items(args.limit, args.families)
     points = checkpoints(run_dir, args.every)
     base = base_model(run_dir, args.base)
@@ -194,7 +195,7 @@ def _earlier(out: Path, settings: dict[str, Any]) -> dict[Any, dict[str, Any]]:
 def print_curve(curve: dict[str, Any]) -> None:
     rows = curve["points"]
     families = list(rows[0]["per_family"])
-    print(f"held-out suite, {curve['items']} items, ReFusion decoding (greedy, batch size 1) at each checkpoint")
+    print(f"held-out suite, {curve['items']} items, {curve['config']['method']} decoding (greedy, batch size 1) at each checkpoint")
     print(f"{'step':>6} {'acc%':>6}" + "".join(f" {f[:6]:>6}" for f in families) + f" {'TPF':>5} {'tok/s':>7}")
     ref = curve["ar_reference"]
     if ref:
@@ -221,7 +222,7 @@ def plot_curve(curve: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("held-out accuracy (%)")
     ax.legend(fontsize=8)
     axes[1].plot(steps, [r["tpf"] for r in rows], color="tab:red", marker="o")
-    axes[1].set_ylabel("tokens per forward (ReFusion)")
+    axes[1].set_ylabel(f"tokens per forward ({curve['config']['method']})")
     if curve["losses"]:
         ls = curve["losses"]
         axes[2].plot([x["step"] for x in ls], [x["ar"] for x in ls], marker="o", label="AR part")
