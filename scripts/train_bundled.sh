@@ -9,6 +9,8 @@
 #   scripts/train_bundled.sh refusion-short  ar's step-2250 checkpoint + 1750 ReFusion steps:
 #                                      the earlier bundled model, same 4000-step budget as `ar`
 #   scripts/train_bundled.sh scratch   ReFusion from random weights, 4000 steps (a reference)
+#   scripts/train_bundled.sh refusion-ft-long  the same over 8000 ReFusion steps: the shipped
+#                                      route's budget, from the finished AR model
 #   scripts/train_bundled.sh ship      copy the two shipped models into the package:
 #                                      runs/bundled-refusion-long -> refusion/bundled/refusion-tiny,
 #                                      runs/bundled-ar-long -> refusion/bundled/ar-tiny (their
@@ -71,6 +73,10 @@ case "$what" in
     [ -f runs/bundled-ar-long/model.safetensors ] || { echo "run '$0 ar-long' first" >&2; exit 2; }
     train --model runs/bundled-ar-long --out runs/bundled-refusion-ft --objective refusion \
       --max-steps 4000 --lr 1e-3 --warmup-steps 50 --keep-checkpoints 0 ;;
+  refusion-ft-long)
+    [ -f runs/bundled-ar-long/model.safetensors ] || { echo "run '$0 ar-long' first" >&2; exit 2; }
+    train --model runs/bundled-ar-long --out runs/bundled-refusion-ft-long --objective refusion \
+      --max-steps 8000 --lr 1e-3 --warmup-steps 50 --keep-checkpoints 0 ;;
   scratch)
     train --init-config "$work/config.json" --tokenizer "$work/tokenizer" --out runs/bundled-refusion-scratch \
       --objective refusion --max-steps 4000 --lr 3e-3 --warmup-steps 100 --keep-checkpoints 2 ;;
@@ -81,5 +87,5 @@ case "$what" in
       mkdir -p "$dest"
       cp "$run"/{config.json,model.safetensors,tokenizer.json,tokenizer_config.json,chat_template.jinja} "$dest"/
     done ;;
-  *) echo "usage: $0 ar|refusion|ar-long|refusion-short|refusion-ft|scratch|ship" >&2; exit 2 ;;
+  *) echo "usage: $0 ar|refusion|ar-long|refusion-short|refusion-ft|refusion-ft-long|scratch|ship" >&2; exit 2 ;;
 esac
