@@ -23,8 +23,8 @@ from typing import Any
 from tqdm import tqdm
 
 from ..errors import CheckpointError, ConfigError
-from ..flags import add_decode_arguments
-from .suite import base_config, decode_one, pyplot, select_items, summarise
+from ..flags import add_decode_arguments, decode_config_from_args
+from .suite import SUITE_DEFAULTS, decode_one, pyplot, select_items, summarise
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="JSON path (default: RUN/curve.json)")
     parser.add_argument("--plot", default=None, help="PNG path (default: RUN/curve.png)")
     add_decode_arguments(parser, engine=False)
-    parser.set_defaults(max_batch_size=None, chunk=1, sweep_limit=None)
 
 
 def checkpoints(run: Path, every: int) -> list[tuple[int, Path]]:
@@ -131,9 +130,9 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run)
     if args.every < 1:
         raise ConfigError(f"--every takes a positive number of steps, got {args.every}")
-    args.model, method, args.method = None, args.method, None  # --method: the curve of another decoding
-    cfg = base_config(args)
-    cfg = cfg.replace(method=method) if method else cfg
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit must be a positive integer, got {args.limit}")
+    cfg = decode_config_from_args(args, base=SUITE_DEFAULTS)  # bench suite's settings; --method: another decoding's curve
     items = select_items(args.limit, args.families)
     points = checkpoints(run_dir, args.every)
     base = base_model(run_dir, args.base)

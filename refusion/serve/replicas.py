@@ -108,12 +108,11 @@ class Replicas:
 
     def wait_ready(self, poll: float = 0.2) -> None:
         """Block until every replica answers /health with 200; a replica that exits first
-        ends the start (the others are stopped) with its exit code."""
+        ends the wait with its exit code."""
         waiting = list(self.all)
         while waiting:
             for r in list(waiting):
                 if not r.alive:
-                    self.stop()
                     raise ReFusionError(f"replica {r.index} exited with code {r.proc.returncode} before it was ready "
                                         "(its error is above)")
                 try:
@@ -429,16 +428,13 @@ def run_front(args: argparse.Namespace, argv: list[str], model_name: str) -> int
     replicas = start_replicas(argv, size, split, args.device, args.api_key)
     try:
         replicas.wait_ready()
-    except BaseException:
-        replicas.stop()
-        raise
-    print(f"refusion serve: {size} replicas ready", file=sys.stderr, flush=True)
-    app = create_front(replicas, model_name, args.shutdown_timeout)
-    app.state.server = make_server(app, host=args.host, port=args.port, log_level=args.log_level)
-    try:
+        print(f"refusion serve: {size} replicas ready", file=sys.stderr, flush=True)
+        app = create_front(replicas, model_name, args.shutdown_timeout)
+        app.state.server = make_server(app, host=args.host, port=args.port, log_level=args.log_level)
         app.state.server.run(sockets=[sock])
     finally:
-        replicas.stop()  # a front that failed to start leaves no replica behind
+        replicas.stop()  # a replica that failed, a front that failed to start: no replica is left behind
+        sock.close()
     if replicas.all_gone:
         codes = ", ".join(str(r.proc.returncode) for r in replicas.all)
         raise ReFusionError(f"every replica exited (exit codes {codes}; their errors are above), so the front stopped")

@@ -15,11 +15,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import threading
 import os
 import signal
 import socket
 import sys
+import threading
 from types import FrameType
 from typing import Any
 
