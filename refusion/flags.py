@@ -39,7 +39,8 @@ def _add_field_flags(group: argparse._ArgumentGroup, cls: type, skip: tuple[str,
         source = "the checkpoint's, else " if cls is DecodeConfig else ""
         help_text = meta["help"] if "default" in meta["help"] else f"{meta['help']} (default: {source}{default})"
         if kind == "bool":
-            group.add_argument(flag, action="store_true", default=None, help=meta["help"])
+            # --x / --no-x: a checkpoint's decode_config.json may turn an option on
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=meta["help"])
         elif kind == "tuple":
             group.add_argument(flag, type=int, nargs="*", default=None, metavar="ID", help=help_text)
         else:

@@ -38,6 +38,11 @@ class ObjectiveConfig:
     # (SPEC §2 read literally); "example" = mean per example, then over the batch, which makes
     # the batch loss exactly the mean of the per-example losses.
     ar_reduction: str = "token"
+    # Beyond the paper: also label the last token of each clean slot with the response token
+    # after it (true position + 1, whatever is fed next), and the prompt's last token with the
+    # first response token, so that the AR head is trained across slot boundaries: what a
+    # decoder that checks a slot's first token against its left neighbour's prediction reads.
+    boundary_labels: bool = False
 
     def __post_init__(self) -> None:
         if not self.slot_sizes or any(int(s) < 1 for s in self.slot_sizes):
@@ -155,8 +160,11 @@ def refusion_batch(
     perm = sort_key.argsort(dim=1)  # (B, T) physical index -> text column
 
     next_tok = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)  # tokens[c + 1]
-    has_next_in_slot = (off + 1 < s) & (j + 1 < n)
-    ar_labels = torch.where(is_resp & ~tok_masked & has_next_in_slot, next_tok, IGNORE)
+    if cfg.boundary_labels:
+        labelled = (is_resp & ~tok_masked & (j + 1 < n)) | (col == m - 1)
+    else:
+        labelled = is_resp & ~tok_masked & (off + 1 < s) & (j + 1 < n)  # the next token of the same slot
+    ar_labels = torch.where(labelled, next_tok, IGNORE)
     mdm_labels = torch.where(tok_masked, tokens, IGNORE)
     weight = 1.0 / (draws.p[:, None].float() * n.float())  # (B, 1)
     mdm_weights = torch.where(tok_masked, weight, 0.0)

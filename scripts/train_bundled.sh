@@ -18,6 +18,8 @@
 #   scripts/train_bundled.sh refusion-ft  the paper's setting: the finished AR baseline
 #                                      (ar-long) + 4000 ReFusion steps, every 250th step's
 #                                      checkpoint kept for the learning curve
+#   scripts/train_bundled.sh refusion-ft-boundary  refusion-ft with --boundary-labels (AR labels
+#                                      across slot boundaries too, beyond the paper)
 #
 # As in the paper, ReFusion is made from an autoregressive model: here the AR run's own
 # checkpoint at step 2250, so ReFusion and its AR baseline see the same data,
@@ -73,6 +75,10 @@ case "$what" in
     [ -f runs/bundled-ar-long/model.safetensors ] || { echo "run '$0 ar-long' first" >&2; exit 2; }
     train --model runs/bundled-ar-long --out runs/bundled-refusion-ft --objective refusion \
       --max-steps 4000 --lr 1e-3 --warmup-steps 50 --keep-checkpoints 0 ;;
+  refusion-ft-boundary)
+    [ -f runs/bundled-ar-long/model.safetensors ] || { echo "run '$0 ar-long' first" >&2; exit 2; }
+    train --model runs/bundled-ar-long --out runs/bundled-refusion-ft-boundary --objective refusion \
+      --max-steps 4000 --lr 1e-3 --warmup-steps 50 --keep-checkpoints 0 --boundary-labels ;;
   refusion-ft-long)
     [ -f runs/bundled-ar-long/model.safetensors ] || { echo "run '$0 ar-long' first" >&2; exit 2; }
     train --model runs/bundled-ar-long --out runs/bundled-refusion-ft-long --objective refusion \
@@ -87,5 +93,5 @@ case "$what" in
       mkdir -p "$dest"
       cp "$run"/{config.json,model.safetensors,tokenizer.json,tokenizer_config.json,chat_template.jinja} "$dest"/
     done ;;
-  *) echo "usage: $0 ar|refusion|ar-long|refusion-short|refusion-ft|refusion-ft-long|scratch|ship" >&2; exit 2 ;;
+  *) echo "usage: $0 ar|refusion|ar-long|refusion-short|refusion-ft|refusion-ft-long|refusion-ft-boundary|scratch|ship" >&2; exit 2 ;;
 esac

@@ -77,8 +77,11 @@ def test_table_has_every_row_on_the_same_items(small_run) -> None:
     result, printed, _ = small_run
     labels = [r["label"] for r in result["table"]]
     assert labels == ["AR baseline (AR decoding)", "ReFusion", "ReFusion L2R (one slot per block)", "MDM",
-                      "AR decoding of ReFusion weights"]
-    assert [r["method"] for r in result["table"]] == ["ar", "refusion", "refusion", "mdm", "ar"]
+                      "AR decoding of ReFusion weights", "ReFusion + AR correction",
+                      "ReFusion + AR correction + first-token check"]
+    assert [r["method"] for r in result["table"]] == ["ar", "refusion", "refusion", "mdm", "ar", "refusion", "refusion"]
+    options = [(r["config"]["ar_correction"], r["config"]["first_token_check"]) for r in result["table"]]
+    assert options == [(False, False)] * 5 + [(True, False), (True, True)]  # the paper's rule, then each option
     firsts = [[(x["index"], x["family"]) for x in r["records"]] for r in result["table"]]
     assert all(f == firsts[0] for f in firsts) and len(firsts[0]) == result["items"] == 4
     l2r = result["table"][2]["config"]
@@ -129,7 +132,8 @@ def test_default_ar_missing_skips_row_and_families_filter(tmp_path, monkeypatch,
             "--gen-length", "8", "--json", str(tmp_path / "t.json")]
     assert main(argv) == 0
     result = json.loads((tmp_path / "t.json").read_text())
-    assert [r["key"] for r in result["table"]] == ["refusion", "refusion_l2r", "mdm", "ar_refusion"]
+    keys = ["refusion", "refusion_l2r", "mdm", "ar_refusion", "refusion_corrected", "refusion_checked"]
+    assert [r["key"] for r in result["table"]] == keys
     assert all(r["vs_ar"] is None for r in result["table"]) and "sweep" not in result
     assert {x["family"] for r in result["table"] for x in r["records"]} <= {"code", "lists"}
     assert "AR baseline row skipped" in capsys.readouterr().err

@@ -65,6 +65,8 @@ def decode_configs(draw):
         mdm_block_length=draw(st.sampled_from([4, 8])),
         mdm_steps=draw(st.sampled_from([None, 4, 16])),
         stop_token_ids=(draw(st.sampled_from(EOS_CHOICES)),),
+        ar_correction=draw(st.booleans()),
+        first_token_check=draw(st.booleans()),
     )
 
 

@@ -34,8 +34,11 @@ PAD = 7
 
 
 # ------------------------------------------------------------------ the naive reference
-def naive_example(prompt: list[int], response: list[int], draws: SlotDraws, b: int, mask_id: int = MASK) -> dict:
-    """One example's training sequence from draws row b, written out as SPEC §2 says."""
+def naive_example(prompt: list[int], response: list[int], draws: SlotDraws, b: int, mask_id: int = MASK,
+                  boundary: bool = False) -> dict:
+    """One example's training sequence from draws row b, written out as SPEC §2 says; with
+    `boundary`, a clean token's label is the next response token even across a slot's end,
+    and the prompt's last token is labelled with the first response token."""
     s = int(draws.slot_size[b])
     p = float(draws.p[b])
     slots = [list(range(i, min(i + s, len(response)))) for i in range(0, len(response), s)]  # response offsets
@@ -48,10 +51,12 @@ def naive_example(prompt: list[int], response: list[int], draws: SlotDraws, b: i
             seq[key].append(value)
 
     for i, tok in enumerate(prompt):  # the prompt, no loss
-        put(tok, i)
+        put(tok, i, ar=response[0] if boundary and i == len(prompt) - 1 else IGNORE)
     for k in clean:  # clean slots in random order, label = next token of the same slot
         for j, off in enumerate(slots[k]):
             nxt = response[slots[k][j + 1]] if j + 1 < len(slots[k]) else IGNORE
+            if boundary:
+                nxt = response[off + 1] if off + 1 < len(response) else IGNORE
             put(response[off], len(prompt) + off, ar=nxt)
     for k in range(len(slots)):  # masked slots in their order, MASK in, own token out
         if masked[k]:
@@ -92,14 +97,14 @@ slot_sets = st.lists(st.sampled_from([1, 2, 3, 4, 5, 8, 16, 32]), min_size=1, ma
 
 # ------------------------------------------------------------------ the transform
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(examples=examples_st, sizes=slot_sets, seed=st.integers(0, 2**31 - 1))
-def test_transform_equals_the_naive_reading_of_the_spec(examples, sizes, seed):
-    cfg = ObjectiveConfig(slot_sizes=tuple(sizes))
+@given(examples=examples_st, sizes=slot_sets, seed=st.integers(0, 2**31 - 1), boundary=st.booleans())
+def test_transform_equals_the_naive_reading_of_the_spec(examples, sizes, seed, boundary):
+    cfg = ObjectiveConfig(slot_sizes=tuple(sizes), boundary_labels=boundary)
     tokens, prompt_lens, lengths = padded(examples)
     draws = draw_slots(len(examples), cfg.max_slots(tokens.shape[1]), cfg, torch.Generator().manual_seed(seed))
     batch = refusion_batch(tokens, prompt_lens, lengths, MASK, cfg, draws=draws)
     for b, (prompt, response) in enumerate(examples):
-        want = naive_example(prompt, response, draws, b)
+        want = naive_example(prompt, response, draws, b, boundary=boundary)
         n = len(want["input_ids"])
         for key, values in want.items():
             got = getattr(batch, key)[b, :n].tolist()

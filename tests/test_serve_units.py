@@ -79,14 +79,16 @@ def test_parse_rejects(body, param):
 def test_request_fields_are_derived_from_decode_config():
     """The request's decode knobs are DecodeConfig's fields, with its bounds: no second list."""
     assert set(DECODE_FIELDS) == {"method", "slot_size", "serial_blocks", "slot_threshold", "token_threshold", "mdm_block_length",
-                                  "mdm_steps", "mdm_threshold", "temperature", "top_p", "top_k", "seed", "stop_token_ids"}
+                                  "mdm_steps", "mdm_threshold", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
+                                  "ar_correction", "first_token_check"}
     for body, param in [({"slot_size": 5000}, "slot_size"), ({"temperature": 101}, "temperature"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
-                        ({"stop_token_ids": 3}, "stop_token_ids"), ({"top_k": 1.5}, "top_k")]:
+                        ({"stop_token_ids": 3}, "stop_token_ids"), ({"top_k": 1.5}, "top_k"), ({"ar_correction": 1}, "ar_correction")]:
         with pytest.raises(APIError) as e:
             parse_request({"prompt": "a", **body}, "completion")
         assert e.value.param == param
     assert parse_request({"prompt": "a", "stop_token_ids": [3, 4], "temperature": 1}, "completion").overrides == {
         "stop_token_ids": (3, 4), "temperature": 1.0}
+    assert parse_request({"prompt": "a", "ar_correction": True}, "completion").overrides == {"ar_correction": True}
 
 
 def test_request_config_preset_keeps_the_servers_sampling():

@@ -138,14 +138,24 @@ def base_config(args: argparse.Namespace) -> DecodeConfig:
     return decode_config_from_args(args, base=SUITE_DEFAULTS)
 
 
+# the decoding options beyond the paper, each measured in a row of its own
+PAPER_RULE = dict(ar_correction=False, first_token_check=False)
+BEYOND_PAPER = [
+    ("refusion_corrected", "ReFusion + AR correction", dict(ar_correction=True, first_token_check=False)),
+    ("refusion_checked", "ReFusion + AR correction + first-token check", dict(ar_correction=True, first_token_check=True)),
+]
+
+
 def table_runs(base: DecodeConfig, with_ar: bool) -> list[Run]:
-    """Table 1's rows, in the paper's order."""
-    l2r = base.replace(method="refusion", serial_blocks=base.region_length // base.slot_size)
+    """Table 1's rows, in the paper's order, then the options beyond the paper."""
+    paper = base.replace(method="refusion", **PAPER_RULE)
+    l2r = paper.replace(serial_blocks=base.region_length // base.slot_size)
     runs = [
-        Run("refusion", "ReFusion", "refusion", base.replace(method="refusion")),
+        Run("refusion", "ReFusion", "refusion", paper),
         Run("refusion_l2r", "ReFusion L2R (one slot per block)", "refusion", l2r),
         Run("mdm", "MDM", "refusion", base.replace(method="mdm")),
         Run("ar_refusion", "AR decoding of ReFusion weights", "refusion", base.replace(method="ar")),
+        *(Run(key, label, "refusion", paper.replace(**options)) for key, label, options in BEYOND_PAPER),
     ]
     if with_ar:
         runs.insert(0, Run("ar_baseline", "AR baseline (AR decoding)", "ar", base.replace(method="ar")))

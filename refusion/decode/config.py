@@ -55,6 +55,10 @@ class DecodeConfig:
     serial_blocks: int = knob(1, "ReFusion: left-to-right blocks of the generation region", lo=1, hi=4096)
     slot_threshold: float = knob(0.9, "ReFusion plan: select every slot whose first-token confidence exceeds this", lo=0.0, hi=1.0)
     token_threshold: float = knob(0.4, "ReFusion verify: a drafted token passes when its AR probability exceeds this", lo=0.0, hi=1.0)
+    ar_correction: bool = knob(False, "ReFusion infill: a token that fails verification is replaced by the AR prediction "
+                                      "from its verify pass (kept) instead of a fresh MASK draft; beyond the paper")
+    first_token_check: bool = knob(False, "ReFusion: a selected slot's first token is checked against the AR prediction "
+                                          "of its left neighbour where that is known, and replaced when it fails; beyond the paper")
     # --- MDM baseline (SPEC §4): LLaDA-style low-confidence remasking in semi-AR blocks
     mdm_block_length: int = knob(32, "MDM: tokens per semi-autoregressive block", lo=1, hi=4096)
     mdm_steps: int | None = knob(None, "MDM: denoising steps over the whole generation (default: one token per step)", lo=1, hi=2**16)

@@ -44,6 +44,7 @@ class Fork:
     length: int = 0  # slot length to commit (s, or up to and including an EOS)
     complete: bool = False
     dropped: bool = False  # a slot at an earlier position accepted an EOS
+    next_logits: torch.Tensor | None = None  # first_token_check: logits at the whole slot's last token
 
 
 @dataclass
@@ -60,10 +61,15 @@ class ReFusionRow:
     plan: Plan | None = None
     selected: list[int] = field(default_factory=list)  # indices into `undecoded` chosen by the plan
     to_infill: tuple[list[int], list[list[int]], list[int]] | None = None  # slots, drafts, passing prefixes
+    # first_token_check: slot -> the AR logits (V,) that predict its first token, read at the
+    # last token of the slot to its left when that was committed (the prompt's, for slot 0)
+    lookahead: dict[int, torch.Tensor] = field(default_factory=dict)
+    _head_logits: bool = False  # this step's plan logits start with the prompt's last token
 
     def __post_init__(self) -> None:
         cfg = self.req.cfg
         self.s, self.tau = cfg.slot_size, cfg.token_threshold
+        self.checks_first = cfg.first_token_check
         self.n_blocks = cfg.serial_blocks
         self.slots_per_block = cfg.slots_per_block
         self.undecoded = self._block_slots(0)
@@ -101,6 +107,8 @@ class ReFusionRow:
         """Slots (indices into the region) leave the undecoded list; their tokens are final."""
         gone = set(slots)
         self.undecoded = [j for j in self.undecoded if j not in gone]
+        for j in gone:
+            self.lookahead.pop(j, None)
         spans = [(j * self.s, t) for j, t in zip(slots, toks) if t]
         self.req.commit(path, spans)
 
@@ -111,23 +119,51 @@ class ReFusionRow:
         head = [] if self.prefilled else self.req.prompt
         mask_pos = [P + j * s + i for j in self.undecoded for i in range(s)]
         self.prefilled = True
-        return head + [mask_id] * len(mask_pos), list(range(len(head))) + mask_pos, (len(head), len(head) + len(mask_pos))
+        # with first_token_check, the prompt's last token's logits too: they predict slot 0's first token
+        self._head_logits = bool(head) and self.checks_first
+        start = len(head) - self._head_logits
+        return head + [mask_id] * len(mask_pos), list(range(len(head))) + mask_pos, (start, len(head) + len(mask_pos))
 
     def take_plan(self, logits: torch.Tensor, n_fed: int) -> int:
         """Draft every masked position and select the slots to verify (step 2); returns
         the entries kept: the prompt stays, the MASK entries go."""
+        if self._head_logits:
+            self.lookahead[0], logits = logits[0], logits[1:]
         drafts = self.req.sampler.pick(logits)  # (n*s,)
         conf = token_probs(logits, drafts)
         self.plan = Plan(drafts.view(-1, self.s), conf.view(-1, self.s))
         self.selected = select_slots(self.plan, self.req.cfg.slot_threshold)
+        if self.checks_first:
+            self._check_first_tokens()
         return n_fed - logits.shape[0]
+
+    def _check_first_tokens(self) -> None:
+        """first_token_check: a selected slot whose left neighbour is committed has its
+        first token scored by the AR prediction read there; one that fails (probability
+        <= token_threshold) is replaced by that prediction."""
+        for i in self.selected:
+            ahead = self.lookahead.get(self.undecoded[i])
+            if ahead is None:
+                continue
+            draft = self.plan.drafts[i, :1]  # (1,)
+            if float(token_probs(ahead[None], draft)[0]) <= self.tau:
+                self.plan.drafts[i, 0] = self.req.sampler.pick(ahead[None])[0]
+
+    def keep_lookahead(self, slot: int, logits: torch.Tensor) -> None:
+        """The AR logits (V,) at the last token of a committed, whole `slot`: they predict
+        the first token of the slot to its right."""
+        later_block = slot + 1 >= (self.block + 1) * self.slots_per_block
+        if self.checks_first and slot + 1 < self.n_blocks * self.slots_per_block and (
+                later_block or slot + 1 in self.undecoded):
+            self.lookahead[slot + 1] = logits
 
     # ------------------------------------------------------------------ step 3: verify
     def verify_feed(self) -> Feed:
         """The selected drafts in position order."""
         P, s, sel = len(self.req.prompt), self.s, self.selected
         toks = self.plan.drafts[sel].flatten().tolist()
-        return toks, [P + self.undecoded[j] * s + i for j in sel for i in range(s)], (0, len(sel) * s - 1)
+        # with first_token_check, the last token's logits too (they predict the next slot's first)
+        return toks, [P + self.undecoded[j] * s + i for j in sel for i in range(s)], (0, len(sel) * s - 1 + self.checks_first)
 
     def take_verify(self, logits: torch.Tensor, toks: list[int]) -> int:
         """Global verification: commit the longest passing prefix if it ends in EOS or
@@ -136,11 +172,16 @@ class ReFusionRow:
         s, sel, eos_ids = self.s, self.selected, self.req.eos_ids
         flat = torch.tensor(toks, device=logits.device)
         passing = torch.ones(len(toks), dtype=torch.bool, device=logits.device)
-        passing[1:] = token_probs(logits, flat[1:]) > self.tau
-        passing.view(-1, s)[:, 0] = True  # a slot's first token keeps its plan confidence: it passes
-        per_slot = passing.view(-1, s).int().cumprod(-1).sum(-1).tolist()  # passing prefix per slot
-        prefix = int(passing.int().cumprod(0).sum())
+        passing[1:] = token_probs(logits[: len(toks) - 1], flat[1:]) > self.tau
         slots = [self.undecoded[j] for j in sel]
+        # a slot's first token keeps its plan confidence: it passes, except, with
+        # first_token_check, where the slot before it in the feed is its left neighbour
+        scored = [i > 0 and self.checks_first and slots[i - 1] == slots[i] - 1 for i in range(len(sel))]
+        first = passing.view(-1, s)[:, 0]
+        passing.view(-1, s)[:, 0] = first | ~torch.tensor(scored, dtype=torch.bool, device=logits.device)
+        per_slot = passing.view(-1, s).int().cumprod(-1).sum(-1).tolist()  # passing prefix per slot
+        per_slot = [max(n, 1) for n in per_slot]  # the first token is the plan's (checked) draft
+        prefix = int(passing.int().cumprod(0).sum())
         chunks = [toks[i * s : (i + 1) * s] for i in range(len(sel))]
         self.to_infill = None
         eos = next((i for i in range(prefix) if toks[i] in eos_ids), None)
@@ -152,6 +193,8 @@ class ReFusionRow:
         if prefix >= s:
             k = prefix // s
             self.commit("fast", slots[:k], chunks[:k])
+            for i in range(k if self.checks_first else 0):
+                self.keep_lookahead(slots[i], logits[(i + 1) * s - 1])
             return k * s
         self.to_infill = (slots, chunks, per_slot)
         return 0
@@ -203,7 +246,7 @@ class Infill:
         for f in forks:
             # a complete fork, or one whose slot passed whole in step 3, has nothing to draft:
             # it feeds nothing (a packed forward spends no compute on its row)
-            n_masks = 0 if f.complete else f.row.s - f.accepted
+            n_masks = 0 if f.complete or f.length else f.row.s - f.accepted
             toks, pos = self._feed(f, [self.mask_id] * n_masks) if n_masks else ([], [])
             tokens.append(toks)
             positions.append(pos)
@@ -216,33 +259,68 @@ class Infill:
     def _verify(self, forks: list[Fork], fcache: KVCache) -> None:
         tokens, positions, want = [], [], []
         for f in forks:
-            toks, pos = self._feed(f, f.tokens[f.accepted :]) if not f.complete else ([], [])
+            # a fork whose tokens are final feeds only the ones whose entries it lacks
+            tail = [] if f.length else f.tokens[f.accepted :]
+            toks, pos = self._feed(f, tail) if not f.complete else ([], [])
             tokens.append(toks)
             positions.append(pos)
-            want.append((0, max(len(toks) - 1, 0)))
+            # the fed tokens' logits but the last one's, which first_token_check keeps too
+            want.append((0, max(len(toks) - 1 + f.row.checks_first, 0)) if toks else (0, 0))
         logits = self.fwd.run([f.row.req for f in forks], tokens, positions, fcache, want)
         advance = []
         for f, toks, lg in zip(forks, tokens, logits):
-            if f.complete:
-                advance.append(0)
-                continue
-            s, tau = f.row.s, f.row.tau
-            # entry i scores slot token kept+i+1; the first not-yet-accepted token always passes
-            scores = token_probs(lg, torch.tensor(toks[1:], device=lg.device)).tolist()
+            before = f.kept
+            if f.length and not f.complete:
+                f.kept, f.complete = f.length, True
+            elif not f.complete:
+                self._verify_fork(f, forks, toks, lg[: len(toks) - 1])
+            if f.complete and not f.dropped and f.row.checks_first and toks and f.length == f.row.s:
+                f.next_logits = lg[len(toks) - 1]  # this pass fed the slot's last token
+            advance.append(f.kept - before)
+        fcache.advance(advance)
+
+    def _verify_fork(self, f: Fork, forks: list[Fork], toks: list[int], lg: torch.Tensor) -> None:
+        """Accept the fork's passing prefix, see whether its slot is complete, and keep the
+        entries of this pass that hold final tokens."""
+        s = f.row.s
+        # entry i scores slot token kept+i+1
+        scores = token_probs(lg, torch.tensor(toks[1:], device=lg.device)).tolist()
+        n, corrected = self._passing(f, lg, scores)
+        f.accepted = n
+        eos = next((i for i in range(n) if f.tokens[i] in f.row.req.eos_ids), None)
+        if eos is not None:
+            f.length = eos + 1
+            self._drop_later_forks(f, forks)
+        elif n == s:
+            f.length = s
+        valid = s if corrected is None else corrected  # entries this pass computed with final tokens
+        if f.length:
+            # complete once every entry is cached; a corrected last token is fed once more
+            f.kept, f.complete = min(f.length, valid), f.length <= valid
+        else:
+            f.kept = n - 1  # the last accepted token is fed again
+
+    @staticmethod
+    def _passing(f: Fork, lg: torch.Tensor, scores: list[float]) -> tuple[int, int | None]:
+        """The fork's accepted length after a verify pass, and the index of the token it
+        corrected (None: none). Paper rule: the first not-yet-accepted token always passes,
+        then every token whose AR probability exceeds the threshold. With `ar_correction`
+        the first not-yet-accepted token is scored too, and the first token that fails is
+        replaced by the AR prediction of its own verify logits (entry n - kept - 1 scores
+        slot token n) and accepted."""
+        s, tau = f.row.s, f.row.tau
+        if not f.row.req.cfg.ar_correction:
             n = min(f.accepted + 1, s)
             while n < s and scores[n - f.kept - 1] > tau:
                 n += 1
-            f.accepted = n
-            eos = next((i for i in range(n) if f.tokens[i] in f.row.req.eos_ids), None)
-            if eos is not None:
-                f.length, f.complete = eos + 1, True
-                self._drop_later_forks(f, forks)
-            elif n == s:
-                f.length, f.complete = s, True
-            keep = f.length if f.complete else n - 1  # the last accepted token is fed again
-            advance.append(keep - f.kept)
-            f.kept = keep
-        fcache.advance(advance)
+            return n, None
+        n = f.accepted
+        while n < s and scores[n - f.kept - 1] > tau:
+            n += 1
+        if n == s:
+            return n, None
+        f.tokens[n] = int(f.row.req.sampler.pick(lg[n - f.kept - 1 : n - f.kept])[0])
+        return n + 1, n
 
     @staticmethod
     def _drop_later_forks(f: Fork, forks: list[Fork]) -> None:
@@ -266,3 +344,6 @@ class Infill:
             by_row.setdefault(id(f.row), []).append(f)
         for fs in by_row.values():
             fs[0].row.commit("infill", [f.slot for f in fs], [f.tokens[: f.length] for f in fs])
+            for f in fs:
+                if f.next_logits is not None:
+                    f.row.keep_lookahead(f.slot, f.next_logits)

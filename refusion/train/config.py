@@ -33,6 +33,7 @@ class TrainConfig:
     slot_sizes: tuple[int, ...] = (4, 8, 16, 32)  # slot size drawn per example
     mask_eps: float = 1e-3  # p = (1 - eps) * t + eps
     ar_reduction: str = "token"  # AR CE averaged over all labels ("token") or per example ("example")
+    boundary_labels: bool = False  # beyond the paper: AR labels across slot boundaries too (each clean slot's last token, the prompt's last)
     max_length: int = 2048  # longer examples (prompt + response + EOS) are skipped and counted
     # ---- optimisation
     batch_size: int = 8  # examples per micro-batch per process
@@ -116,7 +117,7 @@ class TrainConfig:
         """The objective's settings (`objective.ObjectiveConfig`, validated)."""
         from ..objective import ObjectiveConfig
 
-        return ObjectiveConfig(self.slot_sizes, self.mask_eps, self.ar_reduction)
+        return ObjectiveConfig(self.slot_sizes, self.mask_eps, self.ar_reduction, self.boundary_labels)
 
 
 def config_fields() -> list:
