@@ -43,12 +43,18 @@ class ObjectiveConfig:
     # first response token, so that the AR head is trained across slot boundaries: what a
     # decoder that checks a slot's first token against its left neighbour's prediction reads.
     boundary_labels: bool = False
+    # Beyond the paper: this share of the examples is trained as plain next-token prediction
+    # (every slot clean, in order, labelled across slot boundaries), which keeps the AR
+    # head's left-to-right skill that ReFusion's verification and AR correction rely on.
+    ar_mix: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.slot_sizes or any(int(s) < 1 for s in self.slot_sizes):
             raise ConfigError(f"slot sizes must be positive integers, got {self.slot_sizes}")
         if not 0.0 < self.eps <= 1.0:
             raise ConfigError(f"eps must lie in (0, 1], got {self.eps}")
+        if not 0.0 <= self.ar_mix <= 1.0:
+            raise ConfigError(f"ar_mix must lie in [0, 1], got {self.ar_mix}")
         if self.ar_reduction not in AR_REDUCTIONS:
             raise ConfigError(f"ar_reduction must be one of {AR_REDUCTIONS}, got {self.ar_reduction!r}")
 
@@ -65,6 +71,7 @@ class SlotDraws:
     p: torch.Tensor  # (B,) float32, mask probability of each slot
     masked: torch.Tensor  # (B, S) bool, slot k of example b is masked
     order_key: torch.Tensor  # (B, S) float32, clean slots are fed by increasing key
+    plain: torch.Tensor  # (B,) bool, the example is a plain next-token one (ar_mix)
 
     def __getitem__(self, rows) -> "SlotDraws":
         return SlotDraws(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
@@ -83,7 +90,13 @@ def draw_slots(
     p = (1.0 - cfg.eps) * t + cfg.eps
     masked = torch.rand(batch_size, max_slots, generator=generator) < p[:, None]
     order_key = torch.rand(batch_size, max_slots, generator=generator)
-    return SlotDraws(slot_size, p, masked, order_key)
+    plain = torch.zeros(batch_size, dtype=torch.bool)
+    if cfg.ar_mix > 0:  # drawn only then, so that the other draws of a seed stay as they were
+        plain = torch.rand(batch_size, generator=generator) < cfg.ar_mix
+        masked &= ~plain[:, None]
+        in_order = torch.arange(max_slots, dtype=order_key.dtype) / max_slots  # (S,) increasing, < 1
+        order_key = torch.where(plain[:, None], in_order, order_key)
+    return SlotDraws(slot_size, p, masked, order_key, plain)
 
 
 @dataclass
@@ -160,10 +173,9 @@ def refusion_batch(
     perm = sort_key.argsort(dim=1)  # (B, T) physical index -> text column
 
     next_tok = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)  # tokens[c + 1]
-    if cfg.boundary_labels:
-        labelled = (is_resp & ~tok_masked & (j + 1 < n)) | (col == m - 1)
-    else:
-        labelled = is_resp & ~tok_masked & (off + 1 < s) & (j + 1 < n)  # the next token of the same slot
+    across = draws.plain[:, None] | cfg.boundary_labels  # (B, 1): labels across slot boundaries
+    in_slot = (off + 1 < s) | across  # the next token is of the same slot, or may be of the next
+    labelled = (is_resp & ~tok_masked & in_slot & (j + 1 < n)) | (across & (col == m - 1))
     ar_labels = torch.where(labelled, next_tok, IGNORE)
     mdm_labels = torch.where(tok_masked, tokens, IGNORE)
     weight = 1.0 / (draws.p[:, None].float() * n.float())  # (B, 1)

@@ -20,6 +20,8 @@
 #                                      checkpoint kept for the learning curve
 #   scripts/train_bundled.sh refusion-ft-boundary  refusion-ft with --boundary-labels (AR labels
 #                                      across slot boundaries too, beyond the paper)
+#   scripts/train_bundled.sh refusion-ft-mix  refusion-ft-boundary with --ar-mix 0.25 (a quarter
+#                                      of the examples plain next-token ones, beyond the paper)
 #
 # As in the paper, ReFusion is made from an autoregressive model: here the AR run's own
 # checkpoint at step 2250, so ReFusion and its AR baseline see the same data,
@@ -79,6 +81,10 @@ case "$what" in
     [ -f runs/bundled-ar-long/model.safetensors ] || { echo "run '$0 ar-long' first" >&2; exit 2; }
     train --model runs/bundled-ar-long --out runs/bundled-refusion-ft-boundary --objective refusion \
       --max-steps 4000 --lr 1e-3 --warmup-steps 50 --keep-checkpoints 0 --boundary-labels ;;
+  refusion-ft-mix)
+    [ -f runs/bundled-ar-long/model.safetensors ] || { echo "run '$0 ar-long' first" >&2; exit 2; }
+    train --model runs/bundled-ar-long --out runs/bundled-refusion-ft-mix --objective refusion \
+      --max-steps 4000 --lr 1e-3 --warmup-steps 50 --keep-checkpoints 0 --boundary-labels --ar-mix 0.25 ;;
   refusion-ft-long)
     [ -f runs/bundled-ar-long/model.safetensors ] || { echo "run '$0 ar-long' first" >&2; exit 2; }
     train --model runs/bundled-ar-long --out runs/bundled-refusion-ft-long --objective refusion \
@@ -93,5 +99,5 @@ case "$what" in
       mkdir -p "$dest"
       cp "$run"/{config.json,model.safetensors,tokenizer.json,tokenizer_config.json,chat_template.jinja} "$dest"/
     done ;;
-  *) echo "usage: $0 ar|refusion|ar-long|refusion-short|refusion-ft|refusion-ft-long|refusion-ft-boundary|scratch|ship" >&2; exit 2 ;;
+  *) echo "usage: $0 ar|refusion|ar-long|refusion-short|refusion-ft|refusion-ft-long|refusion-ft-boundary|refusion-ft-mix|scratch|ship" >&2; exit 2 ;;
 esac

@@ -41,6 +41,7 @@ def naive_example(prompt: list[int], response: list[int], draws: SlotDraws, b: i
     and the prompt's last token is labelled with the first response token."""
     s = int(draws.slot_size[b])
     p = float(draws.p[b])
+    boundary = boundary or bool(draws.plain[b])  # a plain next-token example: every slot clean, in order
     slots = [list(range(i, min(i + s, len(response)))) for i in range(0, len(response), s)]  # response offsets
     masked = [bool(draws.masked[b, k]) for k in range(len(slots))]
     clean = sorted((k for k in range(len(slots)) if not masked[k]), key=lambda k: (float(draws.order_key[b, k]), k))
@@ -97,9 +98,10 @@ slot_sets = st.lists(st.sampled_from([1, 2, 3, 4, 5, 8, 16, 32]), min_size=1, ma
 
 # ------------------------------------------------------------------ the transform
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(examples=examples_st, sizes=slot_sets, seed=st.integers(0, 2**31 - 1), boundary=st.booleans())
-def test_transform_equals_the_naive_reading_of_the_spec(examples, sizes, seed, boundary):
-    cfg = ObjectiveConfig(slot_sizes=tuple(sizes), boundary_labels=boundary)
+@given(examples=examples_st, sizes=slot_sets, seed=st.integers(0, 2**31 - 1), boundary=st.booleans(),
+       ar_mix=st.sampled_from([0.0, 0.5, 1.0]))
+def test_transform_equals_the_naive_reading_of_the_spec(examples, sizes, seed, boundary, ar_mix):
+    cfg = ObjectiveConfig(slot_sizes=tuple(sizes), boundary_labels=boundary, ar_mix=ar_mix)
     tokens, prompt_lens, lengths = padded(examples)
     draws = draw_slots(len(examples), cfg.max_slots(tokens.shape[1]), cfg, torch.Generator().manual_seed(seed))
     batch = refusion_batch(tokens, prompt_lens, lengths, MASK, cfg, draws=draws)
@@ -213,6 +215,24 @@ def test_ar_objective_labels_the_response_only():
         [30, 31, 32, 33, 34, IGNORE],
     ]
     assert batch.mdm_labels.eq(IGNORE).all() and batch.mdm_weights.eq(0).all()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ar_mix_examples_are_the_plain_next_token_ones(seed):
+    """With ar_mix 1 every example is the AR objective's, token for token; with ar_mix 0.5
+    about half are, the others keep the ReFusion reorganisation."""
+    examples = [([11, 12, 13], list(range(20, 57))), ([14], list(range(100, 111))), ([], list(range(300, 305)))]
+    tokens, prompt_lens, lengths = padded(examples)
+    plain = ar_batch(tokens, prompt_lens, lengths)
+    cfg = ObjectiveConfig(slot_sizes=(2, 4, 8), ar_mix=1.0)
+    batch = refusion_batch(tokens, prompt_lens, lengths, MASK, cfg, torch.Generator().manual_seed(seed))
+    for b, (p, r) in enumerate(examples):
+        n = len(p) + len(r)
+        for key in ("input_ids", "position_ids", "ar_labels", "mdm_labels"):
+            assert getattr(batch, key)[b, :n].tolist() == getattr(plain, key)[b, :n].tolist(), key
+    draws = draw_slots(4000, 8, ObjectiveConfig(ar_mix=0.5), torch.Generator().manual_seed(seed))
+    assert 0.45 < draws.plain.float().mean() < 0.55
+    assert not draws.masked[draws.plain].any() and draws.masked[~draws.plain].any()
 
 
 # ------------------------------------------------------------------ the loss

@@ -34,6 +34,7 @@ class TrainConfig:
     mask_eps: float = 1e-3  # p = (1 - eps) * t + eps
     ar_reduction: str = "token"  # AR CE averaged over all labels ("token") or per example ("example")
     boundary_labels: bool = False  # beyond the paper: AR labels across slot boundaries too (each clean slot's last token, the prompt's last)
+    ar_mix: float = 0.0  # beyond the paper: share of examples trained as plain next-token prediction (keeps the AR head's skill)
     max_length: int = 2048  # longer examples (prompt + response + EOS) are skipped and counted
     # ---- optimisation
     batch_size: int = 8  # examples per micro-batch per process
@@ -117,7 +118,7 @@ class TrainConfig:
         """The objective's settings (`objective.ObjectiveConfig`, validated)."""
         from ..objective import ObjectiveConfig
 
-        return ObjectiveConfig(self.slot_sizes, self.mask_eps, self.ar_reduction, self.boundary_labels)
+        return ObjectiveConfig(self.slot_sizes, self.mask_eps, self.ar_reduction, self.boundary_labels, self.ar_mix)
 
 
 def config_fields() -> list:
