@@ -114,7 +114,9 @@ def test_sweep_png_and_aup_recomputed_from_points(small_run) -> None:
     sweep = result["sweep"]
     png = Path(sweep["plot"])
     assert png == out / "sweep.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert [p["method"] for p in sweep["points"]] == ["ReFusion", "ReFusion", "MDM", "MDM", "AR baseline"]
+    checked = "ReFusion + AR correction + first-token check"
+    assert [p["method"] for p in sweep["points"]] == ["ReFusion", "ReFusion", checked, checked, "MDM", "MDM", "AR baseline"]
+    assert [p["config"]["ar_correction"] for p in sweep["points"][:4]] == [False, False, True, True]
     assert all(len(p["records"]) == sweep["items"] == 2 for p in sweep["points"])
     y_max = max(100 * p["accuracy"] for p in sweep["points"])
     assert sweep["y_max"] == pytest.approx(y_max)

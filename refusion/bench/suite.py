@@ -2,8 +2,9 @@
 
 On the held-out items of the bundled synthetic suite (`refusion.tasks`), greedy, batch
 size 1, one run decodes the same prompts with every row: the AR baseline model, ReFusion,
-ReFusion left to right (one slot per block), MDM on the ReFusion weights, and AR decoding
-of the ReFusion weights. The machine is shared and noisy, so work is interleaved: items go
+ReFusion left to right (one slot per block), MDM on the ReFusion weights, AR decoding
+of the ReFusion weights, then ReFusion with each decoding option beyond the paper
+(`ar_correction`, then with `first_token_check` too). The machine is shared and noisy, so work is interleaved: items go
 in chunks and every row decodes a chunk before the next one starts (in rotating order), so
 drift touches all rows alike. Wall time is measured around `generate` only.
 
@@ -163,12 +164,15 @@ def table_runs(base: DecodeConfig, with_ar: bool) -> list[Run]:
 
 
 def sweep_runs(base: DecodeConfig, args: argparse.Namespace, with_ar: bool) -> list[Run]:
-    """Figure 1's points: ReFusion thresholds, MDM steps and thresholds, the AR baseline."""
+    """Figure 1's points: ReFusion thresholds (the paper's rule, then with both options
+    beyond it), MDM steps and thresholds, the AR baseline."""
     runs = []
-    for ts in parse_floats(args.sweep_slot, "--sweep-slot"):
-        for tt in parse_floats(args.sweep_token, "--sweep-token"):
-            cfg = base.replace(method="refusion", slot_threshold=ts, token_threshold=tt)
-            runs.append(Run(f"refusion:{ts}:{tt}", f"slot {ts:g}, token {tt:g}", "refusion", cfg, "ReFusion"))
+    _, options_label, options = BEYOND_PAPER[-1]
+    for key, group, rule in (("refusion", "ReFusion", PAPER_RULE), ("refusion_checked", options_label, options)):
+        for ts in parse_floats(args.sweep_slot, "--sweep-slot"):
+            for tt in parse_floats(args.sweep_token, "--sweep-token"):
+                cfg = base.replace(method="refusion", slot_threshold=ts, token_threshold=tt, **rule)
+                runs.append(Run(f"{key}:{ts}:{tt}", f"slot {ts:g}, token {tt:g}", "refusion", cfg, group))
     mdm = base.replace(method="mdm")
     span = -(-mdm.gen_length // mdm.mdm_block_length) * mdm.mdm_block_length
     for k in parse_floats(args.sweep_mdm_tokens_per_step, "--sweep-mdm-tokens-per-step"):
@@ -353,7 +357,7 @@ def plot_sweep(points: list[dict[str, Any]], aups: dict[str, float], path: Path,
     """Figure 1's shape: accuracy against tokens/s (left) and against TPF (right)."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for g, color in zip(aups, ("tab:red", "tab:blue", "tab:gray", "tab:green")):
+    for g, color in zip(aups, ("tab:red", "tab:orange", "tab:blue", "tab:gray", "tab:green")):
         mine = [p for p in points if p["method"] == g]
         for ax, x in zip(axes, ("tokens_per_s", "tpf")):
             pts = [(p[x], 100 * p["accuracy"]) for p in mine]

@@ -6,6 +6,21 @@ it infill together (one row of the forward per selected slot). Each row's decisi
 depend only on its own logits and its own settings (slot size, thresholds, sampler), so
 a batch decodes exactly what each request would decode alone.
 
+Two options beyond the paper (`DecodeConfig`, off by default; the paper's rule is exact
+against the authors' decoder):
+- `ar_correction`: in infilling, the first token that fails verification is replaced by the
+  AR prediction its verify pass made for it (the paper re-drafts it from MASK and accepts
+  that draft unchecked). Its KV entry, computed with the failed draft, is not kept: the
+  token is fed again, also when it completes the slot.
+- `first_token_check`: the AR logits at the last token of each whole committed slot (and
+  at the prompt's last token) are kept; a selected slot whose left neighbour they belong to
+  has its plan draft for the first token checked against them, and replaced when it fails.
+  In global verification, a slot's first token is scored like any other when the slot
+  before it in the feed is its left neighbour.
+With one slot per block and token_threshold >= 0.5, greedy decoding with both equals greedy
+AR decoding of the same weights (every accepted token is the AR argmax): ReFusion becomes a
+lossless drafter for its own AR head, and the plan's MDM drafts only decide the speed.
+
 Generation offsets: position `P + i` of a prompt of length P is offset `i`; slot j of the
 region covers offsets j*s .. j*s+s-1.
 """
