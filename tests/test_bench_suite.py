@@ -17,6 +17,7 @@ from refusion.bench import suite
 from refusion.bench.aup import aup, aup_weight
 from refusion.checkpoint import BUNDLED_DIR
 from refusion.cli import main
+from refusion.decode import DecodeConfig
 
 TINY = ["--gen-length", "16", "--slot-size", "8", "--serial-blocks", "1", "--mdm-block-length", "16", "--chunk", "2"]
 
@@ -78,10 +79,11 @@ def test_table_has_every_row_on_the_same_items(small_run) -> None:
     labels = [r["label"] for r in result["table"]]
     assert labels == ["AR baseline (AR decoding)", "ReFusion", "ReFusion L2R (one slot per block)", "MDM",
                       "AR decoding of ReFusion weights", "ReFusion + AR correction",
-                      "ReFusion + AR correction + first-token check"]
-    assert [r["method"] for r in result["table"]] == ["ar", "refusion", "refusion", "mdm", "ar", "refusion", "refusion"]
+                      "ReFusion + AR correction + first-token check",
+                      "ReFusion, the checkpoint's settings (slot 8, 4 blocks, 0.7/0.3)"]  # the flags gave others
+    assert [r["method"] for r in result["table"]] == ["ar", "refusion", "refusion", "mdm", "ar"] + ["refusion"] * 3
     options = [(r["config"]["ar_correction"], r["config"]["first_token_check"]) for r in result["table"]]
-    assert options == [(False, False)] * 5 + [(True, False), (True, True)]  # the paper's rule, then each option
+    assert options == [(False, False)] * 5 + [(True, False), (True, True), (False, False)]  # the paper's rule, then each option
     firsts = [[(x["index"], x["family"]) for x in r["records"]] for r in result["table"]]
     assert all(f == firsts[0] for f in firsts) and len(firsts[0]) == result["items"] == 4
     l2r = result["table"][2]["config"]
@@ -127,6 +129,20 @@ def test_sweep_png_and_aup_recomputed_from_points(small_run) -> None:
     assert "AUP: ReFusion" in printed
 
 
+def test_the_checkpoints_own_settings_get_a_row_unless_a_row_has_them() -> None:
+    base = suite.SUITE_DEFAULTS
+    runs = suite.table_runs(base, with_ar=True)
+    own = DecodeConfig(method="refusion", gen_length=512, slot_size=32, serial_blocks=2, temperature=0.5,
+                       ar_correction=True, first_token_check=True)
+    row = suite.recommended_run(base, own, runs)
+    assert row.label == "ReFusion, the checkpoint's settings (slot 32, 2 blocks, 0.9/0.4 + AR correction + first-token check)"
+    # the layout, thresholds and options are the checkpoint's; length and sampling the suite's
+    assert (row.cfg.slot_size, row.cfg.serial_blocks, row.cfg.ar_correction, row.cfg.first_token_check) == (32, 2, True, True)
+    assert (row.cfg.gen_length, row.cfg.temperature) == (base.gen_length, 0.0)
+    assert suite.recommended_run(base, base.replace(ar_correction=True), runs) is None  # a row has these
+    assert suite.recommended_run(base, own.replace(method="ar"), runs) is None
+
+
 # ---------------------------------------------------------------------------- options and errors
 def test_default_ar_missing_skips_row_and_families_filter(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setattr(suite, "DEFAULT_AR_MODEL", "bundled:no-such-model")
@@ -134,7 +150,7 @@ def test_default_ar_missing_skips_row_and_families_filter(tmp_path, monkeypatch,
             "--gen-length", "8", "--json", str(tmp_path / "t.json")]
     assert main(argv) == 0
     result = json.loads((tmp_path / "t.json").read_text())
-    keys = ["refusion", "refusion_l2r", "mdm", "ar_refusion", "refusion_corrected", "refusion_checked"]
+    keys = ["refusion", "refusion_l2r", "mdm", "ar_refusion", "refusion_corrected", "refusion_checked", "refusion_recommended"]
     assert [r["key"] for r in result["table"]] == keys
     assert all(r["vs_ar"] is None for r in result["table"]) and "sweep" not in result
     assert {x["family"] for r in result["table"] for x in r["records"]} <= {"code", "lists"}

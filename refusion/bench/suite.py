@@ -30,6 +30,7 @@ from tqdm import tqdm
 from ..flags import (add_data_parallel_argument, add_decode_arguments, add_model_arguments, decode_config_from_args,
                      engine_config_from_args, load_from_args)
 from ..decode import DecodeConfig, EngineConfig, generate
+from ..recommended import recommended_of
 from ..timing import sync
 from ..errors import CheckpointError, ConfigError, MissingExtraError
 from .aup import aup
@@ -161,6 +162,25 @@ def table_runs(base: DecodeConfig, with_ar: bool) -> list[Run]:
     if with_ar:
         runs.insert(0, Run("ar_baseline", "AR baseline (AR decoding)", "ar", base.replace(method="ar")))
     return runs
+
+
+# what a checkpoint's own decode_config.json may set for the row of its recommended settings
+RECOMMENDED_FIELDS = ("slot_size", "serial_blocks", "slot_threshold", "token_threshold", "ar_correction", "first_token_check")
+
+
+def recommended_run(base: DecodeConfig, recommended: DecodeConfig, runs: Sequence[Run]) -> Run | None:
+    """A row for the ReFusion model's own recommended slot layout, thresholds and options
+    (its decode_config.json; gen_length, sampling and stops stay the suite's): what
+    `refusion generate` does with it. None when it recommends no ReFusion decoding, or
+    settings a row already has."""
+    if recommended.method != "refusion":
+        return None
+    cfg = base.replace(method="refusion", **{k: getattr(recommended, k) for k in RECOMMENDED_FIELDS})
+    if any(r.cfg == cfg for r in runs):
+        return None
+    shown = f"slot {cfg.slot_size}, {cfg.serial_blocks} blocks, {cfg.slot_threshold:g}/{cfg.token_threshold:g}"
+    shown += " + AR correction" * cfg.ar_correction + " + first-token check" * cfg.first_token_check
+    return Run("refusion_recommended", f"ReFusion, the checkpoint's settings ({shown})", "refusion", cfg)
 
 
 def sweep_runs(base: DecodeConfig, args: argparse.Namespace, with_ar: bool) -> list[Run]:
@@ -404,6 +424,8 @@ def run(args: argparse.Namespace) -> int:
         print(note, file=sys.stderr)
 
     runs = table_runs(base, ar_path is not None)
+    own = recommended_run(base, recommended_of(models["refusion"][0]).decode_config(), runs)
+    runs += [own] if own else []
     records = measure(runs, items, models, args.chunk, "table", engine)
     result: dict[str, Any] = {
         "models": {"refusion": args.model or "bundled", "ar": ar_path}, "device": args.device,
