@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # The recipe of the bundled model, from nothing: tokenizer, data, config, `refusion train`.
 #
+#   scripts/train_bundled.sh [MODE]    MODE defaults to refusion-ft-mix, the shipped ReFusion model
 #   scripts/train_bundled.sh ar        AR pre-training: 4000 steps of next-token training
-#   scripts/train_bundled.sh refusion  the bundled model: ar's step-2250 checkpoint, then
-#                                      8000 steps of the ReFusion objective (10250 in all)
+#   scripts/train_bundled.sh refusion  ar's step-2250 checkpoint, then 8000 steps of the
+#                                      paper's ReFusion objective (10250 in all, as the baseline)
 #   scripts/train_bundled.sh ar-long   the AR baseline of Table 1: ar's final model, then 6250
 #                                      more AR steps (warm restart at lr 1e-3; 10250 in all)
 #   scripts/train_bundled.sh refusion-short  ar's step-2250 checkpoint + 1750 ReFusion steps:
-#                                      the earlier bundled model, same 4000-step budget as `ar`
+#                                      the same 4000-step budget as `ar`
 #   scripts/train_bundled.sh scratch   ReFusion from random weights, 4000 steps (a reference)
 #   scripts/train_bundled.sh refusion-ft-long  the same over 8000 ReFusion steps: the shipped
 #                                      route's budget, from the finished AR model
 #   scripts/train_bundled.sh ship      copy the two shipped models into the package:
-#                                      runs/bundled-refusion-long -> refusion/bundled/refusion-tiny,
+#                                      runs/bundled-refusion-ft-mix -> refusion/bundled/refusion-tiny,
 #                                      runs/bundled-ar-long -> refusion/bundled/ar-tiny (their
 #                                      decode_config.json files stay; they are written by hand)
 #   scripts/train_bundled.sh refusion-ft  the paper's setting: the finished AR baseline
@@ -23,18 +24,18 @@
 #   scripts/train_bundled.sh refusion-ft-mix  refusion-ft-boundary with --ar-mix 0.25 (a quarter
 #                                      of the examples plain next-token ones, beyond the paper)
 #
-# As in the paper, ReFusion is made from an autoregressive model: here the AR run's own
-# checkpoint at step 2250, so ReFusion and its AR baseline see the same data,
-# architecture, size and total budget (10250 steps of 16 examples; `refusion-short` and
-# `ar`: 4000) and the AR baseline shares ReFusion's first 2250 steps. Run `ar` first.
-# Everything is seeded; a run resumes from its latest checkpoint when its output directory
-# already holds one. The bundled copy is runs/bundled-refusion-long, copied to
-# refusion/bundled/refusion-tiny/ (model.safetensors in float32 <= 16 MB). (Its first 750
-# steps ran under a 12000-step cosine schedule, resumed as 8000: a learning rate < 0.5%
-# higher on those steps than this recipe gives.)
+# As in the paper, the shipped ReFusion model is made from a finished autoregressive model:
+# the AR baseline (`ar` then `ar-long`, 10250 steps of 16 examples) plus 4000 ReFusion
+# steps with two objective options beyond the paper (`refusion-ft-mix`). From nothing:
+#   ar, ar-long, refusion-ft-mix, ship
+# The other ReFusion modes are references: `refusion` the paper's objective at the AR
+# baseline's own budget, `refusion-ft` and `refusion-ft-boundary` the paper's objective and
+# boundary labels alone from the same start as `refusion-ft-mix`. Everything is seeded; a run resumes from its latest
+# checkpoint when its output directory already holds one. The bundled copy's
+# model.safetensors is float32, <= 16 MB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-what="${1:-refusion}"
+what="${1:-refusion-ft-mix}"
 work=runs/bundled-data
 py=.venv/bin/python
 mkdir -p "$work"
@@ -93,7 +94,7 @@ case "$what" in
     train --init-config "$work/config.json" --tokenizer "$work/tokenizer" --out runs/bundled-refusion-scratch \
       --objective refusion --max-steps 4000 --lr 3e-3 --warmup-steps 100 --keep-checkpoints 2 ;;
   ship)
-    for pair in bundled-refusion-long:refusion-tiny bundled-ar-long:ar-tiny; do
+    for pair in bundled-refusion-ft-mix:refusion-tiny bundled-ar-long:ar-tiny; do
       run="runs/${pair%%:*}" dest="refusion/bundled/${pair##*:}"
       [ -f "$run/model.safetensors" ] || { echo "$run has no final model: train it first" >&2; exit 2; }
       mkdir -p "$dest"

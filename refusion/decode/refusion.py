@@ -143,7 +143,7 @@ class ReFusionRow:
         """Draft every masked position and select the slots to verify (step 2); returns
         the entries kept: the prompt stays, the MASK entries go."""
         if self._head_logits:
-            self.lookahead[0], logits = logits[0], logits[1:]
+            self.lookahead[0], logits = logits[0].clone(), logits[1:]  # a copy: not a view pinning the step's logits
         drafts = self.req.sampler.pick(logits)  # (n*s,)
         conf = token_probs(logits, drafts)
         self.plan = Plan(drafts.view(-1, self.s), conf.view(-1, self.s))
@@ -170,7 +170,7 @@ class ReFusionRow:
         later_block = slot + 1 >= (self.block + 1) * self.slots_per_block
         if self.checks_first and slot + 1 < self.n_blocks * self.slots_per_block and (
                 later_block or slot + 1 in self.undecoded):
-            self.lookahead[slot + 1] = logits
+            self.lookahead[slot + 1] = logits.clone()  # (V,) a copy, not a view pinning the step's logits
 
     # ------------------------------------------------------------------ step 3: verify
     def verify_feed(self) -> Feed:
