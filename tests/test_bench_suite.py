@@ -17,7 +17,7 @@ from refusion.bench import suite
 from refusion.bench.aup import aup, aup_weight
 from refusion.checkpoint import BUNDLED_DIR
 from refusion.cli import main
-from refusion.decode import DecodeConfig
+from refusion.recommended import Recommended
 
 TINY = ["--gen-length", "16", "--slot-size", "8", "--serial-blocks", "1", "--mdm-block-length", "16", "--chunk", "2"]
 
@@ -132,15 +132,18 @@ def test_sweep_png_and_aup_recomputed_from_points(small_run) -> None:
 def test_the_checkpoints_own_settings_get_a_row_unless_a_row_has_them() -> None:
     base = suite.SUITE_DEFAULTS
     runs = suite.table_runs(base, with_ar=True)
-    own = DecodeConfig(method="refusion", gen_length=512, slot_size=32, serial_blocks=2, temperature=0.5,
-                       ar_correction=True, first_token_check=True)
+    own = Recommended(decode=dict(method="refusion", gen_length=512, slot_size=32, serial_blocks=2, temperature=0.5,
+                                  ar_correction=True, first_token_check=True))
     row = suite.recommended_run(base, own, runs)
     assert row.label == "ReFusion, the checkpoint's settings (slot 32, 2 blocks, 0.9/0.4 + AR correction + first-token check)"
     # the layout, thresholds and options are the checkpoint's; length and sampling the suite's
     assert (row.cfg.slot_size, row.cfg.serial_blocks, row.cfg.ar_correction, row.cfg.first_token_check) == (32, 2, True, True)
     assert (row.cfg.gen_length, row.cfg.temperature) == (base.gen_length, 0.0)
-    assert suite.recommended_run(base, base.replace(ar_correction=True), runs) is None  # a row has these
-    assert suite.recommended_run(base, own.replace(method="ar"), runs) is None
+    same = Recommended(decode=dict(slot_size=8, serial_blocks=4, slot_threshold=0.7, token_threshold=0.3, ar_correction=True))
+    assert suite.recommended_run(base, same, runs) is None  # a row has these
+    assert suite.recommended_run(base, Recommended(decode=own.decode | {"method": "ar"}), runs) is None
+    assert suite.recommended_run(base, Recommended(), runs) is None  # no decode_config.json: no row of defaults
+    assert suite.recommended_run(base, Recommended(decode={"gen_length": 64}), runs) is None
 
 
 # ---------------------------------------------------------------------------- options and errors

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from ..flags import (add_data_parallel_argument, add_decode_arguments, add_model_arguments, decode_config_from_args,
                      engine_config_from_args, load_from_args)
 from ..decode import DecodeConfig, EngineConfig, generate
-from ..recommended import recommended_of
+from ..recommended import Recommended, recommended_of
 from ..timing import sync
 from ..errors import CheckpointError, ConfigError, MissingExtraError
 from .aup import aup
@@ -168,14 +168,15 @@ def table_runs(base: DecodeConfig, with_ar: bool) -> list[Run]:
 RECOMMENDED_FIELDS = ("slot_size", "serial_blocks", "slot_threshold", "token_threshold", "ar_correction", "first_token_check")
 
 
-def recommended_run(base: DecodeConfig, recommended: DecodeConfig, runs: Sequence[Run]) -> Run | None:
+def recommended_run(base: DecodeConfig, recommended: Recommended, runs: Sequence[Run]) -> Run | None:
     """A row for the ReFusion model's own recommended slot layout, thresholds and options
     (its decode_config.json; gen_length, sampling and stops stay the suite's): what
-    `refusion generate` does with it. None when it recommends no ReFusion decoding, or
-    settings a row already has."""
-    if recommended.method != "refusion":
+    `refusion generate` does with it. None when it recommends none of them (a checkpoint
+    without the file), no ReFusion decoding, or settings a row already has."""
+    own = recommended.decode_config()
+    if own.method != "refusion" or not any(k in recommended.decode for k in RECOMMENDED_FIELDS):
         return None
-    cfg = base.replace(method="refusion", **{k: getattr(recommended, k) for k in RECOMMENDED_FIELDS})
+    cfg = base.replace(method="refusion", **{k: getattr(own, k) for k in RECOMMENDED_FIELDS})
     if any(r.cfg == cfg for r in runs):
         return None
     shown = f"slot {cfg.slot_size}, {cfg.serial_blocks} blocks, {cfg.slot_threshold:g}/{cfg.token_threshold:g}"
@@ -424,7 +425,7 @@ def run(args: argparse.Namespace) -> int:
         print(note, file=sys.stderr)
 
     runs = table_runs(base, ar_path is not None)
-    own = recommended_run(base, recommended_of(models["refusion"][0]).decode_config(), runs)
+    own = recommended_run(base, recommended_of(models["refusion"][0]), runs)
     runs += [own] if own else []
     records = measure(runs, items, models, args.chunk, "table", engine)
     result: dict[str, Any] = {

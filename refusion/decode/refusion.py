@@ -290,7 +290,7 @@ class Infill:
             elif not f.complete:
                 self._verify_fork(f, forks, toks, lg[: len(toks) - 1])
             if f.complete and not f.dropped and f.row.checks_first and toks and f.length == f.row.s:
-                f.next_logits = lg[len(toks) - 1]  # this pass fed the slot's last token
+                f.next_logits = lg[len(toks) - 1].clone()  # this pass fed the slot's last token; a copy, not a view
             advance.append(f.kept - before)
         fcache.advance(advance)
 
