@@ -174,8 +174,8 @@ def refusion_batch(
 
     next_tok = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)  # tokens[c + 1]
     across = draws.plain[:, None] | cfg.boundary_labels  # (B, 1): labels across slot boundaries
-    in_slot = (off + 1 < s) | across  # the next token is of the same slot, or may be of the next
-    labelled = (is_resp & ~tok_masked & in_slot & (j + 1 < n)) | (across & (col == m - 1))
+    next_allowed = (off + 1 < s) | across  # the next token is of the same slot, or may be of the next
+    labelled = (is_resp & ~tok_masked & next_allowed & (j + 1 < n)) | (across & (col == m - 1))
     ar_labels = torch.where(labelled, next_tok, IGNORE)
     mdm_labels = torch.where(tok_masked, tokens, IGNORE)
     weight = 1.0 / (draws.p[:, None].float() * n.float())  # (B, 1)

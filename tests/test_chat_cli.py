@@ -88,7 +88,9 @@ def test_without_history_each_turn_is_sent_alone(engine, bundled):
     system = {"role": "system", "content": "be brief"}
     assert engine.prompts == [chat_ids(tok, [system, user(SORT)]), chat_ids(tok, [system, user(REVERSE)])]
     assert turns == []
-    assert out.strip()  # the replies were written (a reply may take several lines)
+    # one reply per message, each ended by a newline (a reply may take several lines), then EOF's newline
+    replies = [o.text for o in refusion.generate(bundled[0], tok, engine.prompts, cfg_of(bundled))]
+    assert out == "".join(r + "\n" for r in replies) + "\n"
 
 
 def test_with_history_the_conversation_is_sent(engine, bundled):

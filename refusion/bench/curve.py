@@ -3,11 +3,12 @@
 A `refusion train` run keeps a checkpoint every --save-every steps. This decodes the
 held-out suite (`refusion.tasks`) with ReFusion (or `--method`'s decoding) at every
 `--every`-th one (and at the run's base model, step 0, and its final model), greedy,
-batch size 1, with the settings `bench suite` uses, and reads the held-out AR and MDM parts of the loss from the run's
-log. Printed as a table, written as JSON, and drawn: accuracy per family, tokens per
-forward and the two losses against training steps, with the base model's own AR
-decoding as the line to reach. Run again as training goes on, it decodes only the
-checkpoints its JSON does not hold yet (same settings).
+batch size 1, with the settings `bench suite` uses (decoding flags on top), and reads
+the held-out AR and MDM parts of the loss from the run's log. Printed as a table,
+written as JSON, and drawn: accuracy per family, tokens per forward and the two losses
+against training steps, with the base model's own AR decoding as the line to reach. Run
+again as training goes on, it decodes only the checkpoints its JSON does not hold yet
+(same settings).
 """
 
 from __future__ import annotations

@@ -2,11 +2,12 @@
 
 On the held-out items of the bundled synthetic suite (`refusion.tasks`), greedy, batch
 size 1, one run decodes the same prompts with every row: the AR baseline model, ReFusion,
-ReFusion left to right (one slot per block), MDM on the ReFusion weights, AR decoding
-of the ReFusion weights, then ReFusion with each decoding option beyond the paper
-(`ar_correction`, then with `first_token_check` too). The machine is shared and noisy, so work is interleaved: items go
-in chunks and every row decodes a chunk before the next one starts (in rotating order), so
-drift touches all rows alike. Wall time is measured around `generate` only.
+ReFusion left to right (one slot per block), MDM on the ReFusion weights, AR decoding of
+the ReFusion weights, then ReFusion with each decoding option beyond the paper
+(`ar_correction`, then with `first_token_check` too) and with the ReFusion checkpoint's
+own settings. The machine is shared and noisy, so work is interleaved: items go in chunks
+and every row decodes a chunk before the next one starts (in rotating order), so drift
+touches all rows alike. Wall time is measured around `generate` only.
 
 Then a sweep (Figure 1): ReFusion over slot x token thresholds, MDM over tokens per step
 and confidence thresholds, the AR baseline as a point; accuracy against tokens/s and
@@ -188,8 +189,7 @@ def sweep_runs(base: DecodeConfig, args: argparse.Namespace, with_ar: bool) -> l
     """Figure 1's points: ReFusion thresholds (the paper's rule, then with both options
     beyond it), MDM steps and thresholds, the AR baseline."""
     runs = []
-    _, options_label, options = BEYOND_PAPER[-1]
-    for key, group, rule in (("refusion", "ReFusion", PAPER_RULE), ("refusion_checked", options_label, options)):
+    for key, group, rule in (("refusion", "ReFusion", PAPER_RULE), BEYOND_PAPER[-1]):
         for ts in parse_floats(args.sweep_slot, "--sweep-slot"):
             for tt in parse_floats(args.sweep_token, "--sweep-token"):
                 cfg = base.replace(method="refusion", slot_threshold=ts, token_threshold=tt, **rule)

@@ -165,12 +165,12 @@ class ReFusionRow:
                 self.plan.drafts[i, 0] = self.req.sampler.pick(ahead[None])[0]
 
     def keep_lookahead(self, slot: int, logits: torch.Tensor) -> None:
-        """The AR logits (V,) at the last token of a committed, whole `slot`: they predict
-        the first token of the slot to its right."""
+        """first_token_check: the AR logits (V,) at the last token of a committed, whole
+        `slot` predict the first token of the slot to its right. Callers pass a copy, not
+        a view that would pin the whole step's logits."""
         later_block = slot + 1 >= (self.block + 1) * self.slots_per_block
-        if self.checks_first and slot + 1 < self.n_blocks * self.slots_per_block and (
-                later_block or slot + 1 in self.undecoded):
-            self.lookahead[slot + 1] = logits.clone()  # (V,) a copy, not a view pinning the step's logits
+        if slot + 1 < self.n_blocks * self.slots_per_block and (later_block or slot + 1 in self.undecoded):
+            self.lookahead[slot + 1] = logits
 
     # ------------------------------------------------------------------ step 3: verify
     def verify_feed(self) -> Feed:
@@ -192,8 +192,7 @@ class ReFusionRow:
         # a slot's first token keeps its plan confidence: it passes, except, with
         # first_token_check, where the slot before it in the feed is its left neighbour
         scored = [i > 0 and self.checks_first and slots[i - 1] == slots[i] - 1 for i in range(len(sel))]
-        first = passing.view(-1, s)[:, 0]
-        passing.view(-1, s)[:, 0] = first | ~torch.tensor(scored, dtype=torch.bool, device=logits.device)
+        passing.view(-1, s)[:, 0] |= ~torch.tensor(scored, dtype=torch.bool, device=logits.device)
         per_slot = passing.view(-1, s).int().cumprod(-1).sum(-1).tolist()  # passing prefix per slot
         per_slot = [max(n, 1) for n in per_slot]  # the first token is the plan's (checked) draft
         prefix = int(passing.int().cumprod(0).sum())
@@ -208,8 +207,9 @@ class ReFusionRow:
         if prefix >= s:
             k = prefix // s
             self.commit("fast", slots[:k], chunks[:k])
-            for i in range(k if self.checks_first else 0):
-                self.keep_lookahead(slots[i], logits[(i + 1) * s - 1])
+            if self.checks_first:
+                for i in range(k):
+                    self.keep_lookahead(slots[i], logits[(i + 1) * s - 1].clone())
             return k * s
         self.to_infill = (slots, chunks, per_slot)
         return 0
@@ -280,7 +280,7 @@ class Infill:
             tokens.append(toks)
             positions.append(pos)
             # the fed tokens' logits but the last one's, which first_token_check keeps too
-            want.append((0, max(len(toks) - 1 + f.row.checks_first, 0)) if toks else (0, 0))
+            want.append((0, len(toks) - 1 + f.row.checks_first) if toks else (0, 0))
         logits = self.fwd.run([f.row.req for f in forks], tokens, positions, fcache, want)
         advance = []
         for f, toks, lg in zip(forks, tokens, logits):
@@ -323,16 +323,11 @@ class Infill:
         the first not-yet-accepted token is scored too, and the first token that fails is
         replaced by the AR prediction of its own verify logits (entry n - kept - 1 scores
         slot token n) and accepted."""
-        s, tau = f.row.s, f.row.tau
-        if not f.row.req.cfg.ar_correction:
-            n = min(f.accepted + 1, s)
-            while n < s and scores[n - f.kept - 1] > tau:
-                n += 1
-            return n, None
-        n = f.accepted
+        s, tau, corrects = f.row.s, f.row.tau, f.row.req.cfg.ar_correction
+        n = f.accepted if corrects else min(f.accepted + 1, s)
         while n < s and scores[n - f.kept - 1] > tau:
             n += 1
-        if n == s:
+        if not corrects or n == s:
             return n, None
         f.tokens[n] = int(f.row.req.sampler.pick(lg[n - f.kept - 1 : n - f.kept])[0])
         return n + 1, n
