@@ -67,6 +67,7 @@ def decode_configs(draw):
         stop_token_ids=(draw(st.sampled_from(EOS_CHOICES)),),
         ar_correction=draw(st.booleans()),
         first_token_check=draw(st.booleans()),
+        infill_window=draw(st.sampled_from([None, 1, 2, 3])),
     )
 
 

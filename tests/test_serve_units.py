@@ -80,9 +80,10 @@ def test_request_fields_are_derived_from_decode_config():
     """The request's decode knobs are DecodeConfig's fields, with its bounds: no second list."""
     assert set(DECODE_FIELDS) == {"method", "slot_size", "serial_blocks", "slot_threshold", "token_threshold", "mdm_block_length",
                                   "mdm_steps", "mdm_threshold", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
-                                  "ar_correction", "first_token_check"}
+                                  "ar_correction", "first_token_check", "infill_window"}
     for body, param in [({"slot_size": 5000}, "slot_size"), ({"temperature": 101}, "temperature"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
-                        ({"stop_token_ids": 3}, "stop_token_ids"), ({"top_k": 1.5}, "top_k"), ({"ar_correction": 1}, "ar_correction")]:
+                        ({"stop_token_ids": 3}, "stop_token_ids"), ({"top_k": 1.5}, "top_k"), ({"ar_correction": 1}, "ar_correction"),
+                        ({"infill_window": 0}, "infill_window")]:
         with pytest.raises(APIError) as e:
             parse_request({"prompt": "a", **body}, "completion")
         assert e.value.param == param

@@ -59,6 +59,8 @@ class DecodeConfig:
                                       "from its verify pass (kept) instead of a fresh MASK draft; beyond the paper")
     first_token_check: bool = knob(False, "ReFusion: a selected slot's first token is checked against the AR prediction "
                                           "of its left neighbour where that is known, and replaced when it fails; beyond the paper")
+    infill_window: int | None = knob(None, "ReFusion infill: draft and verify at most this many tokens past a slot's accepted "
+                                           "prefix per round (default: the rest of the slot); beyond the paper", lo=1, hi=4096)
     # --- MDM baseline (SPEC §4): LLaDA-style low-confidence remasking in semi-AR blocks
     mdm_block_length: int = knob(32, "MDM: tokens per semi-autoregressive block", lo=1, hi=4096)
     mdm_steps: int | None = knob(None, "MDM: denoising steps over the whole generation (default: one token per step)", lo=1, hi=2**16)

@@ -55,6 +55,7 @@ class Fork:
     tokens: list[int]  # (s,) current drafts; tokens[:accepted] are final
     accepted: int  # >= 1
     base: int  # committed length of the owner's cache when forked
+    drafted: int = 0  # tokens[accepted:drafted] are this round's drafts, to verify
     kept: int = 0  # slot entries already in this fork's cache (accepted tokens but the last)
     length: int = 0  # slot length to commit (s, or up to and including an EOS)
     complete: bool = False
@@ -85,6 +86,10 @@ class ReFusionRow:
         cfg = self.req.cfg
         self.s, self.tau = cfg.slot_size, cfg.token_threshold
         self.checks_first = cfg.first_token_check
+        self.window = cfg.infill_window or self.s  # infill drafts per round, at most
+        # the verify pass's logits at its last fed token too: they predict the next slot's
+        # first token (first_token_check) or correct the token after the drafts (ar_correction)
+        self.wants_last = cfg.first_token_check or cfg.ar_correction
         self.n_blocks = cfg.serial_blocks
         self.slots_per_block = cfg.slots_per_block
         self.undecoded = self._block_slots(0)
@@ -172,13 +177,22 @@ class ReFusionRow:
         if slot + 1 < self.n_blocks * self.slots_per_block and (later_block or slot + 1 in self.undecoded):
             self.lookahead[slot + 1] = logits
 
+    def ends(self, toks: list[int]) -> int | None:
+        """The index of the first EOS in `toks` (None: there is none)."""
+        return next((i for i, t in enumerate(toks) if t in self.req.eos_ids), None)
+
     # ------------------------------------------------------------------ step 3: verify
     def verify_feed(self) -> Feed:
-        """The selected drafts in position order."""
+        """The selected drafts in position order, the last slot's up to its first EOS: no
+        token after it can be committed from this pass."""
         P, s, sel = len(self.req.prompt), self.s, self.selected
         toks = self.plan.drafts[sel].flatten().tolist()
+        eos = self.ends(toks[(len(sel) - 1) * s :])
+        if eos is not None:
+            toks = toks[: (len(sel) - 1) * s + eos + 1]
+        positions = [P + self.undecoded[j] * s + i for j in sel for i in range(s)][: len(toks)]
         # with first_token_check, the last token's logits too (they predict the next slot's first)
-        return toks, [P + self.undecoded[j] * s + i for j in sel for i in range(s)], (0, len(sel) * s - 1 + self.checks_first)
+        return toks, positions, (0, len(toks) - 1 + self.checks_first)
 
     def take_verify(self, logits: torch.Tensor, toks: list[int]) -> int:
         """Global verification: commit the longest passing prefix if it ends in EOS or
@@ -186,8 +200,9 @@ class ReFusionRow:
         entries kept."""
         s, sel, eos_ids = self.s, self.selected, self.req.eos_ids
         flat = torch.tensor(toks, device=logits.device)
-        passing = torch.ones(len(toks), dtype=torch.bool, device=logits.device)
-        passing[1:] = token_probs(logits[: len(toks) - 1], flat[1:]) > self.tau
+        passing = torch.zeros(len(sel) * s, dtype=torch.bool, device=logits.device)  # the unfed tail fails
+        passing[0] = True
+        passing[1 : len(toks)] = token_probs(logits[: len(toks) - 1], flat[1:]) > self.tau
         slots = [self.undecoded[j] for j in sel]
         # a slot's first token keeps its plan confidence: it passes, except, with
         # first_token_check, where the slot before it in the feed is its left neighbour
@@ -196,7 +211,7 @@ class ReFusionRow:
         per_slot = passing.view(-1, s).int().cumprod(-1).sum(-1).tolist()  # passing prefix per slot
         per_slot = [max(n, 1) for n in per_slot]  # the first token is the plan's (checked) draft
         prefix = int(passing.int().cumprod(0).sum())
-        chunks = [toks[i * s : (i + 1) * s] for i in range(len(sel))]
+        chunks = self.plan.drafts[sel].tolist()  # whole slots, also past an EOS the feed stopped at
         self.to_infill = None
         eos = next((i for i in range(prefix) if toks[i] in eos_ids), None)
         if eos is not None:
@@ -259,28 +274,33 @@ class Infill:
     def _draft(self, forks: list[Fork], fcache: KVCache) -> None:
         tokens, positions, want = [], [], []
         for f in forks:
-            # a complete fork, or one whose slot passed whole in step 3, has nothing to draft:
-            # it feeds nothing (a packed forward spends no compute on its row)
-            n_masks = 0 if f.complete or f.length else f.row.s - f.accepted
+            # a complete fork, one whose slot passed whole in step 3, or one that accepted an
+            # EOS has nothing to draft: it feeds nothing (a packed forward spends no compute on its row)
+            done = f.complete or f.length or f.row.ends(f.tokens[: f.accepted]) is not None
+            n_masks = 0 if done else min(f.row.s - f.accepted, f.row.window)
             toks, pos = self._feed(f, [self.mask_id] * n_masks) if n_masks else ([], [])
             tokens.append(toks)
             positions.append(pos)
             want.append((len(toks) - n_masks, len(toks)))
         logits = self.fwd.run([f.row.req for f in forks], tokens, positions, fcache, want)
         for f, lg in zip(forks, logits):
-            if not f.complete:
-                f.tokens[f.accepted :] = f.row.req.sampler.pick(lg).tolist()
+            f.drafted = f.accepted
+            if lg.shape[0]:
+                drafts = f.row.req.sampler.pick(lg).tolist()
+                f.tokens[f.accepted : f.accepted + len(drafts)] = drafts
+                eos = f.row.ends(drafts)  # drafts after an EOS are never verified: none can be committed
+                f.drafted += len(drafts) if eos is None else eos + 1
 
     def _verify(self, forks: list[Fork], fcache: KVCache) -> None:
         tokens, positions, want = [], [], []
         for f in forks:
             # a fork whose tokens are final feeds only the ones whose entries it lacks
-            tail = [] if f.length else f.tokens[f.accepted :]
+            tail = [] if f.length else f.tokens[f.accepted : f.drafted]
             toks, pos = self._feed(f, tail) if not f.complete else ([], [])
             tokens.append(toks)
             positions.append(pos)
-            # the fed tokens' logits but the last one's, which first_token_check keeps too
-            want.append((0, len(toks) - 1 + f.row.checks_first) if toks else (0, 0))
+            # the fed tokens' logits but the last one's, which the options beyond the paper use too
+            want.append((0, len(toks) - 1 + f.row.wants_last) if toks else (0, 0))
         logits = self.fwd.run([f.row.req for f in forks], tokens, positions, fcache, want)
         advance = []
         for f, toks, lg in zip(forks, tokens, logits):
@@ -288,7 +308,7 @@ class Infill:
             if f.length and not f.complete:
                 f.kept, f.complete = f.length, True
             elif not f.complete:
-                self._verify_fork(f, forks, toks, lg[: len(toks) - 1])
+                self._verify_fork(f, forks, toks, lg)
             if f.complete and not f.dropped and f.row.checks_first and toks and f.length == f.row.s:
                 f.next_logits = lg[len(toks) - 1].clone()  # this pass fed the slot's last token; a copy, not a view
             advance.append(f.kept - before)
@@ -299,7 +319,7 @@ class Infill:
         entries of this pass that hold final tokens."""
         s = f.row.s
         # entry i scores slot token kept+i+1
-        scores = token_probs(lg, torch.tensor(toks[1:], device=lg.device)).tolist()
+        scores = token_probs(lg[: len(toks) - 1], torch.tensor(toks[1:], device=lg.device)).tolist()
         n, corrected = self._passing(f, lg, scores)
         f.accepted = n
         eos = next((i for i in range(n) if f.tokens[i] in f.row.req.eos_ids), None)
@@ -319,15 +339,16 @@ class Infill:
     def _passing(f: Fork, lg: torch.Tensor, scores: list[float]) -> tuple[int, int | None]:
         """The fork's accepted length after a verify pass, and the index of the token it
         corrected (None: none). Paper rule: the first not-yet-accepted token always passes,
-        then every token whose AR probability exceeds the threshold. With `ar_correction`
-        the first not-yet-accepted token is scored too, and the first token that fails is
-        replaced by the AR prediction of its own verify logits (entry n - kept - 1 scores
-        slot token n) and accepted."""
-        s, tau, corrects = f.row.s, f.row.tau, f.row.req.cfg.ar_correction
-        n = f.accepted if corrects else min(f.accepted + 1, s)
-        while n < s and scores[n - f.kept - 1] > tau:
+        then every drafted token whose AR probability exceeds the threshold. With
+        `ar_correction` the first not-yet-accepted token is scored too, and the first token
+        that fails, or the one after the drafts (an `infill_window` short of the slot's
+        end), is replaced by the AR prediction of this pass's logits (entry n - kept - 1
+        predicts slot token n) and accepted; not past an accepted EOS."""
+        tau, corrects = f.row.tau, f.row.req.cfg.ar_correction
+        n = f.accepted if corrects else min(f.accepted + 1, f.drafted)
+        while n < f.drafted and scores[n - f.kept - 1] > tau:
             n += 1
-        if not corrects or n == s:
+        if not corrects or n == f.row.s or f.row.ends(f.tokens[:n]) is not None:
             return n, None
         f.tokens[n] = int(f.row.req.sampler.pick(lg[n - f.kept - 1 : n - f.kept])[0])
         return n + 1, n
