@@ -29,12 +29,13 @@ def tiny():
 
 
 class Counting:
-    """Counts the tokens the options replaced: in infilling (`Infill._passing`) and in
-    the plan (`ReFusionRow._check_first_tokens`)."""
+    """Counts the tokens the options replaced: in infilling (`Infill._passing`), after
+    global verification (`ReFusionRow._correct_first_slot`) and in the plan
+    (`ReFusionRow._check_first_tokens`)."""
 
     def __init__(self, monkeypatch):
-        self.corrected = self.first_replaced = 0
-        passing, check = Infill._passing, ReFusionRow._check_first_tokens
+        self.corrected = self.first_replaced = self.first_slot = 0
+        passing, check, first_slot = Infill._passing, ReFusionRow._check_first_tokens, ReFusionRow._correct_first_slot
 
         def counted_passing(f, lg, scores):
             n, corrected = passing(f, lg, scores)
@@ -46,7 +47,12 @@ class Counting:
             check(row)
             self.first_replaced += int((row.plan.drafts[row.selected, 0] != before).sum())
 
+        def counted_first_slot(row, *args):
+            self.first_slot += 1
+            first_slot(row, *args)
+
         monkeypatch.setattr(Infill, "_passing", staticmethod(counted_passing))
+        monkeypatch.setattr(ReFusionRow, "_correct_first_slot", counted_first_slot)
         monkeypatch.setattr(ReFusionRow, "_check_first_tokens", counted_check)
 
 
@@ -63,7 +69,7 @@ def test_kv_reuse_equals_direct_computation_with_the_options(tiny, monkeypatch, 
         changed += out.token_ids != c["expected_ids"]
     assert CheckingEngine.checks > 20
     if options.get("ar_correction"):
-        assert counter.corrected > 10
+        assert counter.corrected > 10 and counter.first_slot > 5
     assert changed > 0  # the options did act, and changed outputs
     if options.get("first_token_check"):
         assert counter.first_replaced > 0

@@ -159,3 +159,37 @@ def test_committed_cache_holds_output_in_generation_order(tiny):
     assert by_pos[:P] == c["prompt_ids"]
     assert by_pos[P:][: len(c["expected_ids"])] == c["expected_ids"][: len(by_pos) - P]
     assert sorted(pos.tolist()) == list(range(len(pos)))  # every position once
+
+
+def test_no_verify_feed_runs_past_an_eos_it_could_commit(tiny, monkeypatch):
+    """A global verify pass stops its last slot at the first drafted EOS, an infilling pass
+    its drafts: no token after it can be committed from that pass. The golden cases, which
+    stop at EOS, then feed fewer tokens and still decode the authors' reference."""
+    from refusion.decode.refusion import Infill, ReFusionRow
+
+    feeds, cut = [], collections.Counter()
+    verify_feed, draft = ReFusionRow.verify_feed, Infill._draft
+
+    def recorded(row):
+        toks, pos, want = verify_feed(row)
+        feeds.append((toks, row.req.eos_ids, len(row.selected), row.s))
+        return toks, pos, want
+
+    def drafted(infill, forks, fcache):
+        draft(infill, forks, fcache)
+        for f in forks:
+            tail = f.tokens[f.accepted : f.drafted]
+            assert all(t not in f.row.req.eos_ids for t in tail[:-1])
+            cut["infill"] += f.drafted < f.row.s and bool(tail) and tail[-1] in f.row.req.eos_ids
+
+    monkeypatch.setattr(ReFusionRow, "verify_feed", recorded)
+    monkeypatch.setattr(Infill, "_draft", drafted)
+    for c in CASES:
+        assert generate(tiny, None, [c["prompt_ids"]], case_config(c))[0].token_ids == c["expected_ids"]
+    for toks, eos_ids, n_slots, s in feeds:
+        last_slot = toks[(n_slots - 1) * s :]
+        assert all(t not in eos_ids for t in last_slot[:-1])
+        cut["global"] += len(toks) < n_slots * s
+        if len(toks) < n_slots * s:
+            assert last_slot[-1] in eos_ids
+    assert cut["global"] > 0 and cut["infill"] > 0

@@ -11,12 +11,18 @@ against the authors' decoder):
 - `ar_correction`: in infilling, the first token that fails verification is replaced by the
   AR prediction its verify pass made for it (the paper re-drafts it from MASK and accepts
   that draft unchecked). Its KV entry, computed with the failed draft, is not kept: the
-  token is fed again, also when it completes the slot.
+  token is fed again, also when it completes the slot. The first slot of a global verify
+  pass that fails is corrected by that pass already (its logits saw what its fork sees).
 - `first_token_check`: the AR logits at the last token of each whole committed slot (and
   at the prompt's last token) are kept; a selected slot whose left neighbour they belong to
   has its plan draft for the first token checked against them, and replaced when it fails.
   In global verification, a slot's first token is scored like any other when the slot
   before it in the feed is its left neighbour.
+- `infill_window`: each infilling round drafts and verifies at most that many tokens past a
+  slot's accepted prefix (attention is causal, so the drafts it makes are the ones a whole
+  slot of MASKs would give); a round costs in proportion to what it feeds, and few rounds
+  accept many tokens. With ar_correction, the token after a window's drafts is the AR
+  prediction of its last one.
 With one slot per block and token_threshold >= 0.5, greedy decoding with both equals greedy
 AR decoding of the same weights (every accepted token is the AR argmax): ReFusion becomes a
 lossless drafter for its own AR head, and the plan's MDM drafts only decide the speed.
@@ -226,8 +232,20 @@ class ReFusionRow:
                 for i in range(k):
                     self.keep_lookahead(slots[i], logits[(i + 1) * s - 1].clone())
             return k * s
+        if self.req.cfg.ar_correction:
+            self._correct_first_slot(logits, chunks[0], per_slot)
         self.to_infill = (slots, chunks, per_slot)
         return 0
+
+    def _correct_first_slot(self, logits: torch.Tensor, chunk: list[int], per_slot: list[int]) -> None:
+        """ar_correction: the first slot of the feed failed at token p, and this pass's
+        logits at token p - 1 saw just what its infilling fork will see (the committed
+        cache and the slot's own passing prefix): its AR prediction replaces token p
+        and is accepted, as the fork's first verify pass would correct it. (A later slot's
+        logits saw the unverified drafts fed before it, so its fork corrects it.)"""
+        p = per_slot[0]
+        chunk[p] = int(self.req.sampler.pick(logits[p - 1 : p])[0])
+        per_slot[0] = p + 1
 
 
 def select_slots(plan: Plan, slot_threshold: float) -> list[int]:
