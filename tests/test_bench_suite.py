@@ -144,6 +144,8 @@ def test_the_checkpoints_own_settings_get_a_row_unless_a_row_has_them() -> None:
     assert suite.recommended_run(base, Recommended(decode=own.decode | {"method": "ar"}), runs) is None
     assert suite.recommended_run(base, Recommended(), runs) is None  # no decode_config.json: no row of defaults
     assert suite.recommended_run(base, Recommended(decode={"gen_length": 64}), runs) is None
+    windowed = suite.recommended_run(base, Recommended(decode=same.decode | {"infill_window": 8}), runs)
+    assert windowed.cfg.infill_window == 8 and windowed.label.endswith("+ AR correction, infill window 8)")
 
 
 # ---------------------------------------------------------------------------- options and errors

@@ -166,7 +166,8 @@ def table_runs(base: DecodeConfig, with_ar: bool) -> list[Run]:
 
 
 # what a checkpoint's own decode_config.json may set for the row of its recommended settings
-RECOMMENDED_FIELDS = ("slot_size", "serial_blocks", "slot_threshold", "token_threshold", "ar_correction", "first_token_check")
+RECOMMENDED_FIELDS = ("slot_size", "serial_blocks", "slot_threshold", "token_threshold", "ar_correction", "first_token_check",
+                      "infill_window")
 
 
 def recommended_run(base: DecodeConfig, recommended: Recommended, runs: Sequence[Run]) -> Run | None:
@@ -182,6 +183,7 @@ def recommended_run(base: DecodeConfig, recommended: Recommended, runs: Sequence
         return None
     shown = f"slot {cfg.slot_size}, {cfg.serial_blocks} blocks, {cfg.slot_threshold:g}/{cfg.token_threshold:g}"
     shown += " + AR correction" * cfg.ar_correction + " + first-token check" * cfg.first_token_check
+    shown += f", infill window {cfg.infill_window}" * (cfg.infill_window is not None)
     return Run("refusion_recommended", f"ReFusion, the checkpoint's settings ({shown})", "refusion", cfg)
 
 
