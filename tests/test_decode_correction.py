@@ -37,8 +37,8 @@ class Counting:
         self.corrected = self.first_replaced = self.first_slot = 0
         passing, check, first_slot = Infill._passing, ReFusionRow._check_first_tokens, ReFusionRow._correct_first_slot
 
-        def counted_passing(f, lg, scores):
-            n, corrected = passing(f, lg, scores)
+        def counted_passing(f, pred, off, scores):
+            n, corrected = passing(f, pred, off, scores)
             self.corrected += corrected is not None
             return n, corrected
 

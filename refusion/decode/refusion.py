@@ -62,6 +62,7 @@ class Fork:
     accepted: int  # >= 1
     base: int  # committed length of the owner's cache when forked
     drafted: int = 0  # tokens[accepted:drafted] are this round's drafts, to verify
+    head: torch.Tensor | None = None  # (V,) this round's draft-pass logits at tokens[accepted - 1]
     kept: int = 0  # slot entries already in this fork's cache (accepted tokens but the last)
     length: int = 0  # slot length to commit (s, or up to and including an EOS)
     complete: bool = False
@@ -299,15 +300,22 @@ class Infill:
             toks, pos = self._feed(f, [self.mask_id] * n_masks) if n_masks else ([], [])
             tokens.append(toks)
             positions.append(pos)
-            want.append((len(toks) - n_masks, len(toks)))
+            # the last accepted token's logits too: they score the first draft in the verify pass
+            want.append((len(toks) - n_masks - 1, len(toks)) if n_masks else (0, 0))
         logits = self.fwd.run([f.row.req for f in forks], tokens, positions, fcache, want)
+        advance = []
         for f, lg in zip(forks, logits):
-            f.drafted = f.accepted
+            f.drafted, f.head = f.accepted, None
+            advance.append(0)
             if lg.shape[0]:
+                # the accepted tokens this pass fed (causal: the MASKs after them do not
+                # touch their entries) stay cached, so the verify pass feeds only drafts
+                advance[-1], f.kept, f.head, lg = f.accepted - f.kept, f.accepted, lg[0].clone(), lg[1:]
                 drafts = f.row.req.sampler.pick(lg).tolist()
                 f.tokens[f.accepted : f.accepted + len(drafts)] = drafts
                 eos = f.row.ends(drafts)  # drafts after an EOS are never verified: none can be committed
                 f.drafted += len(drafts) if eos is None else eos + 1
+        fcache.advance(advance)
 
     def _verify(self, forks: list[Fork], fcache: KVCache) -> None:
         tokens, positions, want = [], [], []
@@ -336,9 +344,14 @@ class Infill:
         """Accept the fork's passing prefix, see whether its slot is complete, and keep the
         entries of this pass that hold final tokens."""
         s = f.row.s
-        # entry i scores slot token kept+i+1
-        scores = token_probs(lg[: len(toks) - 1], torch.tensor(toks[1:], device=lg.device)).tolist()
-        n, corrected = self._passing(f, lg, scores)
+        # pred[i] predicts slot token off + i: this pass's logits at the fed tokens (from
+        # slot token kept), after the draft pass's at the token before them when it drafted
+        if f.head is not None:
+            pred, off, targets = torch.cat([f.head[None], lg]), f.kept, toks
+        else:
+            pred, off, targets = lg, f.kept + 1, toks[1:]
+        scores = token_probs(pred[: len(targets)], torch.tensor(targets, dtype=torch.long, device=lg.device)).tolist()
+        n, corrected = self._passing(f, pred, off, scores)
         f.accepted = n
         eos = next((i for i in range(n) if f.tokens[i] in f.row.req.eos_ids), None)
         if eos is not None:
@@ -354,21 +367,21 @@ class Infill:
             f.kept = n - 1  # the last accepted token is fed again
 
     @staticmethod
-    def _passing(f: Fork, lg: torch.Tensor, scores: list[float]) -> tuple[int, int | None]:
+    def _passing(f: Fork, pred: torch.Tensor, off: int, scores: list[float]) -> tuple[int, int | None]:
         """The fork's accepted length after a verify pass, and the index of the token it
         corrected (None: none). Paper rule: the first not-yet-accepted token always passes,
         then every drafted token whose AR probability exceeds the threshold. With
         `ar_correction` the first not-yet-accepted token is scored too, and the first token
         that fails, or the one after the drafts (an `infill_window` short of the slot's
-        end), is replaced by the AR prediction of this pass's logits (entry n - kept - 1
-        predicts slot token n) and accepted; not past an accepted EOS."""
+        end), is replaced by the AR prediction of this round's logits (pred[n - off] and
+        scores[n - off] are slot token n's) and accepted; not past an accepted EOS."""
         tau, corrects = f.row.tau, f.row.req.cfg.ar_correction
         n = f.accepted if corrects else min(f.accepted + 1, f.drafted)
-        while n < f.drafted and scores[n - f.kept - 1] > tau:
+        while n < f.drafted and scores[n - off] > tau:
             n += 1
         if not corrects or n == f.row.s or f.row.ends(f.tokens[:n]) is not None:
             return n, None
-        f.tokens[n] = int(f.row.req.sampler.pick(lg[n - f.kept - 1 : n - f.kept])[0])
+        f.tokens[n] = int(f.row.req.sampler.pick(pred[n - off : n - off + 1])[0])
         return n + 1, n
 
     @staticmethod
