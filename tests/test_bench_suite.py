@@ -80,7 +80,8 @@ def test_table_has_every_row_on_the_same_items(small_run) -> None:
     assert labels == ["AR baseline (AR decoding)", "ReFusion", "ReFusion L2R (one slot per block)", "MDM",
                       "AR decoding of ReFusion weights", "ReFusion + AR correction",
                       "ReFusion + AR correction + first-token check",
-                      "ReFusion, the checkpoint's settings (slot 32, 4 blocks, 0.7/0.3 + AR correction + first-token check)"]
+                      "ReFusion, the checkpoint's settings (slot 32, 4 blocks, 0.7/0.5 + AR correction + first-token check, "
+                      "infill window 12)"]
     assert [r["method"] for r in result["table"]] == ["ar", "refusion", "refusion", "mdm", "ar"] + ["refusion"] * 3
     options = [(r["config"]["ar_correction"], r["config"]["first_token_check"]) for r in result["table"]]
     assert options == [(False, False)] * 5 + [(True, False), (True, True), (True, True)]  # the paper's rule, then each option

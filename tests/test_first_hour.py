@@ -69,11 +69,11 @@ def test_every_driver_starts_from_the_checkpoint_s_settings(model_dir, capsys):
 def test_the_bundled_model_ships_its_settings(capsys):
     model, _ = refusion.load()
     cfg = recommended_of(model).decode_config()
-    assert (cfg.slot_size, cfg.serial_blocks, cfg.slot_threshold, cfg.token_threshold, cfg.gen_length) == (32, 4, 0.7, 0.3, 128)
-    assert cfg.ar_correction and cfg.first_token_check
+    assert (cfg.slot_size, cfg.serial_blocks, cfg.slot_threshold, cfg.token_threshold, cfg.gen_length) == (32, 4, 0.7, 0.5, 128)
+    assert cfg.ar_correction and cfg.first_token_check and cfg.infill_window == 12
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    assert "slot_threshold=0.7" in out and "ar_correction=True" in out and "single turns only" in out
+    assert "slot_threshold=0.7" in out and "ar_correction=True" in out and "infill_window=12" in out and "single turns only" in out
 
 
 # ------------------------------------------------------------------ presets fit the model
