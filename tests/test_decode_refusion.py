@@ -163,12 +163,14 @@ def test_committed_cache_holds_output_in_generation_order(tiny):
 
 def test_no_verify_feed_runs_past_an_eos_it_could_commit(tiny, monkeypatch):
     """A global verify pass stops its last slot at the first drafted EOS, an infilling pass
-    its drafts: no token after it can be committed from that pass. The golden cases, which
-    stop at EOS, then feed fewer tokens and still decode the authors' reference."""
+    its drafts: no token after it can be committed from that pass. An infilling verify pass
+    after a draft pass feeds only the drafts (the draft pass cached the accepted tokens).
+    The golden cases, which stop at EOS, then feed fewer tokens and still decode the
+    authors' reference."""
     from refusion.decode.refusion import Infill, ReFusionRow
 
     feeds, cut = [], collections.Counter()
-    verify_feed, draft = ReFusionRow.verify_feed, Infill._draft
+    verify_feed, draft, verify = ReFusionRow.verify_feed, Infill._draft, Infill._verify
 
     def recorded(row):
         toks, pos, want = verify_feed(row)
@@ -182,7 +184,15 @@ def test_no_verify_feed_runs_past_an_eos_it_could_commit(tiny, monkeypatch):
             assert all(t not in f.row.req.eos_ids for t in tail[:-1])
             cut["infill"] += f.drafted < f.row.s and bool(tail) and tail[-1] in f.row.req.eos_ids
 
+    def verified(infill, forks, fcache):
+        for f in forks:
+            if f.head is not None and not f.complete:
+                assert f.kept == f.accepted  # nothing but tokens[accepted:drafted] is fed
+                cut["drafts only"] += 1
+        verify(infill, forks, fcache)
+
     monkeypatch.setattr(ReFusionRow, "verify_feed", recorded)
+    monkeypatch.setattr(Infill, "_verify", verified)
     monkeypatch.setattr(Infill, "_draft", drafted)
     for c in CASES:
         assert generate(tiny, None, [c["prompt_ids"]], case_config(c))[0].token_ids == c["expected_ids"]
@@ -192,4 +202,4 @@ def test_no_verify_feed_runs_past_an_eos_it_could_commit(tiny, monkeypatch):
         cut["global"] += len(toks) < n_slots * s
         if len(toks) < n_slots * s:
             assert last_slot[-1] in eos_ids
-    assert cut["global"] > 0 and cut["infill"] > 0
+    assert cut["global"] > 0 and cut["infill"] > 0 and cut["drafts only"] > 0

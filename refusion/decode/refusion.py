@@ -205,7 +205,7 @@ class ReFusionRow:
         """Global verification: commit the longest passing prefix if it ends in EOS or
         covers whole slots (fast path), else leave the slots to infill; returns the
         entries kept."""
-        s, sel, eos_ids = self.s, self.selected, self.req.eos_ids
+        s, sel = self.s, self.selected
         flat = torch.tensor(toks, device=logits.device)
         passing = torch.zeros(len(sel) * s, dtype=torch.bool, device=logits.device)  # the unfed tail fails
         passing[0] = True
@@ -220,7 +220,7 @@ class ReFusionRow:
         prefix = int(passing.int().cumprod(0).sum())
         chunks = self.plan.drafts[sel].tolist()  # whole slots, also past an EOS the feed stopped at
         self.to_infill = None
-        eos = next((i for i in range(prefix) if toks[i] in eos_ids), None)
+        eos = self.ends(toks[:prefix])
         if eos is not None:
             k = eos // s + 1
             self.commit("fast", slots[:k], chunks[: k - 1] + [chunks[k - 1][: eos + 1 - (k - 1) * s]])
@@ -353,7 +353,7 @@ class Infill:
         scores = token_probs(pred[: len(targets)], torch.tensor(targets, dtype=torch.long, device=lg.device)).tolist()
         n, corrected = self._passing(f, pred, off, scores)
         f.accepted = n
-        eos = next((i for i in range(n) if f.tokens[i] in f.row.req.eos_ids), None)
+        eos = f.row.ends(f.tokens[:n])
         if eos is not None:
             f.length = eos + 1
             self._drop_later_forks(f, forks)
