@@ -13,7 +13,7 @@ from .lazy import lazy_attributes
 __version__ = "0.1.0"
 
 _WHERE = {
-    "load": "checkpoint", "ModelConfig": "config", "Transformer": "model", "ReFusionError": "errors",
+    "load": "io", "ModelConfig": "model", "Transformer": "model", "ReFusionError": "errors",
     "DecodeConfig": "decode", "EngineConfig": "decode", "Engine": "decode", "RequestOutput": "decode",
     "generate": "decode", "stream": "decode",
 }
@@ -23,10 +23,16 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .checkpoint import load
-    from .config import ModelConfig
-    from .decode import DecodeConfig, Engine, EngineConfig, RequestOutput, generate, stream
+    from .decode import (
+        DecodeConfig,
+        Engine,
+        EngineConfig,
+        RequestOutput,
+        generate,
+        stream,
+    )
     from .errors import ReFusionError
-    from .model import Transformer
+    from .io import load
+    from .model import ModelConfig, Transformer
 
 __getattr__, __dir__ = lazy_attributes(__name__, _WHERE, __all__)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from refusion.config import ModelConfig
-from refusion.model import Transformer
+from refusion.model.config import ModelConfig
+from refusion.model.transformer import Transformer
 
 GOLDEN = Path(__file__).parent / "golden"
 CASES = [json.loads(line) for line in (GOLDEN / "refusion_cases.jsonl").read_text().splitlines()]

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from refusion.checkpoint import BUNDLED_DIR
-from refusion.cli import main
+from refusion.cli.main import main
+from refusion.io.checkpoint import BUNDLED_DIR
 
 pytest.importorskip("matplotlib")
 

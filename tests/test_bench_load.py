@@ -8,9 +8,9 @@ import json
 import torch
 
 from refusion.bench.load import SHAPES, write_random_checkpoint
-from refusion.checkpoint import load
-from refusion.cli import main
-from refusion.config import ModelConfig
+from refusion.cli.main import main
+from refusion.io.checkpoint import load
+from refusion.model.config import ModelConfig
 
 
 def test_random_checkpoint_is_sharded_bf16_and_loads(tmp_path):

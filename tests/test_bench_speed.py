@@ -11,7 +11,7 @@ import torch
 
 from refusion import ModelConfig, Transformer
 from refusion.bench.speed import floor_ms, forward_cost, random_model
-from refusion.cli import main
+from refusion.cli.main import main
 
 TINY_RUN = [
     "--repeats", "1", "--decode-rounds", "1", "--sizes", "1,4", "--new-tokens", "8", "--prompts", "1",

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import refusion
-from refusion.checkpoint import BUNDLED_DIR, BUNDLED_ROOT, bundled_names
+from refusion.cli.main import main
 from refusion.errors import CheckpointError
-from refusion.cli import main
+from refusion.io.checkpoint import BUNDLED_DIR, BUNDLED_ROOT, bundled_names
 from refusion.tasks import check, load_test_items
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from refusion import Transformer
-from refusion.cache import KVCache
 from refusion.errors import ContextLengthError
+from refusion.model.kv_cache import KVCache
 
 MASK = 63  # any id: the model does not know it is special
 
@@ -110,7 +110,7 @@ def test_packed_ragged_rows_equal_padded_rows(tiny_model):
 
 
 def test_split_rows_plans_a_join_as_two_runs_and_keeps_one_run_otherwise():
-    from refusion.cache import WriteSlots
+    from refusion.model.kv_cache import WriteSlots
 
     join = WriteSlots([6, 3, 5, 4, 0], 8, torch.device("cpu"))
     join.split_rows([1, 1, 1, 1, 8])  # four rows decode one token, a new row prefills 8

@@ -12,11 +12,11 @@ from collections.abc import Callable, Iterable
 import pytest
 
 import refusion
-from refusion.cli import main
-from refusion.commands.chat import SINGLE_TURN_NOTE, chat_loop, keeps_history
+from refusion.cli.commands.chat import SINGLE_TURN_NOTE, chat_loop, keeps_history
+from refusion.cli.main import main
 from refusion.decode import Engine
-from refusion.prompts import chat_ids
-from refusion.recommended import recommended_of
+from refusion.decode.recommended import recommended_of
+from refusion.model.prompts import chat_ids
 
 CONTEXT = 512  # the bundled model's
 SORT = "Sort these numbers from smallest to largest: 55, 25, 75, 93"

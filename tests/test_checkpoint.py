@@ -13,9 +13,15 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import refusion
-from refusion import checkpoint
-from refusion.checkpoint import MASK_TOKEN, add_mask_token, convert, load, save_pretrained
 from refusion.errors import CheckpointError, ConfigError, UnsupportedArchitectureError
+from refusion.io import checkpoint
+from refusion.io.checkpoint import (
+    MASK_TOKEN,
+    add_mask_token,
+    convert,
+    load,
+    save_pretrained,
+)
 
 FAMILIES = ["llama", "llama3", "qwen2", "qwen3"]
 

@@ -18,11 +18,11 @@ import pytest
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from refusion import checkpoint
-from refusion.checkpoint import convert, describe, load, save_pretrained
-from refusion.cli import EXIT_BROKEN_PIPE, main
-from refusion.config import ModelConfig
+from refusion.cli.main import EXIT_BROKEN_PIPE, main
 from refusion.errors import CheckpointError, UnsupportedArchitectureError
+from refusion.io import checkpoint
+from refusion.io.checkpoint import convert, describe, load, save_pretrained
+from refusion.model.config import ModelConfig
 
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
@@ -253,11 +253,11 @@ def test_staging_names_carry_the_writer(tiny_model, tmp_path, monkeypatch):
 
 def test_a_dead_writers_staging_is_removed_on_the_next_save(tiny_model, tmp_path, caplog):
     stale = fake_staging(tmp_path, "out", dead_pid(), size=300_000)
-    with caplog.at_level(logging.WARNING, logger="refusion.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="refusion.io.checkpoint"):
         save_pretrained(tiny_model, None, tmp_path / "out")
     assert not stale.exists()
     assert (tmp_path / "out" / "model.safetensors").is_file()
-    (record,) = [r for r in caplog.records if r.name == "refusion.checkpoint"]
+    (record,) = [r for r in caplog.records if r.name == "refusion.io.checkpoint"]
     message = record.getMessage()
     assert "\n" not in message
     assert "removed 1 staging folder of" in message and str(tmp_path / "out") in message and "0.6 MB" in message
@@ -278,7 +278,7 @@ def test_live_foreign_and_other_targets_staging_stay(tiny_model, tmp_path, caplo
         gone = fake_staging(tmp_path, "out", dead)
         (tmp_path / ".out.partial-abc12345").mkdir()  # no writer in the name: cannot be judged
         keep.append(tmp_path / ".out.partial-abc12345")
-        with caplog.at_level(logging.WARNING, logger="refusion.checkpoint"):
+        with caplog.at_level(logging.WARNING, logger="refusion.io.checkpoint"):
             save_pretrained(tiny_model, None, tmp_path / "out")
         assert all(p.is_dir() for p in keep) and not gone.exists()
         assert len([r for r in caplog.records if "removed 1 staging folder" in r.getMessage()]) == 1
@@ -294,9 +294,9 @@ def test_convert_removes_a_dead_writers_staging(make_hf_dir, tmp_path):
 
 
 def test_nothing_to_remove_logs_nothing(tiny_model, tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="refusion.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="refusion.io.checkpoint"):
         save_pretrained(tiny_model, None, tmp_path / "out")
-    assert not [r for r in caplog.records if r.name == "refusion.checkpoint"]
+    assert not [r for r in caplog.records if r.name == "refusion.io.checkpoint"]
 
 
 # ---------------------------------------------------------------------------- a closed stdout
@@ -321,7 +321,7 @@ def test_a_closed_stdout_ends_quietly(closed_pipe, capsys, monkeypatch, argv):
 
 def test_a_broken_pipe_elsewhere_is_not_hidden(monkeypatch, capsys):
     """A BrokenPipeError from something other than stdout (a child's stdin) is a bug to show."""
-    import refusion.commands.info as info
+    import refusion.cli.commands.info as info
 
     def broken(_args):
         raise BrokenPipeError("a child's stdin")

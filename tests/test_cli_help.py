@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from refusion.cli import VERBS
+from refusion.cli.main import VERBS
 
 PROBE = """
 import contextlib, io, sys

@@ -7,7 +7,7 @@ import json
 import pytest
 from transformers import AutoModelForCausalLM
 
-from refusion.cli import main
+from refusion.cli.main import main
 
 
 @pytest.fixture

@@ -13,9 +13,9 @@ from conftest import randomise_
 from golden_data import CASES, load_tiny
 
 from refusion import ModelConfig, Transformer
+from refusion.cli.flags import add_decode_arguments, engine_config_from_args
 from refusion.decode import DecodeConfig, EngineConfig, generate
 from refusion.decode.forward import CompiledStep
-from refusion.flags import add_decode_arguments, engine_config_from_args
 
 
 def _model(kind: str) -> Transformer:

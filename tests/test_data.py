@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from refusion.data import (
+from refusion.train.dataset import (
     DataError,
+    DataStats,
     IndexStream,
     collate,
     iter_records,
     load_dataset,
     split_eval,
-    DataStats,
 )
 
 RECORDS = [

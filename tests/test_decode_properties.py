@@ -7,10 +7,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from refusion.config import ModelConfig
 from refusion.decode import DecodeConfig, generate
 from refusion.errors import ConfigError, ContextLengthError, MissingMaskTokenError
-from refusion.model import Transformer
+from refusion.model.config import ModelConfig
+from refusion.model.transformer import Transformer
 
 GOLDEN = Path(__file__).parent / "golden"
 # tokens the sharpened tiny model emits often: as EOS they make early stops frequent

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import refusion
-from refusion.cli import main
+from refusion.cli.main import main
 from refusion.evaluate import (
     DatasetUnavailableError,
     PredictionsError,

@@ -13,7 +13,14 @@ import time
 import pytest
 
 from refusion.evaluate import get_benchmark, sandbox
-from refusion.evaluate.sandbox import Check, Isolation, Limits, isolation, run_check, run_checks
+from refusion.evaluate.sandbox import (
+    Check,
+    Isolation,
+    Limits,
+    isolation,
+    run_check,
+    run_checks,
+)
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="the sandbox needs POSIX")
 

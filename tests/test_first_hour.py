@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import refusion
-from refusion.checkpoint import describe, save_pretrained
-from refusion.cli import main
+from refusion.cli.main import main
 from refusion.decode import DecodeConfig, Engine
+from refusion.decode.recommended import FILE, Recommended, recommended_of
 from refusion.errors import CheckpointError, ConfigError, ContextLengthError
 from refusion.evaluate import evaluate, get_benchmark
-from refusion.recommended import FILE, Recommended, recommended_of
+from refusion.io.checkpoint import describe, save_pretrained
 
 
 # ------------------------------------------------------------------ decode_config.json

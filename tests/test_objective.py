@@ -13,10 +13,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from refusion.config import ModelConfig
 from refusion.errors import ConfigError
-from refusion.model import Transformer
-from refusion.objective import (
+from refusion.model.config import ModelConfig
+from refusion.model.transformer import Transformer
+from refusion.train import LossModel
+from refusion.train.objective import (
     IGNORE,
     ObjectiveConfig,
     SlotDraws,
@@ -27,7 +28,6 @@ from refusion.objective import (
     refusion_batch,
     weighted_loss,
 )
-from refusion.train import LossModel
 
 MASK = 999
 PAD = 7

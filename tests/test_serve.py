@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai")
 from transformers import AutoTokenizer  # noqa: E402
 
 import refusion  # noqa: E402
-from refusion.cli import main as cli_main  # noqa: E402
+from refusion.cli.main import main as cli_main  # noqa: E402
 from refusion.decode import DecodeConfig, Engine, EngineConfig, generate  # noqa: E402
 from refusion.serve import create_app  # noqa: E402
 from refusion.serve.server import make_server  # noqa: E402
@@ -485,7 +485,8 @@ def test_loadtest_script_reports(server, capsys):
 
 
 def test_loadtest_compare_interleaves_rounds_and_reports_the_median(server, capsys):
-    from refusion.serve.loadtest import PROMPTS, main as loadtest
+    from refusion.serve.loadtest import PROMPTS
+    from refusion.serve.loadtest import main as loadtest
 
     code = loadtest(["--url", server.url, "--compare", "1,2", "--rounds", "2", "--seconds", "0.4", "--max-tokens", "4", "--json"])
     report = json.loads(capsys.readouterr().out)
@@ -498,7 +499,8 @@ def test_loadtest_compare_interleaves_rounds_and_reports_the_median(server, caps
 
 def test_loadtest_compares_same_and_mixed_settings(server, capsys, monkeypatch):
     import refusion.serve.loadtest as lt
-    from refusion.serve.loadtest import MIXED, main as loadtest
+    from refusion.serve.loadtest import MIXED
+    from refusion.serve.loadtest import main as loadtest
 
     bodies: list[dict] = []
     send = lt.one_request

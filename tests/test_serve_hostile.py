@@ -20,15 +20,15 @@ import pytest
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
+import test_serve  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from test_serve import MODEL, GatedEngine, LiveServer, live, wait_for  # noqa: E402
 
 from refusion.decode import DecodeConfig, EngineConfig  # noqa: E402
 from refusion.serve import create_app  # noqa: E402
 from refusion.serve.app import _for_template  # noqa: E402
 from refusion.serve.protocol import APIError, fit_length, parse_request  # noqa: E402
-import test_serve  # noqa: E402
-from test_serve import MODEL, GatedEngine, LiveServer, live, wait_for  # noqa: E402
 
 # test_serve's fixtures, shared here (one converted tiny model; one live server per module, in this
 # process and as a front over two replicas)

@@ -11,11 +11,24 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refusion.decode import DecodeConfig, DecodeStats, EngineConfig, RequestOutput, StopText
+from refusion.decode import (
+    DecodeConfig,
+    DecodeStats,
+    EngineConfig,
+    RequestOutput,
+    StopText,
+)
 from refusion.errors import ConfigError
 from refusion.serve.loop import EngineLoop, Job, QueueFull, ShuttingDown
 from refusion.serve.metrics import Metrics
-from refusion.serve.protocol import DECODE_FIELDS, APIError, CompletionRequest, fit_length, parse_request, request_config
+from refusion.serve.protocol import (
+    DECODE_FIELDS,
+    APIError,
+    CompletionRequest,
+    fit_length,
+    parse_request,
+    request_config,
+)
 
 
 # ---------------------------------------------------------------------------- stop strings

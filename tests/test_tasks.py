@@ -19,12 +19,13 @@ from refusion.tasks import (
     Item,
     check,
     is_test_prompt,
+    lists,
     load_test_items,
     make_split,
     read_jsonl,
+    strings,
     write_jsonl,
 )
-from refusion.tasks import lists, strings
 from refusion.tasks.sandbox import UnsafeCode, run_tests, validate
 
 # Changes whenever the held-out set changes. If you changed a template on

@@ -119,7 +119,7 @@ def test_chat_text_without_a_template_continues_or_opens_a_turn():
     line (as training formats it); with add_generation_prompt=False the last one stays open."""
     from types import SimpleNamespace
 
-    from refusion.prompts import chat_text
+    from refusion.model.prompts import chat_text
 
     tok = SimpleNamespace(chat_template=None)
     messages = [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "The answer is"}]

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_objective import naive_example
 
 from refusion import cli
-from refusion.checkpoint import load
-from refusion.data import DataError, load_dataset
 from refusion.errors import ConfigError, MissingMaskTokenError
-from refusion.objective import IGNORE, ObjectiveConfig, draw_slots
+from refusion.io.checkpoint import load
 from refusion.train import TrainConfig, init_weights, list_checkpoints, train
-from test_objective import naive_example
+from refusion.train.dataset import DataError, load_dataset
+from refusion.train.objective import IGNORE, ObjectiveConfig, draw_slots
 
 REPO = Path(__file__).resolve().parents[1]
 

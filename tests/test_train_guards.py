@@ -13,15 +13,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import test_train
 import torch
 from safetensors.torch import load_file
+from test_train import REPO, scratch_cfg
 
 from refusion import cli
-from refusion.checkpoint import load, load_metadata
 from refusion.errors import ConfigError
+from refusion.io.checkpoint import load, load_metadata
 from refusion.train import TrainConfig, lr_factor, train
-import test_train
-from test_train import REPO, scratch_cfg
 
 # test_train's fixtures: one thread and a fresh accelerate per test, the tiny model and copy data
 _one_thread_and_fresh_accelerate = test_train._one_thread_and_fresh_accelerate
@@ -191,7 +191,7 @@ def test_cli_errors_name_flags_where_the_api_names_arguments(workdir, tokenizer_
 
 def test_a_fine_tune_keeps_the_base_model_s_decode_settings(model_dir, workdir, tmp_path):
     """decode_config.json travels from the base to every checkpoint and the final model."""
-    from refusion.recommended import FILE, Recommended
+    from refusion.decode.recommended import FILE, Recommended
 
     rec = Recommended(decode={"slot_size": 4, "gen_length": 16}, about="a tuned tiny model")
     rec.write(model_dir)

@@ -23,8 +23,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ..cli.flags import add_decode_arguments, decode_config_from_args
 from ..errors import CheckpointError, ConfigError
-from ..flags import add_decode_arguments, decode_config_from_args
 from .suite import SUITE_DEFAULTS, decode_one, pyplot, select_items, summarise
 
 
@@ -88,7 +88,7 @@ def base_model(run: Path, given: str | None) -> str | None:
     """What step 0 is: --base, else the --model the run was started from (none given: the
     bundled model; a run from --init-config has no step 0). None, with a note, when it
     cannot be found from here."""
-    from ..checkpoint import load_metadata
+    from ..io.checkpoint import load_metadata
 
     if given:
         return given
@@ -117,8 +117,8 @@ def _fingerprint(path: Path | str) -> int | None:
 
 
 def decode_all(path: str | Path, items, cfg, device: str, dtype: str | None, desc: str) -> dict[str, Any]:
-    from ..checkpoint import load
     from ..decode import EngineConfig
+    from ..io.checkpoint import load
 
     model, tokenizer = load(path, device=device, dtype=dtype)
     engine = EngineConfig(max_batch_size=1)

@@ -21,10 +21,16 @@ from typing import Any
 
 import torch
 
-from ..flags import add_decode_arguments, add_model_arguments, decode_config_from_args, engine_config_from_args, load_from_args
+from ..cli.flags import (
+    add_decode_arguments,
+    add_model_arguments,
+    decode_config_from_args,
+    engine_config_from_args,
+    load_from_args,
+)
 from ..decode import DecodeConfig, EngineConfig, generate
-from ..timing import sync, time_ms
 from ..errors import ConfigError
+from ..timing import sync, time_ms
 
 DEFAULT_PROMPTS = [
     "Write a short story about a robot who learns to paint.",

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace):
-    from ..config import ModelConfig
+    from ..model.config import ModelConfig
 
     shape = dict(SHAPES[args.shape])
     if args.layers:
@@ -86,11 +86,12 @@ def write_random_checkpoint(directory: Path, config, max_shard_bytes: int | None
     import torch
     from safetensors.torch import save_file
 
-    from ..checkpoint import MAX_SHARD_BYTES, _empty_model, _expected_shapes, shard_plan, write_index
+    from ..io.checkpoint import MAX_SHARD_BYTES, shard_plan, write_index
+    from ..model.transformer import Transformer, stored_shapes
 
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
-    shapes = _expected_shapes(_empty_model(config))
+    shapes = stored_shapes(Transformer.meta(config))
     sizes = {name: 2 * int(torch.Size(shape).numel()) for name, shape in shapes.items()}
     shards = shard_plan(sizes, max_shard_bytes or MAX_SHARD_BYTES)
     gen = torch.Generator().manual_seed(0)
@@ -117,7 +118,7 @@ def measure(directory: Path, tensor_parallel_size: int, tokens: int) -> dict:
 
 def _rss_bytes(field: str) -> int:
     """VmRSS (now) or VmHWM (the peak) of this process in bytes."""
-    from ..sizing import process_memory_kib
+    from ..model.sizing import process_memory_kib
 
     kib = process_memory_kib()
     return kib[field] * 1024 if kib else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -127,18 +128,19 @@ def _probe_rank(directory: str, tensor_parallel_size: int, tokens: int) -> dict:
     """In one process: baseline peak RSS, load, peak RSS, a short greedy decode."""
     import torch
 
-    import refusion
-    from refusion.decode.config import DecodeConfig
+    from ..decode.api import generate
+    from ..decode.config import DecodeConfig
+    from ..io import load
 
     torch.ones(8, 8, dtype=torch.bfloat16) @ torch.ones(8, 8, dtype=torch.bfloat16)  # the libraries' own memory
     baseline = _rss_bytes("VmRSS")
     t0 = time.perf_counter()
-    model, _ = refusion.load(directory, dtype="bfloat16", tensor_parallel_size=tensor_parallel_size)
+    model, _ = load(directory, dtype="bfloat16", tensor_parallel_size=tensor_parallel_size)
     load_s = time.perf_counter() - t0
     loaded = _rss_bytes("VmHWM")
     held = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     t0 = time.perf_counter()
-    (out,) = refusion.generate(model, None, [[11, 12, 13, 14, 15, 16, 17, 18]], DecodeConfig(method="ar", gen_length=tokens))
+    (out,) = generate(model, None, [[11, 12, 13, 14, 15, 16, 17, 18]], DecodeConfig(method="ar", gen_length=tokens))
     decode_s = time.perf_counter() - t0
     return {"baseline_rss": baseline, "peak_rss": loaded, "load_peak_above_baseline": loaded - baseline,
             "held_bytes": held, "load_s": load_s, "decode_s": decode_s, "tokens": len(out.token_ids),

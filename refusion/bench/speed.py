@@ -30,12 +30,17 @@ from typing import Any
 
 import torch
 
-from ..flags import add_decode_arguments, add_model_arguments, decode_config_from_args, engine_config_from_args
-from ..config import ModelConfig
+from ..cli.flags import (
+    add_decode_arguments,
+    add_model_arguments,
+    decode_config_from_args,
+    engine_config_from_args,
+)
 from ..decode import DecodeConfig, EngineConfig, generate
 from ..decode.forward import compiled_step
-from ..model import Transformer
-from ..prompts import encode_prompt, mask_id_of
+from ..model.config import ModelConfig
+from ..model.prompts import encode_prompt, mask_id_of
+from ..model.transformer import Transformer
 from ..timing import calibrate, median, time_ms
 from .decode import bench_prompts, timed
 
@@ -99,10 +104,10 @@ def load_model(spec: str | None, device: str, dtype: str | None) -> tuple[Transf
     """(model, tokenizer) for a checkpoint path / hub id / None (bundled), or `random:NAME`
     (tokenizer None: prompts then come from the bundled tokenizer's ids)."""
     if spec and spec.startswith("random:"):
-        from ..checkpoint import parse_dtype
+        from ..io.checkpoint import parse_dtype
 
         return random_model(spec.split(":", 1)[1], device, parse_dtype(dtype, torch.device(device))), None
-    from ..checkpoint import load
+    from ..io.checkpoint import load
 
     return load(spec, device=device, dtype=dtype)
 
@@ -131,7 +136,7 @@ def suite_prompt_ids(tokenizer: Any, n: int) -> list[list[int]]:
     """Chat-templated ids of n suite prompts; a model without a tokenizer borrows the
     bundled one (its ids are small, so they are valid in any larger vocabulary)."""
     if tokenizer is None:
-        from ..checkpoint import load_metadata
+        from ..io.checkpoint import load_metadata
 
         tokenizer = load_metadata(None)[1]
     return [encode_prompt(tokenizer, p) for p in bench_prompts(n)]

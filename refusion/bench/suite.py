@@ -28,12 +28,18 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..flags import (add_data_parallel_argument, add_decode_arguments, add_model_arguments, decode_config_from_args,
-                     engine_config_from_args, load_from_args)
+from ..cli.flags import (
+    add_data_parallel_argument,
+    add_decode_arguments,
+    add_model_arguments,
+    decode_config_from_args,
+    engine_config_from_args,
+    load_from_args,
+)
 from ..decode import DecodeConfig, EngineConfig, generate
-from ..recommended import Recommended, recommended_of
-from ..timing import sync
+from ..decode.recommended import Recommended, recommended_of
 from ..errors import CheckpointError, ConfigError, MissingExtraError
+from ..timing import sync
 from .aup import aup
 
 DEFAULT_AR_MODEL = "bundled:ar-tiny"  # the bundled model's AR baseline, shipped beside it
@@ -110,7 +116,7 @@ def select_items(limit: int | None, families: str | None) -> list:
 def resolve_ar_model(given: str | None) -> tuple[str | None, str | None]:
     """(what to load for the AR baseline, or None with a note saying why it is skipped).
     A path the user names must exist: a typo should not silently drop the baseline row."""
-    from ..checkpoint import BUNDLED_PREFIX, bundled_names
+    from ..io.checkpoint import BUNDLED_PREFIX, bundled_names
 
     if given is None:
         if DEFAULT_AR_MODEL[len(BUNDLED_PREFIX):] in bundled_names():
@@ -419,7 +425,7 @@ def run(args: argparse.Namespace) -> int:
 
     models = {"refusion": load_from_args(args)}
     if ar_path is not None:
-        from ..checkpoint import load
+        from ..io.checkpoint import load
 
         models["ar"] = load(ar_path, device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size or 1)
     main = is_main()

@@ -17,9 +17,9 @@ import time
 import torch
 
 from ..errors import ConfigError
-from ..model import Transformer
-from ..objective import ObjectiveConfig, weighted_loss
+from ..model.transformer import Transformer
 from ..train import LossModel, init_weights, step_generator, step_inputs
+from ..train.objective import ObjectiveConfig, weighted_loss
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,7 +93,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _model(args: argparse.Namespace, device: torch.device) -> Transformer:
     if args.init_config is not None:
-        from ..config import ModelConfig
+        from ..model.config import ModelConfig
 
         config = ModelConfig.from_json(args.init_config)
         if config.mask_token_id is None:
@@ -101,7 +101,7 @@ def _model(args: argparse.Namespace, device: torch.device) -> Transformer:
         torch.manual_seed(args.seed)
         model = init_weights(Transformer(config))
     else:
-        from ..checkpoint import load
+        from ..io.checkpoint import load
 
         model, _ = load(args.model, device="cpu", dtype="float32")
     model.gradient_checkpointing = args.gradient_checkpointing

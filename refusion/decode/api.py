@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from ..errors import ConfigError
-from ..model import Transformer
-from ..prompts import Prompt, encode_prompt
+from ..model.prompts import Prompt, encode_prompt
+from ..model.transformer import Transformer
 from .config import DecodeConfig, EngineConfig
 from .engine import Engine
 from .request import RequestOutput

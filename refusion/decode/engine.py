@@ -27,14 +27,14 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import ConfigError, ContextLengthError, MissingMaskTokenError
-from ..model import Transformer
-from ..prompts import Prompt, encode_prompt, eos_ids_of, mask_id_of
-from ..recommended import recommended_of
-from ..sizing import kv_bytes_per_entry
+from ..model.prompts import Prompt, encode_prompt, eos_ids_of, mask_id_of
+from ..model.sizing import kv_bytes_per_entry
+from ..model.transformer import Transformer
 from .ar import ARRow, Feed
 from .config import DecodeConfig, EngineConfig
 from .forward import Forward, compiled_step, make_room
 from .mdm import MDMRow
+from .recommended import recommended_of
 from .refusion import Infill, ReFusionRow
 from .request import Request, RequestOutput
 from .sampling import Sampler

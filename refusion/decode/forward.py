@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..cache import KVCache
 from ..errors import CompileError
-from ..model import Transformer
+from ..model.kv_cache import KVCache
+from ..model.transformer import Transformer
 from ..timing import sync
 
 if TYPE_CHECKING:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import KVCache
+from ..model.kv_cache import KVCache
 from .ar import Feed
 from .forward import Forward
 from .request import Request

@@ -39,12 +39,12 @@ class Chat:
 
     def text(self, tokenizer: Any) -> str:
         """The conversation as the model sees it, after the tokenizer's chat template."""
-        from ..prompts import chat_text
+        from ..model.prompts import chat_text
 
         return chat_text(tokenizer, self.messages, not self.prefilled, **dict(self.template_options))
 
     def ids(self, tokenizer: Any) -> list[int]:
-        from ..prompts import chat_ids
+        from ..model.prompts import chat_ids
 
         return chat_ids(tokenizer, self.messages, continue_final=self.prefilled, **dict(self.template_options))
 

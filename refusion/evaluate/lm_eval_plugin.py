@@ -77,9 +77,9 @@ class ReFusionLM(LM):
     ) -> None:
         super().__init__()
         if model is None:
-            import refusion
+            from ..io import load
 
-            model, tokenizer = refusion.load(pretrained, device=device, dtype=dtype)
+            model, tokenizer = load(pretrained, device=device, dtype=dtype)
         self.model, self.tokenizer = model.eval(), tokenizer
         self.pretrained = pretrained
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1  # "auto" -> 1
@@ -87,12 +87,12 @@ class ReFusionLM(LM):
         self.max_length = min(int(max_length), limit) if max_length else limit
         self._generate_fn = generate_fn
         if protocol not in ("robust", "paper"):
-            from refusion.errors import ConfigError
+            from ..errors import ConfigError
 
             raise ConfigError(f"protocol takes robust or paper, got {protocol!r}")
         self.protocol = protocol
         if gen_length is not None and gen_length != "task" and not str(gen_length).isdigit():
-            from refusion.errors import ConfigError
+            from ..errors import ConfigError
 
             raise ConfigError(f"gen_length takes a number of tokens or 'task' (each task's max_gen_toks), got {gen_length!r}")
         self._gen_length = gen_length if gen_length in (None, "task") else int(gen_length)
@@ -110,7 +110,7 @@ class ReFusionLM(LM):
         return getattr(self.tokenizer, "chat_template", None) or ""
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        from refusion.prompts import chat_text
+        from ..model.prompts import chat_text
 
         options = dict(TEMPLATE_OPTIONS) if self.protocol == "paper" else {}
         return chat_text(self.tokenizer, chat_history, add_generation_prompt, **options)
@@ -133,8 +133,8 @@ class ReFusionLM(LM):
         model_args' fields, then the task's generation kwargs (temperature, until as stop
         strings unless the paper protocol cuts afterwards), and the generation length (see
         the module's docstring)."""
-        from refusion.decode.config import DecodeConfig
-        from refusion.recommended import recommended_of
+        from ..decode.config import DecodeConfig
+        from ..decode.recommended import recommended_of
 
         d = dict(self._decode)
         preset = d.pop("preset", None)
@@ -159,9 +159,7 @@ class ReFusionLM(LM):
 
         generate = self._generate_fn
         if generate is None:
-            import refusion
-
-            generate = refusion.generate
+            from ..decode.api import generate
         contexts = [r.args[0] for r in requests]
         cfgs = [self._config(dict(r.args[1])) for r in requests]  # each request its own settings, one batch
         bar = tqdm(total=len(requests), disable=disable_tqdm, desc="generate_until")
@@ -259,13 +257,13 @@ def _until(gen_kwargs: dict) -> tuple[str, ...]:
 def _split_model_args(args: dict[str, Any], batch_size: int):
     """model_args into DecodeConfig fields (and `preset`) and an EngineConfig; a name that
     is neither is an error that lists the names accepted."""
-    from refusion.decode.config import DecodeConfig, EngineConfig
+    from ..decode.config import DecodeConfig, EngineConfig
 
     decode_names = {f.name for f in dataclasses.fields(DecodeConfig)} | {"preset"}
     engine_names = {f.name for f in dataclasses.fields(EngineConfig)} - {"device"}
     unknown = sorted(set(args) - decode_names - engine_names)
     if unknown:
-        from refusion.errors import ConfigError
+        from ..errors import ConfigError
 
         raise ConfigError(f"unknown model_args {', '.join(unknown)}; accepted: pretrained, batch_size, max_length, device, "
                           f"dtype, protocol, {', '.join(sorted(decode_names | engine_names))}")

@@ -25,9 +25,21 @@ from typing import Any
 
 from . import benchmarks as robust
 from .benchmarks import Chat, Sample, Scored, _id
-from .paper_rules import (INVALID, exact_match, finish, last_boxed_only_string, math_verify_equal,
-                          minerva_answer, minerva_equivalent, minerva_parser, multi_choice_extract,
-                          normalize_final_answer, regex_extract, remove_boxed, sanitize_reachable)
+from .paper_rules import (
+    INVALID,
+    exact_match,
+    finish,
+    last_boxed_only_string,
+    math_verify_equal,
+    minerva_answer,
+    minerva_equivalent,
+    minerva_parser,
+    multi_choice_extract,
+    normalize_final_answer,
+    regex_extract,
+    remove_boxed,
+    sanitize_reachable,
+)
 from .programs import called_names, shared_imports
 from .runner import Completion
 from .sandbox import Check

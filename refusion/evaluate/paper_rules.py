@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from ..prompts import tokenize
+from ..model.prompts import tokenize
 
 INVALID = "[invalid]"  # lm-eval's regex filters' fallback
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from .tensor import Shard
+from ..model.tensor_parallel import Shard
 
 
 def backend_for(device: str | torch.device) -> str:
@@ -39,12 +39,12 @@ def join_torchrun(device: str | torch.device = "cpu") -> bool:
     """Under torchrun (its RANK and WORLD_SIZE in the environment), join its group; True
     when this process is then one of several."""
     if not launched() and int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
-        _own_device(backend_for(device), int(os.environ.get("LOCAL_RANK", "0")))
+        own_device(backend_for(device), int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend_for(device), timeout=WAIT)
     return launched()
 
 
-def _own_device(backend: str, local_rank: int) -> None:
+def own_device(backend: str, local_rank: int) -> None:
     """With NCCL, this process's GPU is its local rank's: "cuda" then means that one."""
     if backend == "nccl":
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
@@ -199,7 +199,7 @@ def _child(rank, world, rendezvous, backend, threads, quiet, results, fn, args) 
     if quiet and rank != 0:  # rank 0 reports (another replica's notes would repeat its own)
         sys.stdout = sys.stderr = open(os.devnull, "w")
     try:
-        _own_device(backend, rank)
+        own_device(backend, rank)
         dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world, timeout=WAIT)
         value = fn(*args)
         # plain pickle, by value: torch's queue would share tensors through this process's

@@ -24,16 +24,38 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import (
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.exceptions import HTTPException
 
 from ..decode import DecodeConfig, Engine, EngineConfig
-from ..errors import CompileError, ContextLengthError, MissingMaskTokenError, ReFusionError
-from ..parallel.follow import engine_for
-from ..prompts import chat_ids, encode_prompt
+from ..decode.follow import engine_for
+from ..errors import (
+    CompileError,
+    ContextLengthError,
+    MissingMaskTokenError,
+    ReFusionError,
+)
+from ..model.prompts import chat_ids, encode_prompt
 from .loop import EngineLoop, Job, QueueFull, ShuttingDown
 from .metrics import Metrics
-from .protocol import APIError, CompletionRequest, bad, chunk_body, fit_length, new_id, parse_request, request_config, response_body, usage, usage_chunk
+from .protocol import (
+    APIError,
+    CompletionRequest,
+    bad,
+    chunk_body,
+    fit_length,
+    new_id,
+    parse_request,
+    request_config,
+    response_body,
+    usage,
+    usage_chunk,
+)
 
 log = logging.getLogger("refusion.serve")
 

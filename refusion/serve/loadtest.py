@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from ..sizing import process_memory_kib
+from ..model.sizing import process_memory_kib
 
 PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?",

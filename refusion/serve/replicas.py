@@ -40,7 +40,12 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import (
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 
 from ..errors import ConfigError, ReFusionError
 from .metrics import Counter, Gauge, Registry
@@ -456,7 +461,7 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def served_name(args: argparse.Namespace) -> str:
     """The model id clients use: --served-model-name, else the model directory's name."""
-    from ..checkpoint import BUNDLED_PREFIX
+    from ..io.checkpoint import BUNDLED_PREFIX
 
     if args.served_model_name:
         return args.served_model_name

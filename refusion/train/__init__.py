@@ -54,9 +54,26 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .checkpoints import list_checkpoints
-    from .config import AR_REDUCTIONS, DTYPE_NAMES, LORA_TARGETS, OBJECTIVES, PRECISIONS, TrainConfig, config_fields
+    from .config import (
+        AR_REDUCTIONS,
+        DTYPE_NAMES,
+        LORA_TARGETS,
+        OBJECTIVES,
+        PRECISIONS,
+        TrainConfig,
+        config_fields,
+    )
     from .loop import TrainResult, train
-    from .setup import (DTYPES, LossModel, clean_model, init_weights, load_model_and_tokenizer, lr_factor,
-                        merged_state_dict, step_generator, step_inputs)
+    from .setup import (
+        DTYPES,
+        LossModel,
+        clean_model,
+        init_weights,
+        load_model_and_tokenizer,
+        lr_factor,
+        merged_state_dict,
+        step_generator,
+        step_inputs,
+    )
 
 __getattr__, __dir__ = lazy_attributes(__name__, _WHERE, __all__)

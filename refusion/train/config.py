@@ -4,6 +4,7 @@ It imports no torch, so the CLI can build its flags without loading it."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -114,10 +115,8 @@ class TrainConfig:
             if path and not Path(path).exists():
                 raise DataError(f"data file {path} does not exist")
 
-    def objective_config(self):
-        """The objective's settings (`objective.ObjectiveConfig`, validated)."""
-        from ..objective import ObjectiveConfig
-
+    def objective_config(self) -> "ObjectiveConfig":
+        """The objective's settings (validated)."""
         return ObjectiveConfig(self.slot_sizes, self.mask_eps, self.ar_reduction, self.boundary_labels, self.ar_mix)
 
 
@@ -137,3 +136,38 @@ def _flag(name: str, metavar: str = "") -> str:
 
 def _argument(name: str, metavar: str = "") -> str:
     return f"{name}={metavar}" if metavar else name
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    """Hyperparameters of the ReFusion objective."""
+
+    slot_sizes: tuple[int, ...] = (4, 8, 16, 32)  # slot size drawn uniformly per example
+    eps: float = 1e-3  # mask probability p = (1 - eps) * t + eps, t ~ U(0, 1)
+    # How the AR cross-entropy is averaged: "token" = mean over every AR label of the batch
+    # (SPEC §2 read literally); "example" = mean per example, then over the batch, which makes
+    # the batch loss exactly the mean of the per-example losses.
+    ar_reduction: str = "token"
+    # Beyond the paper: also label the last token of each clean slot with the response token
+    # after it (true position + 1, whatever is fed next), and the prompt's last token with the
+    # first response token, so that the AR head is trained across slot boundaries: what a
+    # decoder that checks a slot's first token against its left neighbour's prediction reads.
+    boundary_labels: bool = False
+    # Beyond the paper: this share of the examples is trained as plain next-token prediction
+    # (every slot clean, in order, labelled across slot boundaries), which keeps the AR
+    # head's left-to-right skill that ReFusion's verification and AR correction rely on.
+    ar_mix: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.slot_sizes or any(int(s) < 1 for s in self.slot_sizes):
+            raise ConfigError(f"slot sizes must be positive integers, got {self.slot_sizes}")
+        if not 0.0 < self.eps <= 1.0:
+            raise ConfigError(f"eps must lie in (0, 1], got {self.eps}")
+        if not 0.0 <= self.ar_mix <= 1.0:
+            raise ConfigError(f"ar_mix must lie in [0, 1], got {self.ar_mix}")
+        if self.ar_reduction not in AR_REDUCTIONS:
+            raise ConfigError(f"ar_reduction must be one of {AR_REDUCTIONS}, got {self.ar_reduction!r}")
+
+    def max_slots(self, seq_len: int) -> int:
+        """Slots a response of up to `seq_len` tokens can need with the smallest slot size."""
+        return max(1, math.ceil(seq_len / min(self.slot_sizes)))

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from ..config import ModelConfig
-from ..data import IndexStream, TokenizedDataset, collate, load_dataset, split_eval
+from ..model.config import ModelConfig
 from .config import TrainConfig
+from .dataset import IndexStream, TokenizedDataset, collate, load_dataset, split_eval
 from .log import RunLog
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..model import Transformer
+from ..model.transformer import Transformer
 from .checkpoints import jsonable, list_checkpoints
 from .config import TrainConfig
 from .run import Run

@@ -11,17 +11,27 @@ from typing import Any
 
 import torch
 
+from ..decode.recommended import recommended_of
 from ..errors import ConfigError
-from ..objective import weighted_loss
-from ..recommended import recommended_of
 from .checkpoints import Checkpoints, drop_tied_copies, list_checkpoints, resume_changes
 from .config import TrainConfig
 from .data import RunData
 from .engine import configure_deepspeed, make_accelerator
 from .lock import OutLock
 from .log import RunLog
-from .setup import (LossModel, apply_lora, apply_settings, has_accelerator, load_model_and_tokenizer, lr_factor,
-                    make_optimizer, precision, step_generator, step_inputs)
+from .objective import weighted_loss
+from .setup import (
+    LossModel,
+    apply_lora,
+    apply_settings,
+    has_accelerator,
+    load_model_and_tokenizer,
+    lr_factor,
+    make_optimizer,
+    precision,
+    step_generator,
+    step_inputs,
+)
 
 _EVAL_KEY = 2**31 - 1  # seeds the eval draws, apart from every training step
 

@@ -11,11 +11,18 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..config import ModelConfig
 from ..errors import ConfigError, MissingMaskTokenError
-from ..model import Transformer, rope_inv_freq
-from ..objective import LossTargets, ObjectiveConfig, TrainBatch, ar_batch, loss_targets, refusion_batch
+from ..model.config import ModelConfig
+from ..model.transformer import Transformer, rope_inv_freq
 from .config import DTYPE_NAMES, TrainConfig
+from .objective import (
+    LossTargets,
+    ObjectiveConfig,
+    TrainBatch,
+    ar_batch,
+    loss_targets,
+    refusion_batch,
+)
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
@@ -41,7 +48,7 @@ def load_model_and_tokenizer(cfg: TrainConfig) -> tuple[Transformer, Any]:
     if cfg.init_config is not None:
         from transformers import AutoTokenizer
 
-        from ..prompts import mask_id_of
+        from ..model.prompts import mask_id_of
 
         config = ModelConfig.from_json(cfg.init_config)
         tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
@@ -54,7 +61,7 @@ def load_model_and_tokenizer(cfg: TrainConfig) -> tuple[Transformer, Any]:
         model = init_weights(Transformer(config), float(config.extra.get("initializer_range", 0.02)))
         model = model.to(dtype)
     else:
-        from ..checkpoint import load
+        from ..io.checkpoint import load
 
         model, tokenizer = load(cfg.model, device="cpu", dtype=dtype)
         if cfg.tokenizer is not None:
@@ -67,7 +74,7 @@ def load_model_and_tokenizer(cfg: TrainConfig) -> tuple[Transformer, Any]:
                 f"{cfg.model or cfg.init_config} has no MASK token (<|mask|>), which the refusion objective "
                 "needs: run `refusion convert` on it first, or pass --add-mask-token to add it here"
             )
-        from ..checkpoint import add_mask_token
+        from ..io.checkpoint import add_mask_token
 
         add_mask_token(model, tokenizer)
     return model, tokenizer

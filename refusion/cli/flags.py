@@ -9,8 +9,8 @@ import argparse
 import dataclasses
 from typing import Any
 
-from .decode.config import PRESETS, DecodeConfig, EngineConfig, check_value, field_kind
-from .errors import ConfigError
+from ..decode.config import PRESETS, DecodeConfig, EngineConfig, check_value, field_kind
+from ..errors import ConfigError
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,7 +81,7 @@ def decode_config_from_args(args: argparse.Namespace, base: DecodeConfig | None 
     decode_config.json; else on the defaults), then every flag the user gave on top.
     Called before loading a model, it checks the flags."""
     if base is None and model is not None:
-        from .recommended import recommended_of
+        from ..decode.recommended import recommended_of
 
         base = recommended_of(model).decode_config()
     base = base or DecodeConfig(method=getattr(args, "_default_method", "refusion"))
@@ -94,7 +94,16 @@ def engine_config_from_args(args: argparse.Namespace, base: EngineConfig | None 
 
 
 def load_from_args(args: argparse.Namespace):
-    from .checkpoint import load
+    from ..io.checkpoint import load
 
     return load(args.model, device=args.device, dtype=args.dtype,
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", None) or 1)
+
+
+def engine_from_args(args: argparse.Namespace):
+    """The model the flags name, loaded, in an engine with the flags' resources (what a
+    rank that follows rank 0 of a split model runs)."""
+    from ..decode.engine import Engine
+
+    model, tokenizer = load_from_args(args)
+    return Engine(model, tokenizer, engine_config_from_args(args))

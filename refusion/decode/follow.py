@@ -10,13 +10,13 @@ all-reduces meet.
 
 from __future__ import annotations
 
-import argparse
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
-from .launch import WAIT, _own_device, backend_for, launched, start_ranks
+from ..parallel.launch import WAIT, backend_for, launched, own_device, start_ranks
 
 STOP = "stop"
 
@@ -68,7 +68,7 @@ def _stop_followers() -> None:
 
 def engine_for(model: Any, tokenizer: Any, config: Any = None):
     """The engine a verb drives: an Engine, or on rank 0 of a split model its leader."""
-    from ..decode.engine import Engine
+    from .engine import Engine
 
     engine = Engine(model, tokenizer, config)
     if getattr(model, "tensor_parallel", None) is not None and launched() and dist.get_rank() == 0:
@@ -76,14 +76,11 @@ def engine_for(model: Any, tokenizer: Any, config: Any = None):
     return engine
 
 
-def follow(args: argparse.Namespace) -> int:
-    """A following rank: its share of the model and an engine like rank 0's, doing what
-    rank 0 sends with each step, until it says stop."""
-    from ..decode.engine import Engine
-    from ..flags import engine_config_from_args, load_from_args
-
-    model, tokenizer = load_from_args(args)
-    engine = Engine(model, tokenizer, engine_config_from_args(args))
+def follow(args: Any, make_engine: Callable[[Any], Any]) -> int:
+    """A following rank: an engine like rank 0's (`make_engine(args)`, a function that
+    can be pickled: it loads this rank's share of the model), doing what rank 0 sends
+    with each step, until it says stop."""
+    engine = make_engine(args)
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0)
@@ -108,16 +105,17 @@ def _apply(engine: Any, op: tuple) -> None:
         engine.abort_running()
 
 
-def lead(size: int, args: argparse.Namespace, device: str = "cpu") -> list:
+def lead(size: int, args: Any, make_engine: Callable[[Any], Any], device: str = "cpu") -> list:
     """Make this process rank 0 of `size` and start ranks 1.. as followers of `args`'s
-    verb; returns their processes (join them after the verb's engine is closed)."""
+    verb (each builds its engine with `make_engine(args)`); returns their processes (join
+    them after the verb's engine is closed)."""
     import torch
 
-    procs, _, rendezvous = start_ranks(range(1, size), size, follow, (args,), device)
+    procs, _, rendezvous = start_ranks(range(1, size), size, follow, (args, make_engine), device)
     torch.set_num_threads(max(1, torch.get_num_threads() // size))
     backend = backend_for(device)
     os.environ.update(RANK="0", WORLD_SIZE=str(size), LOCAL_RANK="0")
-    _own_device(backend, 0)
+    own_device(backend, 0)
     dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=0, world_size=size, timeout=WAIT)
     return procs
 

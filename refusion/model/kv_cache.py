@@ -17,8 +17,8 @@ from functools import cached_property
 
 import torch
 
+from ..errors import ContextLengthError
 from .config import ModelConfig
-from .errors import ContextLengthError
 
 
 def storage_mask(query_cols: torch.Tensor, end: int) -> torch.Tensor:

@@ -9,8 +9,14 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..errors import CheckpointError, ConfigError
-from ..flags import add_decode_arguments, add_model_arguments, decode_config_from_args, engine_config_from_args, load_from_args
+from ...errors import CheckpointError, ConfigError
+from ..flags import (
+    add_decode_arguments,
+    add_model_arguments,
+    decode_config_from_args,
+    engine_config_from_args,
+    load_from_args,
+)
 
 EPILOG = (
     "The bundled model answers single-turn prompts of four families only: arithmetic word problems, "
@@ -65,7 +71,7 @@ def _load(args: argparse.Namespace):
 
 def print_examples(args: argparse.Namespace) -> int:
     """The checkpoint's example prompts, one command per line, ready to paste."""
-    from ..checkpoint import describe
+    from ...io.checkpoint import describe
 
     examples = describe(args.model)["recommended"].get("examples") or {}
     if not examples:
@@ -79,9 +85,9 @@ def print_examples(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..decode import generate
-    from ..parallel import is_main
-    from ..decode.api import fit_to_context, lowered_note
+    from ...decode import generate
+    from ...decode.api import fit_to_context, lowered_note
+    from ...parallel import is_main
 
     if args.examples:
         if len(args.inputs) > 1 or (args.inputs and args.model):
@@ -124,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             s = out.stats
             print(f"[{cfg.method}] tokens={s.tokens} nfe={s.nfe} tpf={s.tpf:.2f} time={s.wall_time:.3f}s tps={s.tps:.1f}", file=sys.stderr)
     if args.trace is not None and is_main():
-        from ..decode.trace import write_trace_html
+        from ...decode.trace import write_trace_html
 
         write_trace_html(args.trace, tokenizer, prompts, outs, cfg)
         print(f"trace written to {args.trace}", file=sys.stderr)

@@ -26,8 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
 from ..errors import ConfigError
+from .config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -39,12 +39,12 @@ def kv_bytes_per_entry(config: ModelConfig, dtype: torch.dtype) -> int:
 def weight_bytes(config: ModelConfig, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
     """Bytes of the weights one device holds: all of them, or rank 0's share (every rank
     holds the same amount)."""
-    from .checkpoint import _empty_model, _expected_shapes
-    from .parallel.tensor import Shard, slice_of
+    from .tensor_parallel import Shard, slice_of
+    from .transformer import Transformer, stored_shapes
 
     shard = Shard(0, tensor_parallel_size) if tensor_parallel_size > 1 else None
     total = 0
-    for name, shape in _expected_shapes(_empty_model(config)).items():
+    for name, shape in stored_shapes(Transformer.meta(config)).items():
         n = 1
         for d in shape:
             n *= d
@@ -61,7 +61,7 @@ def memory_plan(config: ModelConfig, dtype: torch.dtype, batch_size: int, contex
     """Per device: weights, KV cache of batch_size requests of `context` positions (each
     holding rows_per_request cache rows: a ReFusion request forks one per slot of a
     block while it infills), and their sum, in bytes."""
-    from .parallel.tensor import local_config
+    from .tensor_parallel import local_config
 
     local = local_config(config, tensor_parallel_size) if tensor_parallel_size > 1 else config
     rows = batch_size * rows_per_request

@@ -31,15 +31,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import DTYPE_NAMES, ModelConfig
-from .errors import CheckpointError, ConfigError
-from .model import Transformer, rope_inv_freq
-from .parallel.launch import tensor_shard
-from .parallel.tensor import local_config, make_row_parallel, slice_of
-from .prompts import MASK_TOKEN, mask_id_of, tokenizer_mask_id
-from .recommended import Recommended, recommended_of
+from ..decode.recommended import Recommended, recommended_of
+from ..errors import CheckpointError, ConfigError
+from ..model.config import DTYPE_NAMES, ModelConfig
+from ..model.prompts import MASK_TOKEN, mask_id_of, tokenizer_mask_id
+from ..model.tensor_parallel import local_config, make_row_parallel, slice_of
+from ..model.transformer import Transformer, rope_inv_freq, stored_shapes
+from ..parallel.launch import tensor_shard
 
-BUNDLED_ROOT = Path(__file__).parent / "bundled"
+BUNDLED_ROOT = Path(__file__).parent.parent / "bundled"
 BUNDLED_DIR = BUNDLED_ROOT / "refusion-tiny"  # the default model
 BUNDLED_PREFIX = "bundled:"  # `bundled:NAME` names a model shipped in the package: refusion-tiny, ar-tiny
 
@@ -90,14 +90,14 @@ def load(
                               "(refusion convert FILE.gguf OUT) and load OUT")
         return _load_gguf(source, dev, wanted)
     config, tokenizer = _read_metadata(source)
-    model = _empty_model(config)
+    model = Transformer.meta(config)
     headers = _checked_headers(source, model)
     slicer = None
     if shard is not None:
-        model = _empty_model(local_config(config, shard.world))
+        model = Transformer.meta(local_config(config, shard.world))
         make_row_parallel(model, shard)
         slicer = lambda name: slice_of(name, config, shard)  # noqa: E731
-    state = _read_tensors(headers, set(_expected_shapes(model)), dev, wanted or _config_dtype(config, dev), slicer)
+    state = _read_tensors(headers, set(stored_shapes(model)), dev, wanted or _config_dtype(config, dev), slicer)
     model = _fill(model, state, dev)
     model.tensor_parallel = shard
     model.recommended = Recommended.read(source)  # decode settings that travel with the weights
@@ -131,7 +131,7 @@ def describe(path: PathLike | None = None) -> dict[str, Any]:
     built on the meta device), which the check has just matched with the headers'."""
     source = _resolve(path)
     config, tokenizer = load_metadata(source)
-    model = _empty_model(config)
+    model = Transformer.meta(config)
     if source.suffix != ".gguf":  # transformers has parsed the GGUF file to read its config
         _checked_headers(source, model)
     return {
@@ -284,20 +284,6 @@ def _resolve_mask_id(config: ModelConfig, tokenizer: Any) -> None:
 
 
 # ---------------------------------------------------------------------------- weights
-def _empty_model(config: ModelConfig) -> Transformer:
-    """The model's structure without storage: its state dict gives the expected shapes."""
-    with torch.device("meta"):
-        return Transformer(config)
-
-
-def _expected_shapes(model: Transformer) -> dict[str, torch.Size]:
-    """Every tensor the checkpoint must hold; a tied lm_head is not stored on its own."""
-    shapes = {name: t.shape for name, t in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        del shapes["lm_head.weight"]
-    return shapes
-
-
 def _weight_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
@@ -358,7 +344,7 @@ def _check_not_truncated(file: Path) -> None:
 
 def _check_tensors(model: Transformer, found: dict[str, tuple[Any, tuple[int, ...]]], where: str) -> None:
     """Every expected tensor present with the expected shape, and nothing unexplained."""
-    expected = _expected_shapes(model)
+    expected = stored_shapes(model)
     for name, shape in expected.items():
         if name not in found:
             raise CheckpointError(f"tensor {name} is missing from {where}")
@@ -468,11 +454,11 @@ def _load_gguf(file: Path, device: torch.device, wanted: torch.dtype | None) -> 
     config = ModelConfig.from_hf_dict(_plain_hf_dict(hf_model.config))
     tokenizer = _gguf_tokenizer(file)
     _settle_vocabulary(config, tokenizer, where=str(file))
-    model = _empty_model(config)
+    model = Transformer.meta(config)
     hf_state = hf_model.state_dict()
     _check_tensors(model, {k: (None, tuple(v.shape)) for k, v in hf_state.items()}, where=str(file))
     dtype = wanted or _config_dtype(config, device)
-    state = {k: hf_state[k].to(device=device, dtype=dtype) for k in _expected_shapes(model)}
+    state = {k: hf_state[k].to(device=device, dtype=dtype) for k in stored_shapes(model)}
     return _fill(model, state, device), tokenizer
 
 

@@ -1,6 +1,6 @@
 """`refusion <verb>`: a thin dispatch table over the library.
 
-Each verb lives in `refusion/commands/<verb>.py` with `add_arguments(parser)` and
+Each verb lives in `refusion/cli/commands/<verb>.py` with `add_arguments(parser)` and
 `run(args) -> int`. Only the verb being run has its flags built, and no module imports
 torch before its `run`, so `refusion --help` and `refusion VERB --help` answer at once.
 Library errors (`ReFusionError`) become one line on stderr and exit code 2. A reader
@@ -17,7 +17,7 @@ import select
 import sys
 import warnings
 
-from .errors import ReFusionError
+from ..errors import ReFusionError
 
 VERBS = {
     "info": "print a checkpoint's architecture, size, vocabulary, context and MASK id",
@@ -40,7 +40,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     chosen = words[0] if words else None
     for verb, help_text in VERBS.items():
         p = sub.add_parser(verb, help=help_text, description=help_text)
-        p.set_defaults(_module=f"refusion.commands.{verb}")
+        p.set_defaults(_module=f"refusion.cli.commands.{verb}")
         if argv is None or verb == chosen:
             module = _command(verb)
             if verb == "bench":
@@ -52,7 +52,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 def _command(verb: str):
-    return importlib.import_module(f"refusion.commands.{verb}")
+    return importlib.import_module(f"refusion.cli.commands.{verb}")
 
 
 def _one_line_warnings(verb: str) -> None:
@@ -148,8 +148,8 @@ def _run_split(args: argparse.Namespace, size: int) -> int:
     or, under torchrun, in this one of its processes. A tensor-parallel group runs the
     verb on the same inputs, its first rank printing and writing; replicas share the
     work (`eval`)."""
-    from .errors import ConfigError
-    from .parallel import join_torchrun, spawn
+    from ..errors import ConfigError
+    from ..parallel import join_torchrun, spawn
 
     if args.verb in LEADER_VERBS:
         return _lead(args, size)
@@ -183,9 +183,10 @@ def _run_split(args: argparse.Namespace, size: int) -> int:
 def _lead(args: argparse.Namespace, size: int) -> int:
     """This process runs the verb as rank 0; the other ranks (started here, or by
     torchrun) follow its engine."""
-    from .errors import ConfigError
-    from .parallel import join_torchrun
-    from .parallel.follow import follow, lead, release
+    from ..decode.follow import follow, lead, release
+    from ..errors import ConfigError
+    from ..parallel import join_torchrun
+    from .flags import engine_from_args
 
     device = getattr(args, "device", "cpu")
     if (getattr(args, "data_parallel_size", None) or 1) > 1:
@@ -199,10 +200,10 @@ def _lead(args: argparse.Namespace, size: int) -> int:
         import torch.distributed as dist
 
         if dist.get_rank() != 0:
-            return follow(args)
+            return follow(args, engine_from_args)
         procs = []
     else:
-        procs = lead(size, args, device)
+        procs = lead(size, args, engine_from_args, device)
     try:
         return int(_command(args.verb).run(args) or 0)
     finally:

@@ -16,51 +16,15 @@ batch on any device, and a test can replay the same draws one example at a time.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 
-from .errors import ConfigError
-from .train.config import AR_REDUCTIONS
+from ..errors import ConfigError
+from .config import AR_REDUCTIONS, ObjectiveConfig
 
 IGNORE = -100  # label of a token that carries no loss
-
-
-@dataclass(frozen=True)
-class ObjectiveConfig:
-    """Hyperparameters of the ReFusion objective."""
-
-    slot_sizes: tuple[int, ...] = (4, 8, 16, 32)  # slot size drawn uniformly per example
-    eps: float = 1e-3  # mask probability p = (1 - eps) * t + eps, t ~ U(0, 1)
-    # How the AR cross-entropy is averaged: "token" = mean over every AR label of the batch
-    # (SPEC §2 read literally); "example" = mean per example, then over the batch, which makes
-    # the batch loss exactly the mean of the per-example losses.
-    ar_reduction: str = "token"
-    # Beyond the paper: also label the last token of each clean slot with the response token
-    # after it (true position + 1, whatever is fed next), and the prompt's last token with the
-    # first response token, so that the AR head is trained across slot boundaries: what a
-    # decoder that checks a slot's first token against its left neighbour's prediction reads.
-    boundary_labels: bool = False
-    # Beyond the paper: this share of the examples is trained as plain next-token prediction
-    # (every slot clean, in order, labelled across slot boundaries), which keeps the AR
-    # head's left-to-right skill that ReFusion's verification and AR correction rely on.
-    ar_mix: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not self.slot_sizes or any(int(s) < 1 for s in self.slot_sizes):
-            raise ConfigError(f"slot sizes must be positive integers, got {self.slot_sizes}")
-        if not 0.0 < self.eps <= 1.0:
-            raise ConfigError(f"eps must lie in (0, 1], got {self.eps}")
-        if not 0.0 <= self.ar_mix <= 1.0:
-            raise ConfigError(f"ar_mix must lie in [0, 1], got {self.ar_mix}")
-        if self.ar_reduction not in AR_REDUCTIONS:
-            raise ConfigError(f"ar_reduction must be one of {AR_REDUCTIONS}, got {self.ar_reduction!r}")
-
-    def max_slots(self, seq_len: int) -> int:
-        """Slots a response of up to `seq_len` tokens can need with the smallest slot size."""
-        return max(1, math.ceil(seq_len / min(self.slot_sizes)))
 
 
 @dataclass

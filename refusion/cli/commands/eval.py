@@ -11,9 +11,13 @@ import argparse
 import json
 import sys
 
-from ..errors import ConfigError
-from ..flags import add_data_parallel_argument, add_decode_arguments, decode_config_from_args, engine_config_from_args
-
+from ...errors import ConfigError
+from ..flags import (
+    add_data_parallel_argument,
+    add_decode_arguments,
+    decode_config_from_args,
+    engine_config_from_args,
+)
 
 EPILOG = (
     "Protocols: robust (default) prompts and scores every model alike, with lenient answer extraction; "
@@ -25,7 +29,7 @@ EPILOG = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..evaluate.benchmarks import BENCHMARKS, PROTOCOLS
+    from ...evaluate.benchmarks import BENCHMARKS, PROTOCOLS
 
     parser.add_argument("model", nargs="?", default=None,
                         help="checkpoint directory or hub id (default: the bundled model)")
@@ -56,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..evaluate import Limits, evaluate, get_benchmark
+    from ...evaluate import Limits, evaluate, get_benchmark
 
     bench = get_benchmark(args.task, args.protocol)
     if args.show_prompt is not None:
@@ -73,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         summary = evaluate(bench, predictions=args.predictions, out_dir=out, **common)
     else:
         summary = _evaluate_model(args, bench, common)
-    from ..parallel import is_main
+    from ...parallel import is_main
 
     if not is_main():  # another replica or rank: rank 0 reports the whole run
         return 0
@@ -89,16 +93,16 @@ def _evaluate_model(args: argparse.Namespace, bench, common: dict) -> dict:
     """Load the model and evaluate it. Settings not given as flags come from the task's
     preset on top of the checkpoint's recommendation; a gen_length not given by number is
     lowered to what the context leaves after each prompt (said once, at the end)."""
-    import refusion
-    from ..decode.api import fit_to_context, lowered_note
-    from ..evaluate import evaluate
-    from ..evaluate.benchmarks import Chat
-    from ..evaluate.paper import finish_output
+    from ...decode import api
+    from ...evaluate import evaluate
+    from ...evaluate.benchmarks import Chat
+    from ...evaluate.paper import finish_output
+    from ...io import load
 
     args.preset = args.preset or bench.preset
     decode_config_from_args(args)  # bad flags fail before the model loads
     engine_cfg = engine_config_from_args(args)
-    model, tokenizer = refusion.load(args.model, device=args.device, dtype=args.dtype,
+    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype,
                                      tensor_parallel_size=engine_cfg.tensor_parallel_size)
     cfg = decode_config_from_args(args, model=model)
     if bench.protocol == "paper":
@@ -110,19 +114,19 @@ def _evaluate_model(args: argparse.Namespace, bench, common: dict) -> dict:
         chats = [q if isinstance(q, Chat) else None for q in queries]
         prompts = [c.ids(tokenizer) if c else q for c, q in zip(chats, queries)]
         if args.gen_length is not None:
-            outs = refusion.generate(model, tokenizer, prompts, cfg, engine_config=engine_cfg)
+            outs = api.generate(model, tokenizer, prompts, cfg, engine_config=engine_cfg)
         else:
-            ids, cfgs, fitted = fit_to_context(model, tokenizer, prompts, cfg)
+            ids, cfgs, fitted = api.fit_to_context(model, tokenizer, prompts, cfg)
             lowered.extend(fitted)
             seen[0] += len(prompts)
-            outs = refusion.generate(model, tokenizer, ids, cfgs, engine_config=engine_cfg)
+            outs = api.generate(model, tokenizer, ids, cfgs, engine_config=engine_cfg)
         return [finish_output(o, c, tokenizer) if c else o for o, c in zip(outs, chats)]
 
     out = args.out or f"runs/eval/{_run_name(bench)}-{cfg.method}"
     summary = evaluate(bench, generate, batch_size=args.batch_size, out_dir=out, config=cfg,
                        model=args.model or "bundled", replicas=_replicas(model), **common)
     if lowered:
-        print(lowered_note(cfg, lowered, seen[0], model.config.max_position_embeddings, args.preset), file=sys.stderr)
+        print(api.lowered_note(cfg, lowered, seen[0], model.config.max_position_embeddings, args.preset), file=sys.stderr)
     return summary
 
 
@@ -130,8 +134,8 @@ def _replicas(model):
     """This process's share of the run: the replicas' shared claims on chunks of samples,
     whether it writes (the first rank of its tensor-parallel group: the others follow its
     claims) and merges (the first of all)."""
-    from ..evaluate.runner import Replicas
-    from ..parallel import barrier, is_main, replica_claims
+    from ...evaluate.runner import Replicas
+    from ...parallel import barrier, is_main, replica_claims
 
     share = replica_claims(model)
     if share is None:
@@ -147,8 +151,8 @@ def _run_name(bench) -> str:
 def _show_prompt(args: argparse.Namespace, bench) -> int:
     """Print document N's input as the model gets it, chat template applied, with what
     the protocol does after generation; reads the tokenizer, not the weights."""
-    from ..checkpoint import load_metadata
-    from ..prompts import prompt_text
+    from ...io.checkpoint import load_metadata
+    from ...model.prompts import prompt_text
 
     n = args.show_prompt
     if n < 0:

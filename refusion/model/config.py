@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError, UnsupportedArchitectureError
+from ..errors import CheckpointError, UnsupportedArchitectureError
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the dtypes checkpoints load and save in
 

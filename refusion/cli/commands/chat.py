@@ -13,13 +13,19 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
-from ..decode.config import DecodeConfig
-from ..errors import ContextLengthError, ReFusionError
-from ..flags import add_decode_arguments, add_model_arguments, decode_config_from_args, engine_config_from_args, load_from_args
-from ..prompts import chat_ids
+from ...decode.config import DecodeConfig
+from ...errors import ContextLengthError, ReFusionError
+from ...model.prompts import chat_ids
+from ..flags import (
+    add_decode_arguments,
+    add_model_arguments,
+    decode_config_from_args,
+    engine_config_from_args,
+    load_from_args,
+)
 
 if TYPE_CHECKING:
-    from ..decode import Engine, RequestOutput
+    from ...decode import Engine, RequestOutput
 
 Message = dict[str, str]
 Turn = tuple[str, str]  # (user, assistant)
@@ -41,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..parallel.follow import engine_for
-    from ..recommended import recommended_of
+    from ...decode.follow import engine_for
+    from ...decode.recommended import recommended_of
 
     args.model = args.model or args.model_pos
     decode_config_from_args(args)  # bad flags fail before the model loads

@@ -6,9 +6,15 @@ import argparse
 import importlib.util
 import os
 
-from ..errors import MissingExtraError, ReFusionError
-from ..flags import (add_data_parallel_argument, add_decode_arguments, add_model_arguments, decode_config_from_args,
-                     engine_config_from_args, load_from_args)
+from ...errors import MissingExtraError, ReFusionError
+from ..flags import (
+    add_data_parallel_argument,
+    add_decode_arguments,
+    add_model_arguments,
+    decode_config_from_args,
+    engine_config_from_args,
+    load_from_args,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,8 +44,8 @@ def _check_web_stack() -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_web_stack()
-    from ..serve import serve  # the web stack loads only when this verb runs
-    from ..serve.replicas import served_name
+    from ...serve import serve  # the web stack loads only when this verb runs
+    from ...serve.replicas import served_name
 
     args.model = args.model or args.model_pos
     _check_flags(args)
@@ -68,7 +74,7 @@ def _check_flags(args: argparse.Namespace) -> None:
 def run_replicas(args: argparse.Namespace) -> int:
     """`--data-parallel-size N`: this process is the front of N replicas."""
     _check_web_stack()
-    from ..serve.replicas import run_front, served_name
+    from ...serve.replicas import run_front, served_name
 
     args.model = args.model or args.model_pos
     _check_flags(args)

@@ -13,8 +13,15 @@ import inspect
 import os
 import re
 
-from ..train.config import (AR_REDUCTIONS, DTYPE_NAMES, OBJECTIVES, PRECISIONS, TrainConfig, config_fields,
-                            flag_name)
+from ...train.config import (
+    AR_REDUCTIONS,
+    DTYPE_NAMES,
+    OBJECTIVES,
+    PRECISIONS,
+    TrainConfig,
+    config_fields,
+    flag_name,
+)
 
 _CHOICES = {"objective": OBJECTIVES, "precision": PRECISIONS, "dtype": DTYPE_NAMES, "ar_reduction": AR_REDUCTIONS}
 _COMMENT = re.compile(r"^\s+(\w+):[^#]*#\s*(.+)$")
@@ -59,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..train import train
+    from ...train import train
 
     values = {f.name: getattr(args, f.name) for f in config_fields()}
     cfg = TrainConfig(**values)

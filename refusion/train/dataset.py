@@ -26,8 +26,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from .errors import DataError
-from .prompts import chat_text
+from ..errors import DataError
+from ..model.prompts import chat_text
 
 _CHUNK = 512  # records tokenised per tokenizer call
 _MAX_SHOWN = 5  # bad records quoted in the summary

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import DTYPE_NAMES
+from ...model.config import DTYPE_NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..checkpoint import convert, load_metadata
+    from ...io.checkpoint import convert, load_metadata
 
     had_mask = load_metadata(args.base)[0].mask_token_id is not None
     mask_id = convert(args.base, args.out, device=args.device, dtype=args.dtype, overwrite=args.force)

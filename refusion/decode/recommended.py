@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .decode.config import DecodeConfig
-from .errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError
+from .config import DecodeConfig
 
 FILE = "decode_config.json"
 _KEYS = {"decode", "about", "single_turn", "examples"}

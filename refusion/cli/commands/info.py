@@ -26,11 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..checkpoint import describe
+    from ...io.checkpoint import describe
 
     info = describe(args.model)
     if (args.batch_size is None) != (args.context is None):
-        from ..errors import ConfigError
+        from ...errors import ConfigError
 
         raise ConfigError("give --batch-size and --context together (e.g. --batch-size 8 --context 4096)")
     if args.batch_size is not None:
@@ -41,11 +41,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _memory(args: argparse.Namespace, info: dict[str, Any]) -> list[dict[str, Any]]:
     """The plan for AR rows and for ReFusion requests with the checkpoint's settings."""
-    from ..checkpoint import DTYPES, load_metadata
-    from ..decode.config import DecodeConfig
-    from ..errors import ConfigError
-    from ..parallel import check_divisible
-    from ..sizing import memory_plan
+    from ...decode.config import DecodeConfig
+    from ...errors import ConfigError
+    from ...io.checkpoint import DTYPES, load_metadata
+    from ...model.sizing import memory_plan
+    from ...parallel import check_divisible
 
     if args.batch_size < 1 or args.context < 1 or args.split < 1:
         raise ConfigError("--batch-size, --context and --tensor-parallel-size take positive numbers")

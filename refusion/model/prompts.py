@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import ConfigError
 from .config import ModelConfig
-from .errors import ConfigError
 
 MASK_TOKEN = "<|mask|>"
 Prompt = str | Sequence[int]

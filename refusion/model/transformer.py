@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .cache import KVCache, WriteSlots, storage_mask
 from .config import ModelConfig
+from .kv_cache import KVCache, WriteSlots, storage_mask
 
 
 class RMSNorm(nn.Module):
@@ -343,6 +343,13 @@ class Transformer(nn.Module):
             x = x + block.mlp(block.post_attention_layernorm(x))
         return self.model.norm(x)
 
+    @classmethod
+    def meta(cls, config: ModelConfig) -> "Transformer":
+        """The model's structure without storage (on the meta device): its state dict gives
+        every tensor's name and shape before any weight is read."""
+        with torch.device("meta"):
+            return cls(config)
+
     def new_cache(self, batch_size: int, capacity: int, reserve: int = 0) -> KVCache:
         """An empty cache for this model's shapes, dtype and device (storage for `reserve`
         rows in all, if more than batch_size: see `KVCache.grow`)."""
@@ -350,3 +357,12 @@ class Transformer(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+
+
+def stored_shapes(model: Transformer) -> dict[str, torch.Size]:
+    """Every tensor a checkpoint of this model holds, by name; a tied lm_head is not stored
+    on its own."""
+    shapes = {name: t.shape for name, t in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        del shapes["lm_head.weight"]
+    return shapes
