@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-import refusion
 from refusion.cli.main import main
 from refusion.evaluate import (
     DatasetUnavailableError,
@@ -241,8 +240,6 @@ def test_suite_task_uses_the_bundled_tasks(tmp_path):
 
 
 def test_cli_runs_a_model_with_the_task_preset(tmp_path, gsm8k_file, monkeypatch, capsys):
-    from refusion.decode.config import DecodeConfig
-
     seen = {}
 
     def fake_load(path, device="cpu", dtype=None, tensor_parallel_size=1):
@@ -253,9 +250,11 @@ def test_cli_runs_a_model_with_the_task_preset(tmp_path, gsm8k_file, monkeypatch
         seen["cfg"] = cfg
         return FakeGenerate()(prompts)
 
-    monkeypatch.setattr(refusion, "DecodeConfig", DecodeConfig, raising=False)
-    monkeypatch.setattr(refusion, "load", fake_load, raising=False)
-    monkeypatch.setattr(refusion, "generate", fake_generate, raising=False)
+    import refusion.decode.api
+    import refusion.io
+
+    monkeypatch.setattr(refusion.io, "load", fake_load, raising=False)
+    monkeypatch.setattr(refusion.decode.api, "generate", fake_generate)
     out = tmp_path / "out"
     code = main(["eval", "--task", "gsm8k", "--data", str(gsm8k_file), "--limit", "4", "--gen-length", "256",
                  "--out", str(out), "--no-progress", "--json"])
