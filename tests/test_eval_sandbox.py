@@ -12,11 +12,12 @@ import time
 
 import pytest
 
-from refusion.evaluate import get_benchmark, sandbox
-from refusion.evaluate.sandbox import (
+from refusion.evaluate import get_benchmark
+from refusion.sandbox import (
     Check,
     Isolation,
     Limits,
+    checks,
     isolation,
     run_check,
     run_checks,
@@ -29,7 +30,7 @@ F = "\ndef f(n):\n    return n + 1\n"
 TEST = "assert f(1) == 2\n"
 
 
-def run(program: str, limits: Limits = FAST, test: str = TEST) -> "sandbox.ExecResult":
+def run(program: str, limits: Limits = FAST, test: str = TEST) -> "checks.ExecResult":
     """The program (top-level code + `f`), judged by a test that calls f."""
     return run_check(Check(program=program + F, test=test, calls=("f",)), limits)
 
@@ -156,8 +157,8 @@ def test_parallel_runs_keep_order_and_one_crash_does_not_stop_the_rest():
 def guards_only(monkeypatch):
     """The weakest walls (no namespaces, no own uid), as on a machine that allows nothing
     else: the in-process guards and rlimits must still contain the usual accidents."""
-    monkeypatch.setattr(sandbox, "isolation", lambda: Isolation(sys.executable, namespaces=False, own_uid=False))
-    assert not sandbox.isolation().mounts
+    monkeypatch.setattr(checks, "isolation", lambda: Isolation(sys.executable, namespaces=False, own_uid=False))
+    assert not checks.isolation().mounts
 
 
 def test_guards_alone_block_deletes_processes_and_network(guards_only, tmp_path):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from refusion.evaluate import get_benchmark
-from refusion.evaluate.sandbox import Limits, isolation
+from refusion.sandbox import Limits, isolation
 
 pytestmark = [pytest.mark.skipif(os.name != "posix", reason="the sandbox needs POSIX"),
               pytest.mark.filterwarnings("ignore:the code sandbox has no private mount")]
@@ -168,7 +168,7 @@ def test_other_processes_secrets_are_out_of_sight(problems):
     try:
         time.sleep(0.2)
         assert SECRET in Path(f"/proc/{holder.pid}/cmdline").read_text().replace("\0", " ")  # visible to us
-        from refusion.evaluate.sandbox import Check, run_check
+        from refusion.sandbox import Check, run_check
 
         result = run_check(Check(program=READ_SECRETS, test="assert truncate_number(1.5) == 0.5\n",
                                  calls=("truncate_number",)), Limits(timeout=10.0))

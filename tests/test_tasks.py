@@ -26,7 +26,7 @@ from refusion.tasks import (
     strings,
     write_jsonl,
 )
-from refusion.tasks.sandbox import UnsafeCode, run_tests, validate
+from refusion.tasks.code_check import UnsafeCode, run_tests, validate
 
 # Changes whenever the held-out set changes. If you changed a template on
 # purpose, update it, and retrain: models trained on the old suite are

@@ -1,4 +1,5 @@
-"""Evaluation: benchmarks, answer scoring, a code sandbox, and an lm-evaluation-harness plugin.
+"""Evaluation: benchmarks, answer scoring, and an lm-evaluation-harness plugin; the code
+sandbox's names (`refusion.sandbox`) are re-exported here.
 
     from refusion.evaluate import evaluate
     summary = evaluate("gsm8k", lambda prompts: refusion.generate(model, tok, prompts, cfg),
@@ -6,17 +7,16 @@
     summary = evaluate("humaneval", predictions="completions.jsonl")   # score without a model
 """
 
+from ..sandbox import Check, ExecResult, Limits, SandboxError, run_check, run_checks
 from .benchmarks import BENCHMARKS, Benchmark, Sample, Scored, get_benchmark
 from .errors import (
     DatasetUnavailableError,
     PredictionsError,
     ResumeMismatchError,
-    SandboxError,
     UnknownTaskError,
 )
 from .report import summarize, wilson_interval
 from .runner import evaluate, read_predictions
-from .sandbox import Check, ExecResult, Limits, run_check, run_checks
 
 __all__ = [
     "BENCHMARKS",

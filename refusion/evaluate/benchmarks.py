@@ -10,16 +10,17 @@ all zero-shot with the chat template); `preset` names the authors' decoding sett
 from __future__ import annotations
 
 import hashlib
-import importlib
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..sandbox import Check, Limits, run_checks
+from ..tasks import check as check_suite_item
+from ..tasks import load_test_items as suite_items
 from . import answers, programs
 from .data import HubSource, load_hub, read_records
 from .errors import DatasetUnavailableError, UnknownTaskError
-from .sandbox import Check, Limits, run_checks
 
 
 @dataclass(frozen=True)
@@ -319,18 +320,10 @@ class Suite(Benchmark):
     name, preset, fields = "suite", None, "(the items of refusion.tasks)"
     extracts = False
 
-    def _tasks(self):
-        try:
-            return importlib.import_module("refusion.tasks")
-        except ModuleNotFoundError as e:
-            if e.name not in ("refusion.tasks", "refusion"):
-                raise
-            raise DatasetUnavailableError("suite: the bundled synthetic suite (refusion.tasks) is not installed") from e
-
     def records(self, data=None):
         if data:
             raise DatasetUnavailableError("suite: the bundled suite has no --data option; its items come with the package")
-        return list(self._tasks().load_test_items())
+        return list(suite_items())
 
     def sample(self, record, index):
         prompt = _field(record, "prompt", "query", "question")
@@ -342,7 +335,7 @@ class Suite(Benchmark):
                       {"item": record})
 
     def score_one(self, sample, output):
-        verdict = self._tasks().check(sample.data["item"], output)
+        verdict = check_suite_item(sample.data["item"], output)
         if isinstance(verdict, tuple):
             correct, extracted = verdict
             return Scored(None if extracted is None else str(extracted), bool(correct))

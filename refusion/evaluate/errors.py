@@ -15,9 +15,5 @@ class PredictionsError(ReFusionError):
     """A --predictions file is missing, unreadable, or matches none of the task's samples."""
 
 
-class SandboxError(ReFusionError):
-    """The code sandbox cannot run on this system."""
-
-
 class ResumeMismatchError(ConfigError):
     """The output directory holds a run made with other settings."""

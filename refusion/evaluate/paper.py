@@ -23,6 +23,7 @@ import random
 import re
 from typing import Any
 
+from ..sandbox import Check
 from . import benchmarks as robust
 from .benchmarks import Chat, Sample, Scored, _id
 from .paper_rules import (
@@ -42,7 +43,6 @@ from .paper_rules import (
 )
 from .programs import called_names, shared_imports
 from .runner import Completion
-from .sandbox import Check
 
 TEMPLATE_OPTIONS = (("enable_thinking", True),)  # what their eval.py passes to the chat template
 

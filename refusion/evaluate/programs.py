@@ -16,7 +16,7 @@ import builtins
 import re
 import sys
 
-from .sandbox import Check
+from ..sandbox import Check
 
 _FENCE = re.compile(r"```[ \t]*([\w+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _CODE_START = re.compile(r"^(?:def |async def |class |import |from \S+ import |@)", re.MULTILINE)

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..sandbox import Limits, isolation
 from .benchmarks import Benchmark, CodeBenchmark, Sample, Scored, get_benchmark
 from .errors import PredictionsError, ResumeMismatchError
 from .report import GENERATION_ERROR, one_line, summarize
-from .sandbox import Limits, isolation
 
 GenerateFn = Callable[[list[str]], Sequence[Any]]
 STAT_FIELDS = ("nfe", "tpf", "tokens", "wall_time", "tps")

@@ -11,7 +11,7 @@
         return total
 
 The answer holds the function name and test cases; the checker runs the
-model's code on them in the sandbox (``sandbox.run_tests``).
+model's code on them in the sandbox (``code_check.run_tests``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import random
 import re
 
 from .base import Item, strip_eos
-from .sandbox import run_tests
+from .code_check import run_tests
 from .vocab import FUNC_NAMES
 
 IND = "    "

@@ -1,4 +1,4 @@
-"""Run untrusted Python functions against test cases, in the evaluator's sandbox.
+"""Check the code family's answers: a static check of the syntax tree, then the sandbox.
 
 The code family checks a model's output by running it, and a model's output is
 arbitrary text. Two layers keep that harmless and its verdict honest:
@@ -6,8 +6,8 @@ arbitrary text. Two layers keep that harmless and its verdict honest:
 1. a static check of the syntax tree: no imports, no names or attributes starting with
    an underscore, no class/with/try/global statements, only a short list of attribute
    names (``xs.append``): the family's functions need nothing more;
-2. the one sandbox the evaluator uses for every benchmark's code
-   (``refusion.evaluate.sandbox``): the candidate runs there and only answers calls,
+2. the one code sandbox, which the evaluator uses for every benchmark's code too
+   (``refusion.sandbox``): the candidate runs there and only answers calls,
    while the tests run in a trusted checker on the plain data it returns (its own
    interpreter, namespaces and uid where the machine allows, resource limits, a
    wall-clock timeout: infinite loops count as failures, never as hangs).
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import ast
 import json
+
+from ..sandbox import Check, Limits, run_check
 
 SAFE_ATTRIBUTES = frozenset({
     "append", "extend", "insert", "pop", "remove", "index", "count", "sort", "reverse",
@@ -41,7 +43,7 @@ for args, expected in json.loads({tests!r}):
 
 
 class UnsafeCode(ValueError):
-    """The source uses a construct the sandbox does not allow."""
+    """The source uses a construct the static check does not allow."""
 
 
 def validate(source: str) -> ast.Module:
@@ -67,8 +69,6 @@ def validate(source: str) -> ast.Module:
 def run_tests(source: str, func_name: str, tests: list, timeout: float = TIMEOUT_S) -> bool:
     """True when ``source`` defines ``func_name`` and it returns the expected
     value (same type, equal) for every ``(args, expected)`` in ``tests``."""
-    from ..evaluate.sandbox import Check, Limits, run_check
-
     try:
         validate(source)
     except UnsafeCode:

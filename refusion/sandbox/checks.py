@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from .errors import SandboxError
+
 _HERE = Path(__file__).parent
 _HARNESS, _CHECKER, _WIRE = _HERE / "_harness.py", _HERE / "_checker.py", _HERE / "wire.py"
 _TAIL = 2000  # characters of stdout/stderr kept in a result
@@ -367,8 +369,6 @@ def isolation() -> Isolation:
     """Probe once which walls work here, strongest first; the weakest always works. Where
     the private namespaces are missing (a container that forbids them), say so once."""
     if os.name != "posix":
-        from .errors import SandboxError
-
         raise SandboxError("the code sandbox needs a POSIX system (Linux or macOS)")
     have_unshare = sys.platform.startswith("linux") and shutil.which("unshare") is not None
     root = os.geteuid() == 0
