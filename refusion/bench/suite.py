@@ -219,7 +219,7 @@ def sweep_runs(base: DecodeConfig, args: argparse.Namespace, with_ar: bool) -> l
 def decode_one(model, tokenizer, item, index: int, cfg: DecodeConfig, engine: EngineConfig) -> Record:
     """Decode one item alone (batch size 1); the clock covers `generate`, not the check,
     which is the evaluator's scorer of the suite (`refusion eval --task suite` scores alike)."""
-    from ..evaluate.benchmarks import get_benchmark
+    from ..evaluate.registry import get_benchmark
 
     suite = get_benchmark("suite")
     sync(model.device)

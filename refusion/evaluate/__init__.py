@@ -8,13 +8,14 @@ sandbox's names (`refusion.sandbox`) are re-exported here.
 """
 
 from ..sandbox import Check, ExecResult, Limits, SandboxError, run_check, run_checks
-from .benchmarks import BENCHMARKS, Benchmark, Sample, Scored, get_benchmark
+from .benchmarks import Benchmark, Sample, Scored
 from .errors import (
     DatasetUnavailableError,
     PredictionsError,
     ResumeMismatchError,
     UnknownTaskError,
 )
+from .registry import BENCHMARKS, PROTOCOLS, get_benchmark
 from .report import summarize, wilson_interval
 from .runner import evaluate, read_predictions
 
@@ -25,6 +26,7 @@ __all__ = [
     "DatasetUnavailableError",
     "ExecResult",
     "Limits",
+    "PROTOCOLS",
     "PredictionsError",
     "ResumeMismatchError",
     "Sample",

@@ -4,7 +4,7 @@ One class per benchmark, in the paper's order. Prompts follow what the ReFusion 
 evaluated with (lm-evaluation-harness tasks gsm8k_cot, minerva_math, mbpp,
 humaneval_instruct_noprefix, gpqa_main_generative_n_shot, arc_challenge_chat, mmlu_pro,
 all zero-shot with the chat template); `preset` names the authors' decoding settings
-(`DecodeConfig.preset`). `BENCHMARKS` is the registry the runner and the CLI use.
+(`DecodeConfig.preset`). `registry.py` holds one of each, by name and protocol.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..tasks import check as check_suite_item
 from ..tasks import load_test_items as suite_items
 from . import answers, programs
 from .data import HubSource, load_hub, read_records
-from .errors import DatasetUnavailableError, UnknownTaskError
+from .errors import DatasetUnavailableError
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Scored:
 
 class Benchmark:
     name: str = ""
-    protocol: str = "robust"  # whose rules prompt and score it (PROTOCOLS)
+    protocol: str = "robust"  # whose rules prompt and score it (registry.PROTOCOLS)
     preset: str | None = None  # DecodeConfig preset with the authors' settings
     hub: HubSource | None = None
     fields: str = ""  # the record fields we read, for error messages
@@ -119,7 +119,9 @@ class Benchmark:
         return [self.score_one(s, o) for s, o in zip(samples, outputs)]
 
 
-def _id(record: dict, key: str, task: str, index: int) -> str:
+def record_id(record: dict, key: str, task: str, index: int) -> str:
+    """A sample's stable id: the record's `key` field (the dataset's own id) when it has
+    one, else "<task>/<index>"."""
     value = record.get(key)
     return str(value) if value is not None else f"{task}/{index}"
 
@@ -134,7 +136,7 @@ class GSM8K(Benchmark):
     )
 
     def sample(self, record, index):
-        return Sample(_id(record, "id", self.name, index), index, self.template.format(question=record["question"]),
+        return Sample(record_id(record, "id", self.name, index), index, self.template.format(question=record["question"]),
                       answers.gsm8k_gold(record["answer"]))
 
     def score_one(self, sample, output):
@@ -153,7 +155,7 @@ class MATH(Benchmark):
         gold = answers.math_gold(record.get("answer"), record.get("solution"))
         if gold is None:
             raise KeyError("answer")
-        return Sample(_id(record, "unique_id", self.name, index), index, self.template.format(problem=record["problem"]), gold)
+        return Sample(record_id(record, "unique_id", self.name, index), index, self.template.format(problem=record["problem"]), gold)
 
     def score_one(self, sample, output):
         extracted = answers.extract_math_answer(output)
@@ -185,7 +187,7 @@ class ARCChallenge(MultipleChoice):
             f'Your response should end with "The best answer is [the_answer_letter]" where the '
             f"[the_answer_letter] is one of {names}."
         )
-        return Sample(_id(record, "id", self.name, index), index, prompt, gold, {"letters": letters})
+        return Sample(record_id(record, "id", self.name, index), index, prompt, gold, {"letters": letters})
 
 
 class GPQA(MultipleChoice):
@@ -208,7 +210,7 @@ class GPQA(MultipleChoice):
         letters = "ABCD"
         listed = "\n".join(f"({letter}) {text}" for letter, text in zip(letters, options))
         prompt = f"{self.description}Question: {record['Question'].strip()}\nChoices:\n{listed}\nAnswer:"
-        return Sample(_id(record, "Record ID", self.name, index), index, prompt, letters[options.index(correct)],
+        return Sample(record_id(record, "Record ID", self.name, index), index, prompt, letters[options.index(correct)],
                       {"letters": letters, "options": options})
 
 
@@ -233,7 +235,7 @@ class MMLUPro(MultipleChoice):
             f'your answer with "the answer is (X)" where X is the correct letter choice.\n\n'
             f"Question:\n{record['question']}\nOptions:\n{listed}\nAnswer: Let's think step by step."
         )
-        return Sample(_id(record, "question_id", self.name, index), index, prompt, gold, {"letters": letters})
+        return Sample(record_id(record, "question_id", self.name, index), index, prompt, gold, {"letters": letters})
 
 
 # ------------------------------------------------------------------------------- code
@@ -278,7 +280,7 @@ class HumanEval(CodeBenchmark):
 
     def sample(self, record, index):
         problem = {k: record[k] for k in ("prompt", "test", "entry_point")}
-        return Sample(_id(record, "task_id", self.name, index), index, self.template.format(prompt=record["prompt"]),
+        return Sample(record_id(record, "task_id", self.name, index), index, self.template.format(prompt=record["prompt"]),
                       record.get("canonical_solution"), problem)
 
     def program(self, sample, output):
@@ -303,7 +305,7 @@ class MBPP(CodeBenchmark):
         data = {"test_list": tests, "test_setup_code": record.get("test_setup_code") or "",
                 "test_imports": list(record.get("test_imports") or [])}
         prompt = self.template.format(text=text, tests="\n".join(tests[:3]))
-        return Sample(_id(record, "task_id", self.name, index), index, prompt, record.get("code"), data)
+        return Sample(record_id(record, "task_id", self.name, index), index, prompt, record.get("code"), data)
 
     def extract(self, sample, output):
         return programs.extract_code(output)
@@ -348,25 +350,3 @@ def _field(item, *names):
         if value is not None:
             return value
     return None
-
-
-BENCHMARKS: dict[str, Benchmark] = {
-    b.name: b for b in (GSM8K(), MATH(), MBPP(), HumanEval(), GPQA(), ARCChallenge(), MMLUPro(), Suite())
-}
-# robust: our prompts and lenient answer extraction, the same for every model; paper: the
-# authors' evaluation as they ran it (paper.py)
-PROTOCOLS = ("robust", "paper")
-
-
-def get_benchmark(name: str, protocol: str = "robust") -> Benchmark:
-    if protocol not in PROTOCOLS:
-        raise UnknownTaskError(f"unknown protocol {protocol!r}; known: {', '.join(PROTOCOLS)}")
-    if name not in BENCHMARKS:
-        raise UnknownTaskError(f"unknown task {name!r}; known: {', '.join(BENCHMARKS)}")
-    if protocol == "robust":
-        return BENCHMARKS[name]
-    from .paper import PAPER_BENCHMARKS
-
-    if name not in PAPER_BENCHMARKS:
-        raise UnknownTaskError(f"{name} has no {protocol} protocol (it is ours, not the paper's): use --protocol robust")
-    return PAPER_BENCHMARKS[name]

@@ -25,7 +25,8 @@ from typing import Any
 
 from ..sandbox import Check
 from . import benchmarks as robust
-from .benchmarks import Chat, Sample, Scored, _id
+from .benchmarks import Chat, Sample, Scored, record_id
+from .completion import Completion
 from .paper_rules import (
     INVALID,
     exact_match,
@@ -42,7 +43,6 @@ from .paper_rules import (
     sanitize_reachable,
 )
 from .programs import called_names, shared_imports
-from .runner import Completion
 
 TEMPLATE_OPTIONS = (("enable_thinking", True),)  # what their eval.py passes to the chat template
 
@@ -96,7 +96,7 @@ class GSM8K(PaperScored, robust.GSM8K):
     def sample(self, record, index):
         user = self.template.format(question=record["question"])
         gold = record["answer"].split("####")[-1].strip()
-        return Sample(_id(record, "id", self.name, index), index, user, gold, request=self.chat(user))
+        return Sample(record_id(record, "id", self.name, index), index, user, gold, request=self.chat(user))
 
     def measure(self, sample, output):
         strict = regex_extract(output, r"The answer is (\-?[0-9\.\,]+).")
@@ -121,7 +121,7 @@ class MATH(PaperScored, robust.MATH):
         boxed = last_boxed_only_string(solution) if solution else None
         gold = normalize_final_answer(remove_boxed(boxed) if boxed else record["answer"])
         user = "Problem:" + "\n" + record["problem"] + "\n\n" + "Solution:"
-        return Sample(_id(record, "unique_id", self.name, index), index, user, gold, request=self.chat(user))
+        return Sample(record_id(record, "unique_id", self.name, index), index, user, gold, request=self.chat(user))
 
     def measure(self, sample, output):
         stated = minerva_answer(output)
@@ -152,7 +152,7 @@ class ARCChallenge(PaperScored, robust.ARCChallenge):
         user = self.template.format(question=record["question"].strip(), a=texts[0], b=texts[1], c=texts[2], d=d)
         key = str(record["answerKey"])
         gold = "ABCD"[int(key) - 1] if key in "1234" else key
-        return Sample(_id(record, "id", self.name, index), index, user, gold, request=self.chat(user))
+        return Sample(record_id(record, "id", self.name, index), index, user, gold, request=self.chat(user))
 
     def measure(self, sample, output):
         answer = output.lstrip()
@@ -196,7 +196,7 @@ class GPQA(PaperScored, robust.GPQA):
         gold = f"({'ABCD'[options.index(correct)]})"
         listed = "".join(f"({letter}) {text}\n" for letter, text in zip("ABCD", options))
         user = f"Question: {record['Question']}\nChoices:\n{listed}Answer:"
-        return Sample(_id(record, "Record ID", self.name, index), index, user, gold, {"options": options},
+        return Sample(record_id(record, "Record ID", self.name, index), index, user, gold, {"options": options},
                       request=self.chat(user))
 
     def measure(self, sample, output):
@@ -224,7 +224,7 @@ class MMLUPro(PaperScored, robust.MMLUPro):
         if gold not in tuple("ABCDEFGHIJ"):
             gold = "ABCDEFGHIJ"[int(record["answer_index"])]
         system = self.description.format(subject=record["category"])
-        return Sample(_id(record, "question_id", self.name, index), index, user, gold, request=self.chat(user, system))
+        return Sample(record_id(record, "question_id", self.name, index), index, user, gold, request=self.chat(user, system))
 
     def measure(self, sample, output):
         got = regex_extract(output, r"answer is \(?([ABCDEFGHIJ])\)?")
@@ -301,8 +301,4 @@ def finish_output(out: Any, chat: Chat, tokenizer: Any) -> Completion:
     return Completion(finish(raw, chat.until, tokenizer), out.stats)
 
 
-PAPER_BENCHMARKS: dict[str, robust.Benchmark] = {
-    b.name: b for b in (GSM8K(), MATH(), MBPP(), HumanEval(), GPQA(), ARCChallenge(), MMLUPro())
-}
-
-__all__ = ["PAPER_BENCHMARKS", "TEMPLATE_OPTIONS", "finish", "finish_output"]
+__all__ = ["TEMPLATE_OPTIONS", "finish", "finish_output"]

@@ -27,28 +27,13 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..sandbox import Limits, isolation
-from .benchmarks import Benchmark, CodeBenchmark, Sample, Scored, get_benchmark
+from .benchmarks import Benchmark, CodeBenchmark, Sample, Scored
+from .completion import Completion, as_completion
 from .errors import PredictionsError, ResumeMismatchError
+from .registry import get_benchmark
 from .report import GENERATION_ERROR, one_line, summarize
 
 GenerateFn = Callable[[list[str]], Sequence[Any]]
-STAT_FIELDS = ("nfe", "tpf", "tokens", "wall_time", "tps")
-
-
-@dataclasses.dataclass
-class Completion:
-    text: str
-    stats: dict | None = None
-    error: str | None = None  # why there is no output (the sample counts as wrong)
-
-
-def _as_completion(output: Any) -> Completion:
-    if isinstance(output, str):
-        return Completion(output)
-    stats = getattr(output, "stats", None)
-    if stats is not None and not isinstance(stats, dict):
-        stats = {k: getattr(stats, k, None) for k in STAT_FIELDS}
-    return Completion(output.text, stats)
 
 
 # ------------------------------------------------------------------------ predictions
@@ -321,7 +306,7 @@ def _from_generate(generate_fn: GenerateFn) -> Callable[[list[Sample]], list[Com
             return [c for s in batch for c in complete([s])]
         if len(outputs) != len(batch):
             raise ValueError(f"generate_fn returned {len(outputs)} outputs for {len(batch)} prompts")
-        return [_as_completion(o) for o in outputs]
+        return [as_completion(o) for o in outputs]
 
     return complete
 

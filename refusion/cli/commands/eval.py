@@ -29,11 +29,11 @@ EPILOG = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ...evaluate.benchmarks import BENCHMARKS, PROTOCOLS
+    from ...evaluate.registry import PROTOCOLS, task_names
 
     parser.add_argument("model", nargs="?", default=None,
                         help="checkpoint directory or hub id (default: the bundled model)")
-    parser.add_argument("--task", required=True, choices=list(BENCHMARKS), help="benchmark")
+    parser.add_argument("--task", required=True, choices=task_names(), help="benchmark")
     parser.add_argument("--protocol", choices=PROTOCOLS, default="robust",
                         help="robust (default): our prompts and lenient answer extraction; paper: the authors' "
                              "evaluation as they ran it (their prompts, pre-fills, stop strings, filters and metrics)")
