@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 from test_serve_hostile import Process  # noqa: E402
 
 from refusion.io.checkpoint import BUNDLED_DIR  # noqa: E402
-from refusion.serve.replicas import Replicas, merge_metrics  # noqa: E402
+from refusion.serve.replicas import ReplicaPool, merge_metrics  # noqa: E402
 
 CHAT = [{"role": "user", "content": "Reverse the words: red green blue"}]
 
@@ -49,7 +49,7 @@ def _gone(pid: int) -> bool:
 
 
 def test_least_loaded_takes_the_request_and_a_tie_goes_to_the_first():
-    reps = Replicas([SimpleNamespace(index=i, in_flight=n, alive=True) for i, n in enumerate((2, 1, 1))], "/nonexistent")
+    reps = ReplicaPool([SimpleNamespace(index=i, in_flight=n, alive=True) for i, n in enumerate((2, 1, 1))], "/nonexistent")
     assert reps.pick().index == 1
     reps.all[1].in_flight = 3
     assert reps.pick().index == 2

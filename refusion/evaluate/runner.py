@@ -75,7 +75,7 @@ def read_predictions(path: str | os.PathLike) -> tuple[dict[str, str], dict[int,
 
 # -------------------------------------------------------------------------- results
 @dataclasses.dataclass(frozen=True)
-class Replicas:
+class ReplicaShare:
     """How this process shares a run with `count` replicas (data parallelism). `claim()`
     returns the next unclaimed chunk number of the run, shared by all replicas (each
     chunk is batch_size samples of the dataset's order), so that a replica with short
@@ -185,7 +185,7 @@ def evaluate(
     overwrite: bool = False,
     progress: bool = True,
     samples: Sequence[Sample] | None = None,
-    replicas: Replicas | None = None,
+    replicas: ReplicaShare | None = None,
 ) -> dict:
     """Evaluate `generate_fn` (or a predictions file) on a benchmark; returns the summary.
 
@@ -193,7 +193,7 @@ def evaluate(
     match them. `samples` overrides loading (tests, custom subsets). With `replicas`,
     this process evaluates its share and the first replica's summary covers them all.
     """
-    part = replicas or Replicas()
+    part = replicas or ReplicaShare()
     bench = get_benchmark(task) if isinstance(task, str) else task
     if (generate_fn is None) == (predictions is None):
         raise ValueError("pass exactly one of generate_fn and predictions")

@@ -95,7 +95,7 @@ class FrontMetrics(Registry):
                                     labels=("replica",))
 
 
-class Replicas:
+class ReplicaPool:
     """The replica processes: started together, ready together, stopped together."""
 
     def __init__(self, replicas: list[Replica], root: str, api_key: str | None = None) -> None:
@@ -162,7 +162,7 @@ class Replicas:
 
 
 def start_replicas(argv: list[str], size: int, tensor_parallel_size: int = 1, device: str = "cpu",
-                   api_key: str | None = None) -> Replicas:
+                   api_key: str | None = None) -> ReplicaPool:
     """Start `size` replicas of the `refusion serve` that `argv` (its arguments after
     `refusion`) describes, each on a socket of its own, with this machine's cores (or
     GPUs, `tensor_parallel_size` each) shared between them."""
@@ -180,7 +180,7 @@ def start_replicas(argv: list[str], size: int, tensor_parallel_size: int = 1, de
         cmd = [sys.executable, "-m", "refusion.cli", *argv, "--data-parallel-size", "1", "--replica-socket", path]
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_end_with_parent)
         replicas.append(Replica(i, path, proc))
-    return Replicas(replicas, root, api_key)
+    return ReplicaPool(replicas, root, api_key)
 
 
 def _gpus_per_replica(device: str, size: int, tensor_parallel_size: int) -> list[list[str]] | None:
@@ -212,7 +212,7 @@ def _end_with_parent() -> None:
 
 
 # ---------------------------------------------------------------------------- the front
-def create_front(replicas: Replicas, model_name: str, shutdown_timeout: float = 30.0) -> FastAPI:
+def create_front(replicas: ReplicaPool, model_name: str, shutdown_timeout: float = 30.0) -> FastAPI:
     """The HTTP front over started, ready replicas."""
 
     @asynccontextmanager
@@ -264,7 +264,7 @@ def create_front(replicas: Replicas, model_name: str, shutdown_timeout: float = 
     return app
 
 
-async def _watch(replicas: Replicas, app: FastAPI, every: float = 1.0) -> None:
+async def _watch(replicas: ReplicaPool, app: FastAPI, every: float = 1.0) -> None:
     """Stop the front when every replica has exited on its own (a supervisor then sees
     the front exit, and can start it again, instead of a front answering 503 for ever)."""
     while True:
@@ -308,7 +308,7 @@ def _response_headers(answer: httpx.Response) -> dict[str, str]:
     return {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP | OWN}
 
 
-async def _pass_on(request: Request, replicas: Replicas) -> Response:
+async def _pass_on(request: Request, replicas: ReplicaPool) -> Response:
     """Send the request to the least-loaded replica and its answer back, as it comes."""
     from .app import authorised, read_body, unauthorised
 

@@ -134,14 +134,14 @@ def _replicas(model):
     """This process's share of the run: the replicas' shared claims on chunks of samples,
     whether it writes (the first rank of its tensor-parallel group: the others follow its
     claims) and merges (the first of all)."""
-    from ...evaluate.runner import Replicas
+    from ...evaluate.runner import ReplicaShare
     from ...parallel import barrier, is_main, replica_claims
 
     share = replica_claims(model)
     if share is None:
         return None
     count, claim, leads = share
-    return Replicas(count, claim, writes=leads, first=is_main(), barrier=barrier)
+    return ReplicaShare(count, claim, writes=leads, first=is_main(), barrier=barrier)
 
 
 def _run_name(bench) -> str:
