@@ -212,7 +212,7 @@ def make_hf_dir(
 def model_dir(make_hf_dir: Callable[..., Path], tmp_path: Path) -> Path:
     """A tiny random Qwen3 checkpoint converted by `refusion convert` (MASK added), with
     the tiny tokenizer: what a user's converted model directory looks like."""
-    from refusion.io.checkpoint import convert
+    from refusion.io import convert
 
     out = tmp_path / "rf"
     convert(make_hf_dir("qwen3"), out)

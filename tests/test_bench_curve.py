@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from refusion.cli.main import main
-from refusion.io.checkpoint import BUNDLED_DIR
+from refusion.io import BUNDLED_DIR
 
 pytest.importorskip("matplotlib")
 

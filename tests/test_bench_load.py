@@ -9,7 +9,7 @@ import torch
 
 from refusion.bench.load import SHAPES, write_random_checkpoint
 from refusion.cli.main import main
-from refusion.io.checkpoint import load
+from refusion.io import load
 from refusion.model.config import ModelConfig
 
 

@@ -17,7 +17,7 @@ from refusion.bench import suite
 from refusion.bench.aup import aup, aup_weight
 from refusion.cli.main import main
 from refusion.decode.recommended import Recommended
-from refusion.io.checkpoint import BUNDLED_DIR
+from refusion.io import BUNDLED_DIR
 
 TINY = ["--gen-length", "16", "--slot-size", "8", "--serial-blocks", "1", "--mdm-block-length", "16", "--chunk", "2"]
 

@@ -10,7 +10,7 @@ import torch
 import refusion
 from refusion.cli.main import main
 from refusion.errors import CheckpointError
-from refusion.io.checkpoint import BUNDLED_DIR, BUNDLED_ROOT, bundled_names
+from refusion.io import BUNDLED_DIR, BUNDLED_ROOT, bundled_names
 from refusion.tasks import check, load_test_items
 
 

@@ -14,14 +14,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import refusion
 from refusion.errors import CheckpointError, ConfigError, UnsupportedArchitectureError
-from refusion.io import checkpoint
-from refusion.io.checkpoint import (
-    MASK_TOKEN,
+from refusion.io import (
     add_mask_token,
     convert,
+    dtypes,
     load,
+    resolve,
+    save,
     save_pretrained,
 )
+from refusion.model.prompts import MASK_TOKEN
 
 FAMILIES = ["llama", "llama3", "qwen2", "qwen3"]
 
@@ -300,7 +302,7 @@ def test_dtype_the_device_cannot_run(make_hf_dir, monkeypatch):
     """The config's dtype falls back to float32; an explicit one is an error."""
     path = make_hf_dir("qwen3")
     edit_json(path / "config.json", torch_dtype="bfloat16", dtype="bfloat16")
-    monkeypatch.setattr(checkpoint, "_device_runs", lambda device, dtype: dtype == torch.float32)
+    monkeypatch.setattr(dtypes, "_device_runs", lambda device, dtype: dtype == torch.float32)
     assert load(path)[0].dtype == torch.float32
     with pytest.raises(ConfigError, match="cannot run"):
         load(path, dtype="bfloat16")
@@ -319,7 +321,7 @@ def test_hub_id_offline_says_how_to_load_locally(monkeypatch):
 
 
 def test_missing_bundled_model(monkeypatch, tmp_path):
-    monkeypatch.setattr(checkpoint, "BUNDLED_DIR", tmp_path / "refusion-tiny")
+    monkeypatch.setattr(resolve, "BUNDLED_DIR", tmp_path / "refusion-tiny")
     with pytest.raises(CheckpointError, match="bundled"):
         load()
 
@@ -337,7 +339,7 @@ def failing_writer(*_args, **_kwargs):
 
 def test_failed_save_leaves_no_output_dir(make_hf_dir, tmp_path, monkeypatch):
     model, tokenizer = load(make_hf_dir("qwen3"))
-    monkeypatch.setattr(checkpoint, "_write_weights", failing_writer)
+    monkeypatch.setattr(save, "_write_weights", failing_writer)
     out = tmp_path / "parent" / "out"
     with pytest.raises(CheckpointError, match="No space left"):
         save_pretrained(model, tokenizer, out)
@@ -346,7 +348,7 @@ def test_failed_save_leaves_no_output_dir(make_hf_dir, tmp_path, monkeypatch):
 
 def test_failed_convert_leaves_no_output_dir(make_hf_dir, tmp_path, monkeypatch):
     base = make_hf_dir("llama")
-    monkeypatch.setattr(checkpoint, "_write_weights", failing_writer)
+    monkeypatch.setattr(save, "_write_weights", failing_writer)
     with pytest.raises(CheckpointError):
         convert(base, tmp_path / "out")
     assert not (tmp_path / "out").exists() and no_leftovers(tmp_path)
@@ -362,7 +364,7 @@ def test_convert_refuses_a_non_empty_output_unless_overwriting(make_hf_dir, tmp_
     (out / "keep.txt").write_text("mine")
     with pytest.raises(CheckpointError, match="not empty"):
         convert(base, out)
-    monkeypatch.setattr(checkpoint, "_write_weights", failing_writer)
+    monkeypatch.setattr(save, "_write_weights", failing_writer)
     with pytest.raises(CheckpointError):
         convert(base, out, overwrite=True)
     assert (out / "keep.txt").read_text() == "mine"  # a failed overwrite keeps the old content

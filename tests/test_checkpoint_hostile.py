@@ -20,8 +20,8 @@ from transformers import AutoTokenizer
 
 from refusion.cli.main import EXIT_BROKEN_PIPE, main
 from refusion.errors import CheckpointError, UnsupportedArchitectureError
-from refusion.io import checkpoint
-from refusion.io.checkpoint import convert, describe, load, save_pretrained
+from refusion.io import convert, describe, load, loading, save, save_pretrained
+from refusion.io import staging as staging_dirs
 from refusion.model.config import ModelConfig
 
 
@@ -120,7 +120,7 @@ def test_info_refuses_a_tensor_of_the_wrong_shape(make_hf_dir, capsys):
 
 def test_describe_reads_headers_but_no_weights(make_hf_dir, monkeypatch):
     path = make_hf_dir("qwen3")
-    monkeypatch.setattr(checkpoint, "_read_tensors", lambda *a, **k: pytest.fail("describe read the weights"))
+    monkeypatch.setattr(loading, "read_tensors", lambda *a, **k: pytest.fail("describe read the weights"))
     assert describe(path)["parameters"] > 0
 
 
@@ -227,7 +227,7 @@ def dead_pid() -> int:
 
 
 def fake_staging(parent: Path, target: str, pid: int, host: str | None = None, size: int = 1000) -> Path:
-    host = host or checkpoint._writer_tag().rsplit("-", 1)[0]
+    host = host or staging_dirs._writer_tag().rsplit("-", 1)[0]
     d = parent / f".{target}.partial-{host}-{pid}-0123abcd"
     (d / "sub").mkdir(parents=True)
     (d / "model.safetensors").write_bytes(b"\0" * size)
@@ -242,7 +242,7 @@ def test_staging_names_carry_the_writer(tiny_model, tmp_path, monkeypatch):
         seen.append(directory)
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint, "_write_weights", fail)
+    monkeypatch.setattr(save, "_write_weights", fail)
     with pytest.raises(CheckpointError, match="disk full"):
         save_pretrained(tiny_model, None, tmp_path / "out")
     (staging,) = seen
@@ -253,11 +253,11 @@ def test_staging_names_carry_the_writer(tiny_model, tmp_path, monkeypatch):
 
 def test_a_dead_writers_staging_is_removed_on_the_next_save(tiny_model, tmp_path, caplog):
     stale = fake_staging(tmp_path, "out", dead_pid(), size=300_000)
-    with caplog.at_level(logging.WARNING, logger="refusion.io.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="refusion.io.staging"):
         save_pretrained(tiny_model, None, tmp_path / "out")
     assert not stale.exists()
     assert (tmp_path / "out" / "model.safetensors").is_file()
-    (record,) = [r for r in caplog.records if r.name == "refusion.io.checkpoint"]
+    (record,) = [r for r in caplog.records if r.name == "refusion.io.staging"]
     message = record.getMessage()
     assert "\n" not in message
     assert "removed 1 staging folder of" in message and str(tmp_path / "out") in message and "0.6 MB" in message
@@ -278,7 +278,7 @@ def test_live_foreign_and_other_targets_staging_stay(tiny_model, tmp_path, caplo
         gone = fake_staging(tmp_path, "out", dead)
         (tmp_path / ".out.partial-abc12345").mkdir()  # no writer in the name: cannot be judged
         keep.append(tmp_path / ".out.partial-abc12345")
-        with caplog.at_level(logging.WARNING, logger="refusion.io.checkpoint"):
+        with caplog.at_level(logging.WARNING, logger="refusion.io.staging"):
             save_pretrained(tiny_model, None, tmp_path / "out")
         assert all(p.is_dir() for p in keep) and not gone.exists()
         assert len([r for r in caplog.records if "removed 1 staging folder" in r.getMessage()]) == 1
@@ -294,9 +294,9 @@ def test_convert_removes_a_dead_writers_staging(make_hf_dir, tmp_path):
 
 
 def test_nothing_to_remove_logs_nothing(tiny_model, tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="refusion.io.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="refusion.io.staging"):
         save_pretrained(tiny_model, None, tmp_path / "out")
-    assert not [r for r in caplog.records if r.name == "refusion.io.checkpoint"]
+    assert not [r for r in caplog.records if r.name == "refusion.io.staging"]
 
 
 # ---------------------------------------------------------------------------- a closed stdout

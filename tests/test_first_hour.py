@@ -13,7 +13,7 @@ from refusion.decode import DecodeConfig, Engine
 from refusion.decode.recommended import FILE, Recommended, recommended_of
 from refusion.errors import CheckpointError, ConfigError, ContextLengthError
 from refusion.evaluate import evaluate, get_benchmark
-from refusion.io.checkpoint import describe, save_pretrained
+from refusion.io import describe, save_pretrained
 
 
 # ------------------------------------------------------------------ decode_config.json

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 import refusion
 from refusion import ModelConfig, Transformer
-from refusion.io import checkpoint
+from refusion.io import describe, save_pretrained
 
 FAMILIES = ["llama", "llama3", "qwen2", "qwen3"]
 
@@ -153,7 +153,7 @@ def test_smollm2_greedy_continuation_matches_transformers(smollm, chat_prompt):
 def test_smollm2_saved_copy_loads_in_transformers(smollm, chat_prompt, tmp_path):
     """GGUF in, plain Hugging Face checkpoint out (what `refusion convert x.gguf` writes)."""
     ours, theirs, tokenizer = smollm
-    checkpoint.save_pretrained(ours, tokenizer, tmp_path / "smollm2")
+    save_pretrained(ours, tokenizer, tmp_path / "smollm2")
     config = json.loads((tmp_path / "smollm2" / "config.json").read_text())
     assert "quantization_config" not in config
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "smollm2").eval()
@@ -167,7 +167,7 @@ def test_smollm2_saved_copy_loads_in_transformers(smollm, chat_prompt, tmp_path)
 @pytest.mark.slow
 def test_smollm2_describe_reads_the_gguf_metadata(smollm):
     _, theirs, _ = smollm
-    info = checkpoint.describe(_gguf_file())
+    info = describe(_gguf_file())
     assert info["parameters"] == theirs.num_parameters()
     assert (info["model_type"], info["vocab_size"], info["context_length"]) == ("llama", 49152, 8192)
     assert info["mask_token_id"] is None and info["tokenizer_size"] == 49152

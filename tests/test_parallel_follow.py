@@ -13,7 +13,7 @@ import time
 import pytest
 
 import refusion
-from refusion.io.checkpoint import BUNDLED_DIR
+from refusion.io import BUNDLED_DIR
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")

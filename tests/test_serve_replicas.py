@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai")
 
 from test_serve_hostile import Process  # noqa: E402
 
-from refusion.io.checkpoint import BUNDLED_DIR  # noqa: E402
+from refusion.io import BUNDLED_DIR  # noqa: E402
 from refusion.serve.replicas import ReplicaPool, merge_metrics  # noqa: E402
 
 CHAT = [{"role": "user", "content": "Reverse the words: red green blue"}]

@@ -17,7 +17,7 @@ from test_objective import naive_example
 
 from refusion import cli
 from refusion.errors import ConfigError, MissingMaskTokenError
-from refusion.io.checkpoint import load
+from refusion.io import load
 from refusion.train import TrainConfig, init_weights, list_checkpoints, train
 from refusion.train.dataset import DataError, load_dataset
 from refusion.train.objective import IGNORE, ObjectiveConfig, draw_slots

@@ -20,7 +20,7 @@ from test_train import REPO, scratch_cfg
 
 from refusion import cli
 from refusion.errors import ConfigError
-from refusion.io.checkpoint import load, load_metadata
+from refusion.io import load, load_metadata
 from refusion.train import TrainConfig, lr_factor, train
 
 # test_train's fixtures: one thread and a fresh accelerate per test, the tiny model and copy data

@@ -88,7 +88,7 @@ def base_model(run: Path, given: str | None) -> str | None:
     """What step 0 is: --base, else the --model the run was started from (none given: the
     bundled model; a run from --init-config has no step 0). None, with a note, when it
     cannot be found from here."""
-    from ..io.checkpoint import load_metadata
+    from ..io import load_metadata
 
     if given:
         return given
@@ -118,7 +118,7 @@ def _fingerprint(path: Path | str) -> int | None:
 
 def decode_all(path: str | Path, items, cfg, device: str, dtype: str | None, desc: str) -> dict[str, Any]:
     from ..decode import EngineConfig
-    from ..io.checkpoint import load
+    from ..io import load
 
     model, tokenizer = load(path, device=device, dtype=dtype)
     engine = EngineConfig(max_batch_size=1)

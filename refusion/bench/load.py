@@ -86,7 +86,7 @@ def write_random_checkpoint(directory: Path, config, max_shard_bytes: int | None
     import torch
     from safetensors.torch import save_file
 
-    from ..io.checkpoint import MAX_SHARD_BYTES, shard_plan, write_index
+    from ..io import MAX_SHARD_BYTES, shard_plan, write_index
     from ..model.transformer import Transformer, stored_shapes
 
     directory.mkdir(parents=True, exist_ok=True)

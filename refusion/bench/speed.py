@@ -104,10 +104,10 @@ def load_model(spec: str | None, device: str, dtype: str | None) -> tuple[Transf
     """(model, tokenizer) for a checkpoint path / hub id / None (bundled), or `random:NAME`
     (tokenizer None: prompts then come from the bundled tokenizer's ids)."""
     if spec and spec.startswith("random:"):
-        from ..io.checkpoint import parse_dtype
+        from ..io import parse_dtype
 
         return random_model(spec.split(":", 1)[1], device, parse_dtype(dtype, torch.device(device))), None
-    from ..io.checkpoint import load
+    from ..io import load
 
     return load(spec, device=device, dtype=dtype)
 
@@ -136,7 +136,7 @@ def suite_prompt_ids(tokenizer: Any, n: int) -> list[list[int]]:
     """Chat-templated ids of n suite prompts; a model without a tokenizer borrows the
     bundled one (its ids are small, so they are valid in any larger vocabulary)."""
     if tokenizer is None:
-        from ..io.checkpoint import load_metadata
+        from ..io import load_metadata
 
         tokenizer = load_metadata(None)[1]
     return [encode_prompt(tokenizer, p) for p in bench_prompts(n)]

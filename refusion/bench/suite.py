@@ -116,7 +116,7 @@ def select_items(limit: int | None, families: str | None) -> list:
 def resolve_ar_model(given: str | None) -> tuple[str | None, str | None]:
     """(what to load for the AR baseline, or None with a note saying why it is skipped).
     A path the user names must exist: a typo should not silently drop the baseline row."""
-    from ..io.checkpoint import BUNDLED_PREFIX, bundled_names
+    from ..io import BUNDLED_PREFIX, bundled_names
 
     if given is None:
         if DEFAULT_AR_MODEL[len(BUNDLED_PREFIX):] in bundled_names():
@@ -425,7 +425,7 @@ def run(args: argparse.Namespace) -> int:
 
     models = {"refusion": load_from_args(args)}
     if ar_path is not None:
-        from ..io.checkpoint import load
+        from ..io import load
 
         models["ar"] = load(ar_path, device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size or 1)
     main = is_main()

@@ -101,7 +101,7 @@ def _model(args: argparse.Namespace, device: torch.device) -> Transformer:
         torch.manual_seed(args.seed)
         model = init_weights(Transformer(config))
     else:
-        from ..io.checkpoint import load
+        from ..io import load
 
         model, _ = load(args.model, device="cpu", dtype="float32")
     model.gradient_checkpointing = args.gradient_checkpointing

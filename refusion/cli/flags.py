@@ -94,7 +94,7 @@ def engine_config_from_args(args: argparse.Namespace, base: EngineConfig | None 
 
 
 def load_from_args(args: argparse.Namespace):
-    from ..io.checkpoint import load
+    from ..io import load
 
     return load(args.model, device=args.device, dtype=args.dtype,
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", None) or 1)

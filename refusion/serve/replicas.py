@@ -461,7 +461,7 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def served_name(args: argparse.Namespace) -> str:
     """The model id clients use: --served-model-name, else the model directory's name."""
-    from ..io.checkpoint import BUNDLED_PREFIX
+    from ..io import BUNDLED_PREFIX
 
     if args.served_model_name:
         return args.served_model_name

@@ -79,7 +79,7 @@ def drop_tied_copies(models: list, weights: list[dict[str, Any]], output_dir: st
     output matrix, stored once as in the model directory (`checkpoint.drop_tied_head`);
     loading the state ties it again. Under FSDP and DeepSpeed, which save the model
     themselves, `weights` is empty."""
-    from ..io.checkpoint import drop_tied_head
+    from ..io import drop_tied_head
 
     for state in weights:
         drop_tied_head(state)
@@ -108,7 +108,7 @@ class Checkpoints:
         return self._load(ckpts[-1])
 
     def save(self, model: Any, step: int, samples: int) -> Path:
-        from ..io.checkpoint import save_pretrained
+        from ..io import save_pretrained
 
         root = self.out / "checkpoints"
         final = root / f"step-{step:08d}"
@@ -134,7 +134,7 @@ class Checkpoints:
         """The final model into OUT itself, next to checkpoints/ and the logs: written whole
         into a temporary directory, then its files moved in, config.json last (a reader
         that finds config.json finds a complete model)."""
-        from ..io.checkpoint import save_pretrained
+        from ..io import save_pretrained
 
         hf = self._hf_model(model)
         if self.main:

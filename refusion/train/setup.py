@@ -61,7 +61,7 @@ def load_model_and_tokenizer(cfg: TrainConfig) -> tuple[Transformer, Any]:
         model = init_weights(Transformer(config), float(config.extra.get("initializer_range", 0.02)))
         model = model.to(dtype)
     else:
-        from ..io.checkpoint import load
+        from ..io import load
 
         model, tokenizer = load(cfg.model, device="cpu", dtype=dtype)
         if cfg.tokenizer is not None:
@@ -74,7 +74,7 @@ def load_model_and_tokenizer(cfg: TrainConfig) -> tuple[Transformer, Any]:
                 f"{cfg.model or cfg.init_config} has no MASK token (<|mask|>), which the refusion objective "
                 "needs: run `refusion convert` on it first, or pass --add-mask-token to add it here"
             )
-        from ..io.checkpoint import add_mask_token
+        from ..io import add_mask_token
 
         add_mask_token(model, tokenizer)
     return model, tokenizer

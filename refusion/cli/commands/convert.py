@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...io.checkpoint import convert, load_metadata
+    from ...io import convert, load_metadata
 
     had_mask = load_metadata(args.base)[0].mask_token_id is not None
     mask_id = convert(args.base, args.out, device=args.device, dtype=args.dtype, overwrite=args.force)

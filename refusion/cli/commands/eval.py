@@ -151,7 +151,7 @@ def _run_name(bench) -> str:
 def _show_prompt(args: argparse.Namespace, bench) -> int:
     """Print document N's input as the model gets it, chat template applied, with what
     the protocol does after generation; reads the tokenizer, not the weights."""
-    from ...io.checkpoint import load_metadata
+    from ...io import load_metadata
     from ...model.prompts import prompt_text
 
     n = args.show_prompt

@@ -71,7 +71,7 @@ def _load(args: argparse.Namespace):
 
 def print_examples(args: argparse.Namespace) -> int:
     """The checkpoint's example prompts, one command per line, ready to paste."""
-    from ...io.checkpoint import describe
+    from ...io import describe
 
     examples = describe(args.model)["recommended"].get("examples") or {}
     if not examples:

@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...io.checkpoint import describe
+    from ...io import describe
 
     info = describe(args.model)
     if (args.batch_size is None) != (args.context is None):
@@ -43,7 +43,7 @@ def _memory(args: argparse.Namespace, info: dict[str, Any]) -> list[dict[str, An
     """The plan for AR rows and for ReFusion requests with the checkpoint's settings."""
     from ...decode.config import DecodeConfig
     from ...errors import ConfigError
-    from ...io.checkpoint import DTYPES, load_metadata
+    from ...io import DTYPES, load_metadata
     from ...model.sizing import memory_plan
     from ...parallel import check_divisible
 

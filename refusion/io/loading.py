@@ -1,0 +1,108 @@
+"""Checkpoints in: `load` accepts a local model directory, a hub id, a `.gguf` file or a
+bundled model and returns our `Transformer` plus the tokenizer; `load_metadata` and
+`describe` (what `refusion info` prints) read the same checkpoints without their weights.
+
+The entry points only: what a name points to, the checks and the reading of each format
+live in the modules beside this one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..decode.recommended import Recommended
+from ..errors import ConfigError
+from ..model.config import ModelConfig
+from ..model.tensor_parallel import local_config, make_row_parallel, slice_of
+from ..model.transformer import Transformer, stored_shapes
+from ..parallel.launch import tensor_shard
+from .dtypes import check_device, config_dtype, parse_dtype
+from .gguf import gguf_metadata, load_gguf
+from .metadata import read_metadata
+from .resolve import PathLike, resolve_source
+from .weights import checked_headers, fill_model, read_tensors
+
+
+def load(
+    path: PathLike | None = None,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+    tensor_parallel_size: int = 1,
+) -> tuple[Transformer, Any]:
+    """Load a model and its tokenizer.
+
+    path: a local Hugging Face model directory (config.json + model.safetensors, or
+    shards with model.safetensors.index.json), a hub id (downloaded with
+    huggingface_hub), a `.gguf` file (de-quantised by transformers), `bundled:NAME` for
+    a model shipped with the package (`bundled:refusion-tiny`, `bundled:ar-tiny`, its
+    AR baseline), or None for `bundled:refusion-tiny`. dtype: None or "auto" = the config's torch_dtype if
+    the device can run it, else float32; or "float32" / "bfloat16" / "float16" / a torch
+    dtype. The tokenizer is None when the directory has no tokenizer files.
+    `model.config.mask_token_id` is the config's, else the tokenizer's `<|mask|>` id.
+    tensor_parallel_size N > 1 (in a group of N processes, see `refusion.parallel`): this
+    rank's share of the model, read as slices of the checkpoint's tensors; its config is
+    the share's (`model.tensor_parallel` says which).
+    """
+    dev = check_device(device)
+    wanted = parse_dtype(dtype, dev)  # a bad dtype fails before any file is read
+    source = resolve_source(path)
+    shard = tensor_shard(tensor_parallel_size)
+    if source.suffix == ".gguf":
+        if shard is not None:
+            raise ConfigError("tensor parallelism reads safetensors slices; convert the GGUF file first "
+                              "(refusion convert FILE.gguf OUT) and load OUT")
+        return load_gguf(source, dev, wanted)
+    config, tokenizer = read_metadata(source)
+    model = Transformer.meta(config)
+    headers = checked_headers(source, model)
+    slicer = None
+    if shard is not None:
+        model = Transformer.meta(local_config(config, shard.world))
+        make_row_parallel(model, shard)
+        slicer = lambda name: slice_of(name, config, shard)  # noqa: E731
+    state = read_tensors(headers, set(stored_shapes(model)), dev, wanted or config_dtype(config, dev), slicer)
+    model = fill_model(model, state, dev)
+    model.tensor_parallel = shard
+    model.recommended = Recommended.read(source)  # decode settings that travel with the weights
+    return model, tokenizer
+
+
+def load_metadata(path: PathLike | None = None) -> tuple[ModelConfig, Any]:
+    """The config (with the MASK id resolved) and tokenizer of a checkpoint, without
+    reading its weights. Same `path` forms as `load`."""
+    source = resolve_source(path)
+    return gguf_metadata(source) if source.suffix == ".gguf" else read_metadata(source)
+
+
+def describe(path: PathLike | None = None) -> dict[str, Any]:
+    """What `refusion info` reports. Reads no weights, but checks them as `load` does
+    before reading any: every safetensors header, each file's size against the data its
+    header declares, and every tensor's name and shape against the config. So `info`
+    fails on the checkpoints `load` refuses, instead of describing a model that cannot
+    be loaded. The parameter count comes from the shapes the config implies (a model
+    built on the meta device), which the check has just matched with the headers'."""
+    source = resolve_source(path)
+    config, tokenizer = load_metadata(source)
+    model = Transformer.meta(config)
+    if source.suffix != ".gguf":  # transformers has parsed the GGUF file to read its config
+        checked_headers(source, model)
+    return {
+        "path": str(source if path is None else path),  # None: the bundled model's directory
+        "architecture": config.to_hf_dict()["architectures"][0],
+        "model_type": config.model_type,
+        "parameters": model.num_parameters(),
+        "vocab_size": config.vocab_size,
+        "tokenizer_size": None if tokenizer is None else len(tokenizer),
+        "context_length": config.max_position_embeddings,
+        "mask_token_id": config.mask_token_id,
+        "dtype": config.torch_dtype,
+        "num_hidden_layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "recommended": (Recommended() if source.suffix == ".gguf" else Recommended.read(source)).as_dict(),
+    }

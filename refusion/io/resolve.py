@@ -1,0 +1,74 @@
+"""What a model name points to: a local directory, a `.gguf` file, a model bundled with the
+package (`bundled:NAME`), or a hub id, downloaded into the Hugging Face cache.
+
+Kept apart from reading, and free of torch, so that the CLI and the server can name and
+list the bundled models cheaply, and so that every reader accepts the same name forms.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from ..errors import CheckpointError
+
+BUNDLED_ROOT = Path(__file__).parent.parent / "bundled"
+BUNDLED_DIR = BUNDLED_ROOT / "refusion-tiny"  # the default model
+BUNDLED_PREFIX = "bundled:"  # `bundled:NAME` names a model shipped in the package: refusion-tiny, ar-tiny
+
+
+def bundled_names() -> list[str]:
+    """The models this installation ships (`bundled:NAME`)."""
+    return sorted(d.name for d in BUNDLED_ROOT.iterdir() if (d / "config.json").is_file()) if BUNDLED_ROOT.is_dir() else []
+
+
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+_HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
+
+PathLike = str | os.PathLike
+
+
+def resolve_source(path: PathLike | None) -> Path:
+    """A local directory or .gguf file for any accepted `path` form."""
+    if path is None:
+        if not (BUNDLED_DIR / "config.json").is_file():
+            raise CheckpointError(
+                f"the bundled model is missing from this installation ({BUNDLED_DIR}); "
+                "pass a model directory, a .gguf file or a hub id instead"
+            )
+        return BUNDLED_DIR
+    if isinstance(path, str) and path.startswith(BUNDLED_PREFIX):
+        name = path[len(BUNDLED_PREFIX):]
+        if name not in bundled_names():
+            have = ", ".join(BUNDLED_PREFIX + n for n in bundled_names()) or "none"
+            raise CheckpointError(f"no bundled model {path!r}; this installation ships: {have}")
+        return BUNDLED_ROOT / name
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local
+    if local.is_file():
+        if local.suffix == ".gguf":
+            return local
+        raise CheckpointError(
+            f"{local} is a file; expected a model directory (config.json + *.safetensors) or a .gguf file"
+        )
+    if isinstance(path, str) and _HUB_ID.fullmatch(path) and not path.startswith("."):
+        return _download(path)
+    raise CheckpointError(f"no model directory or file at {local}")
+
+
+def _download(repo_id: str) -> Path:
+    """The hub repository's snapshot in the local cache, fetched if need be: only the
+    files a checkpoint is made of."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS))
+    except (OSError, ValueError) as e:  # offline, not found, gated, invalid id
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{repo_id!r} is not a local directory, and fetching it from the Hugging Face hub failed "
+            f"({reason}). To load offline, pass the path of a local model directory "
+            "(config.json + *.safetensors) or of a .gguf file."
+        ) from None

@@ -1,0 +1,181 @@
+"""Safetensors weights in: the headers, the checks made on them, and the reading of tensors
+(or this rank's slices of them) into the model.
+
+Every name and shape is checked against the config from the file headers alone, so a
+bad checkpoint fails with the name of the first bad tensor before any weight is read;
+`describe` makes the same checks without reading. Tensors are read with plain reads
+rather than a memory map, which bounds the peak memory of a load.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..errors import CheckpointError
+from ..model.transformer import Transformer, rope_inv_freq, stored_shapes
+
+# tensors some checkpoints carry that the model recomputes
+_IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    """The directory's safetensors files: the shards its index names, or its one file."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted({directory / name for name in json.loads(index.read_text())["weight_map"].values()})
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index ({type(e).__name__}: {e})") from None
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{index} names the shard {f.name}, which is missing")
+        return files
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return [single]
+    hint = " (PyTorch .bin weights are not supported; save them as safetensors)" if any(directory.glob("*.bin")) else ""
+    raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {directory}{hint}")
+
+
+def checked_headers(directory: Path, model: Transformer) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """The headers of the directory's weight files, checked against the model its config
+    describes: what `load` and `describe` both do before (or instead of) reading weights."""
+    headers = _read_headers(_weight_files(directory))
+    check_tensors(model, headers, where=str(directory))
+    return headers
+
+
+def _read_headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """name -> (file, shape) for every tensor, from the safetensors headers only."""
+    headers: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for f in files:
+        _check_not_truncated(f)
+        try:
+            with safe_open(f, framework="pt") as st:
+                for name in st.keys():
+                    headers[name] = (f, tuple(st.get_slice(name).get_shape()))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from None
+    return headers
+
+
+def _check_not_truncated(file: Path) -> None:
+    """Fail on a safetensors file shorter than the data its header declares: a download or
+    copy cut short, whose header still reads but whose tensors are not all there. Reads
+    the 8-byte header length and the JSON header, nothing more. A file whose header does
+    not parse is left to `safe_open`, whose error says what is wrong with it."""
+    try:
+        size = file.stat().st_size
+        entries, data_start = _safetensors_header(file, size)
+        needed = data_start + int(max((t["data_offsets"][1] for t in entries.values()), default=0))
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return
+    if size < needed:
+        raise CheckpointError(
+            f"{file} is truncated: it holds {size:,} bytes, but its header declares {needed:,}; "
+            "download or copy it again"
+        )
+
+
+def check_tensors(model: Transformer, found: dict[str, tuple[Any, tuple[int, ...]]], where: str) -> None:
+    """Every expected tensor present with the expected shape, and nothing unexplained."""
+    expected = stored_shapes(model)
+    for name, shape in expected.items():
+        if name not in found:
+            raise CheckpointError(f"tensor {name} is missing from {where}")
+        if found[name][1] != tuple(shape):
+            raise CheckpointError(
+                f"tensor {name} in {where} has shape {list(found[name][1])}, but the config implies {list(shape)}"
+            )
+    allowed = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    for name in found:
+        if name not in expected and name not in allowed and not name.endswith(_IGNORED_TENSOR_SUFFIXES):
+            raise CheckpointError(f"unexpected tensor {name} in {where}: the config does not describe it")
+
+
+def read_tensors(
+    headers: dict[str, tuple[Path, tuple[int, ...]]],
+    names: set[str],
+    device: torch.device,
+    dtype: torch.dtype,
+    slicer: Callable[[str], tuple[int, int, int] | None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The named tensors, cast and moved one at a time; where `slicer` gives (dim, start,
+    stop) for a name, only that slice. Read with plain reads into each tensor's own
+    memory, not through a memory map, whose pages would count against the process until
+    the file is closed: the peak is about the weights kept plus one tensor."""
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted({f for f, _ in headers.values()}):
+        try:
+            entries, data_start = _safetensors_header(f)
+            with open(f, "rb", buffering=0) as fh:
+                for name, entry in entries.items():
+                    if name in names:
+                        part = slicer(name) if slicer is not None else None
+                        state[name] = _read_tensor(fh, entry, data_start, part).to(device=device, dtype=dtype)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"cannot read the tensors of {f}: {e}") from None
+    return state
+
+
+_SAFETENSORS_DTYPES = {name: getattr(torch, attr) for name, attr in (
+    ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"), ("F8_E4M3", "float8_e4m3fn"),
+    ("F8_E5M2", "float8_e5m2"), ("I64", "int64"), ("I32", "int32"), ("I16", "int16"), ("I8", "int8"),
+    ("U64", "uint64"), ("U32", "uint32"), ("U16", "uint16"), ("U8", "uint8"), ("BOOL", "bool")) if hasattr(torch, attr)}
+
+
+def _safetensors_header(file: Path, size: int | None = None) -> tuple[dict[str, dict], int]:
+    """The tensor entries of a safetensors file (dtype, shape, data_offsets) and where its
+    data starts; ValueError for a header longer than the file (`size`, when known)."""
+    with open(file, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        if size is not None and n > size:
+            raise ValueError(f"{file}: a header of {n} bytes in a file of {size}")
+        header = json.loads(fh.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def _read_tensor(fh, entry: dict, data_start: int, part: tuple[int, int, int] | None) -> torch.Tensor:
+    """One tensor (or rows a:b of it, part=(0, a, b); columns, part=(1, a, b)) read from
+    the open file into new memory."""
+    if entry["dtype"] not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"tensor dtype {entry['dtype']} is not one this torch reads")
+    dtype, shape = _SAFETENSORS_DTYPES[entry["dtype"]], list(entry["shape"])
+    start, end = entry["data_offsets"]
+    offset, rows = start, shape
+    if part is not None and part[0] == 0:
+        _, a, b = part
+        row_bytes = (end - start) // shape[0] if shape[0] else 0
+        offset, rows = start + a * row_bytes, [b - a] + shape[1:]
+    tensor = torch.empty(rows, dtype=dtype)
+    if tensor.numel():
+        buffer = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        fh.seek(data_start + offset)
+        got = 0
+        while got < len(buffer):
+            n = fh.readinto(buffer[got:])
+            if not n:
+                raise ValueError(f"the file ends inside a tensor ({got} of {len(buffer)} bytes read)")
+            got += n
+    if part is not None and part[0] == 1:
+        tensor = tensor[:, part[1] : part[2]].contiguous()
+    return tensor
+
+
+def fill_model(model: Transformer, state: dict[str, torch.Tensor], device: torch.device) -> Transformer:
+    """Give the meta-device model the loaded tensors (no copy), re-tie, rebuild RoPE."""
+    tied = model.config.tie_word_embeddings
+    if tied:
+        state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
+    model.load_state_dict(state, strict=True, assign=True)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(model.config).to(device)
+    return model.eval()
