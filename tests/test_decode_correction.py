@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from test_decode_refusion import CheckingEngine, case_config, decode_alone
 
 from refusion.decode import DecodeConfig, generate
-from refusion.decode.refusion import Infill, ReFusionRow
+from refusion.decode.options import BeyondPaper
 
 BOTH = dict(ar_correction=True, first_token_check=True)
 
@@ -29,31 +29,31 @@ def tiny():
 
 
 class Counting:
-    """Counts the tokens the options replaced: in infilling (`Infill._passing`), after
-    global verification (`ReFusionRow._correct_first_slot`) and in the plan
-    (`ReFusionRow._check_first_tokens`)."""
+    """Counts the tokens the options replaced: in infilling (`BeyondPaper.passing`), after
+    global verification (`BeyondPaper.before_infill`, with ar_correction) and in the plan
+    (`BeyondPaper.check_selected`)."""
 
     def __init__(self, monkeypatch):
         self.corrected = self.first_replaced = self.first_slot = 0
-        passing, check, first_slot = Infill._passing, ReFusionRow._check_first_tokens, ReFusionRow._correct_first_slot
+        passing, check, before_infill = BeyondPaper.passing, BeyondPaper.check_selected, BeyondPaper.before_infill
 
-        def counted_passing(f, pred, off, scores):
-            n, corrected = passing(f, pred, off, scores)
+        def counted_passing(rule, f, pred, off, scores):
+            n, corrected = passing(rule, f, pred, off, scores)
             self.corrected += corrected is not None
             return n, corrected
 
-        def counted_check(row):
+        def counted_check(rule, row):
             before = row.plan.drafts[row.selected, 0].clone()
-            check(row)
+            check(rule, row)
             self.first_replaced += int((row.plan.drafts[row.selected, 0] != before).sum())
 
-        def counted_first_slot(row, *args):
-            self.first_slot += 1
-            first_slot(row, *args)
+        def counted_before_infill(rule, *args):
+            self.first_slot += rule.corrects
+            before_infill(rule, *args)
 
-        monkeypatch.setattr(Infill, "_passing", staticmethod(counted_passing))
-        monkeypatch.setattr(ReFusionRow, "_correct_first_slot", counted_first_slot)
-        monkeypatch.setattr(ReFusionRow, "_check_first_tokens", counted_check)
+        monkeypatch.setattr(BeyondPaper, "passing", counted_passing)
+        monkeypatch.setattr(BeyondPaper, "before_infill", counted_before_infill)
+        monkeypatch.setattr(BeyondPaper, "check_selected", counted_check)
 
 
 @pytest.mark.parametrize("options", [dict(ar_correction=True), BOTH, dict(BOTH, infill_window=2), dict(infill_window=1)],

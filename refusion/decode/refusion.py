@@ -1,4 +1,21 @@
-"""The ReFusion decoder (SPEC §3): plan, select slots, verify, infill, commit.
+"""The ReFusion decoder (docs/algorithm.md): plan, select slots, verify, infill, commit.
+
+Each step of a row decodes slots of its current block (the generation region is split
+into `serial_blocks` blocks of slots, decoded left to right):
+1. plan: one forward over a MASK for every undecoded slot of the block drafts each of
+   its tokens, with the draft's probability as its confidence;
+2. select_slots: the slots whose first-token confidence exceeds slot_threshold (the most
+   confident one if none does);
+3. verify: one causal forward over the selected drafts in position order scores each
+   drafted token by its AR probability (a slot's first token keeps its plan confidence);
+   the longest passing prefix (probability > token_threshold) is committed if it covers
+   whole slots or ends in EOS;
+4. infill: otherwise each selected slot gets its own fork of the committed cache and is
+   completed by parallel AR infilling: draft the rest of the slot from MASKs, verify the
+   drafts (the first not-yet-accepted token passes, then every one that scores above the
+   threshold), until the slot is whole or ends in EOS;
+5. commit: each slot's KV entries, computed by its fork, are appended to its row (KV
+   reuse, no recomputation); an EOS ends the row after its block.
 
 Rows of any settings step together: one batched forward plans every ReFusion row (AR
 rows of the same cache take a token in it), one verifies them, then the rows that need
@@ -6,26 +23,9 @@ it infill together (one row of the forward per selected slot). Each row's decisi
 depend only on its own logits and its own settings (slot size, thresholds, sampler), so
 a batch decodes exactly what each request would decode alone.
 
-Two options beyond the paper (`DecodeConfig`, off by default; the paper's rule is exact
-against the authors' decoder):
-- `ar_correction`: in infilling, the first token that fails verification is replaced by the
-  AR prediction its verify pass made for it (the paper re-drafts it from MASK and accepts
-  that draft unchecked). Its KV entry, computed with the failed draft, is not kept: the
-  token is fed again, also when it completes the slot. The first slot of a global verify
-  pass that fails is corrected by that pass already (its logits saw what its fork sees).
-- `first_token_check`: the AR logits at the last token of each whole committed slot (and
-  at the prompt's last token) are kept; a selected slot whose left neighbour they belong to
-  has its plan draft for the first token checked against them, and replaced when it fails.
-  In global verification, a slot's first token is scored like any other when the slot
-  before it in the feed is its left neighbour.
-- `infill_window`: each infilling round drafts and verifies at most that many tokens past a
-  slot's accepted prefix (attention is causal, so the drafts it makes are the ones a whole
-  slot of MASKs would give); a round costs in proportion to what it feeds, and few rounds
-  accept many tokens. With ar_correction, the token after a window's drafts is the AR
-  prediction of its last one.
-With one slot per block and token_threshold >= 0.5, greedy decoding with both equals greedy
-AR decoding of the same weights (every accepted token is the AR argmax): ReFusion becomes a
-lossless drafter for its own AR head, and the plan's MDM drafts only decide the speed.
+The decoding options beyond the paper (`options.py`) change this rule at a few points;
+there the decoder asks the row's `rule`, and `PaperRule` answers as the paper does, which
+is exact against the authors' decoder.
 
 Generation offsets: position `P + i` of a prompt of length P is offset `i`; slot j of the
 region covers offsets j*s .. j*s+s-1.
@@ -40,6 +40,7 @@ import torch
 from ..model.kv_cache import KVCache
 from .ar import Feed
 from .forward import Forward
+from .options import PaperRule, rule_for
 from .request import Request
 from .sampling import token_probs
 
@@ -67,7 +68,6 @@ class Fork:
     length: int = 0  # slot length to commit (s, or up to and including an EOS)
     complete: bool = False
     dropped: bool = False  # a slot at an earlier position accepted an EOS
-    next_logits: torch.Tensor | None = None  # first_token_check: logits at the whole slot's last token
 
 
 @dataclass
@@ -84,19 +84,11 @@ class ReFusionRow:
     plan: Plan | None = None
     selected: list[int] = field(default_factory=list)  # indices into `undecoded` chosen by the plan
     to_infill: tuple[list[int], list[list[int]], list[int]] | None = None  # slots, drafts, passing prefixes
-    # first_token_check: slot -> the AR logits (V,) that predict its first token, read at the
-    # last token of the slot to its left when that was committed (the prompt's, for slot 0)
-    lookahead: dict[int, torch.Tensor] = field(default_factory=dict)
-    _head_logits: bool = False  # this step's plan logits start with the prompt's last token
 
     def __post_init__(self) -> None:
         cfg = self.req.cfg
         self.s, self.tau = cfg.slot_size, cfg.token_threshold
-        self.checks_first = cfg.first_token_check
-        self.window = cfg.infill_window or self.s  # infill drafts per round, at most
-        # the verify pass's logits at its last fed token too: they predict the next slot's
-        # first token (first_token_check) or correct the token after the drafts (ar_correction)
-        self.wants_last = cfg.first_token_check or cfg.ar_correction
+        self.rule: PaperRule = rule_for(cfg)
         self.n_blocks = cfg.serial_blocks
         self.slots_per_block = cfg.slots_per_block
         self.undecoded = self._block_slots(0)
@@ -134,8 +126,7 @@ class ReFusionRow:
         """Slots (indices into the region) leave the undecoded list; their tokens are final."""
         gone = set(slots)
         self.undecoded = [j for j in self.undecoded if j not in gone]
-        for j in gone:
-            self.lookahead.pop(j, None)
+        self.rule.committed(self, slots)
         spans = [(j * self.s, t) for j, t in zip(slots, toks) if t]
         self.req.commit(path, spans)
 
@@ -146,43 +137,19 @@ class ReFusionRow:
         head = [] if self.prefilled else self.req.prompt
         mask_pos = [P + j * s + i for j in self.undecoded for i in range(s)]
         self.prefilled = True
-        # with first_token_check, the prompt's last token's logits too: they predict slot 0's first token
-        self._head_logits = bool(head) and self.checks_first
-        start = len(head) - self._head_logits
+        start = len(head) - self.rule.plan_head(bool(head))
         return head + [mask_id] * len(mask_pos), list(range(len(head))) + mask_pos, (start, len(head) + len(mask_pos))
 
     def take_plan(self, logits: torch.Tensor, n_fed: int) -> int:
         """Draft every masked position and select the slots to verify (step 2); returns
         the entries kept: the prompt stays, the MASK entries go."""
-        if self._head_logits:
-            self.lookahead[0], logits = logits[0].clone(), logits[1:]  # a copy: not a view pinning the step's logits
+        logits = self.rule.take_plan_head(logits)  # (n*s, V): the MASKs'
         drafts = self.req.sampler.pick(logits)  # (n*s,)
         conf = token_probs(logits, drafts)
         self.plan = Plan(drafts.view(-1, self.s), conf.view(-1, self.s))
         self.selected = select_slots(self.plan, self.req.cfg.slot_threshold)
-        if self.checks_first:
-            self._check_first_tokens()
+        self.rule.check_selected(self)
         return n_fed - logits.shape[0]
-
-    def _check_first_tokens(self) -> None:
-        """first_token_check: a selected slot whose left neighbour is committed has its
-        first token scored by the AR prediction read there; one that fails (probability
-        <= token_threshold) is replaced by that prediction."""
-        for i in self.selected:
-            ahead = self.lookahead.get(self.undecoded[i])
-            if ahead is None:
-                continue
-            draft = self.plan.drafts[i, :1]  # (1,)
-            if float(token_probs(ahead[None], draft)[0]) <= self.tau:
-                self.plan.drafts[i, 0] = self.req.sampler.pick(ahead[None])[0]
-
-    def keep_lookahead(self, slot: int, logits: torch.Tensor) -> None:
-        """first_token_check: the AR logits (V,) at the last token of a committed, whole
-        `slot` predict the first token of the slot to its right. Callers pass a copy, not
-        a view that would pin the whole step's logits."""
-        later_block = slot + 1 >= (self.block + 1) * self.slots_per_block
-        if slot + 1 < self.n_blocks * self.slots_per_block and (later_block or slot + 1 in self.undecoded):
-            self.lookahead[slot + 1] = logits
 
     def ends(self, toks: list[int]) -> int | None:
         """The index of the first EOS in `toks` (None: there is none)."""
@@ -198,8 +165,8 @@ class ReFusionRow:
         if eos is not None:
             toks = toks[: (len(sel) - 1) * s + eos + 1]
         positions = [P + self.undecoded[j] * s + i for j in sel for i in range(s)][: len(toks)]
-        # with first_token_check, the last token's logits too (they predict the next slot's first)
-        return toks, positions, (0, len(toks) - 1 + self.checks_first)
+        # the logits that score the fed tokens (each token's predict the next), and any the rule reads past them
+        return toks, positions, (0, len(toks) - 1 + self.rule.global_next)
 
     def take_verify(self, logits: torch.Tensor, toks: list[int]) -> int:
         """Global verification: commit the longest passing prefix if it ends in EOS or
@@ -208,15 +175,11 @@ class ReFusionRow:
         s, sel = self.s, self.selected
         flat = torch.tensor(toks, device=logits.device)
         passing = torch.zeros(len(sel) * s, dtype=torch.bool, device=logits.device)  # the unfed tail fails
-        passing[0] = True
         passing[1 : len(toks)] = token_probs(logits[: len(toks) - 1], flat[1:]) > self.tau
         slots = [self.undecoded[j] for j in sel]
-        # a slot's first token keeps its plan confidence: it passes, except, with
-        # first_token_check, where the slot before it in the feed is its left neighbour
-        scored = [i > 0 and self.checks_first and slots[i - 1] == slots[i] - 1 for i in range(len(sel))]
-        passing.view(-1, s)[:, 0] |= ~torch.tensor(scored, dtype=torch.bool, device=logits.device)
+        self.rule.pass_first_tokens(passing.view(-1, s)[:, 0], slots)  # (n_sel,) view: the slots' first tokens
         per_slot = passing.view(-1, s).int().cumprod(-1).sum(-1).tolist()  # passing prefix per slot
-        per_slot = [max(n, 1) for n in per_slot]  # the first token is the plan's (checked) draft
+        per_slot = [max(n, 1) for n in per_slot]  # a slot keeps at least its first token, the plan's draft
         prefix = int(passing.int().cumprod(0).sum())
         chunks = self.plan.drafts[sel].tolist()  # whole slots, also past an EOS the feed stopped at
         self.to_infill = None
@@ -228,25 +191,12 @@ class ReFusionRow:
             return eos + 1
         if prefix >= s:
             k = prefix // s
+            self.rule.whole_slots_verified(slots[:k], logits, range(s - 1, k * s, s))
             self.commit("fast", slots[:k], chunks[:k])
-            if self.checks_first:
-                for i in range(k):
-                    self.keep_lookahead(slots[i], logits[(i + 1) * s - 1].clone())
             return k * s
-        if self.req.cfg.ar_correction:
-            self._correct_first_slot(logits, chunks[0], per_slot)
+        self.rule.before_infill(self, logits, chunks, per_slot)
         self.to_infill = (slots, chunks, per_slot)
         return 0
-
-    def _correct_first_slot(self, logits: torch.Tensor, chunk: list[int], per_slot: list[int]) -> None:
-        """ar_correction: the first slot of the feed failed at token p, and this pass's
-        logits at token p - 1 saw just what its infilling fork will see (the committed
-        cache and the slot's own passing prefix): its AR prediction replaces token p
-        and is accepted, as the fork's first verify pass would correct it. (A later slot's
-        logits saw the unverified drafts fed before it, so its fork corrects it.)"""
-        p = per_slot[0]
-        chunk[p] = int(self.req.sampler.pick(logits[p - 1 : p])[0])
-        per_slot[0] = p + 1
 
 
 def select_slots(plan: Plan, slot_threshold: float) -> list[int]:
@@ -296,7 +246,7 @@ class Infill:
             # a complete fork, one whose slot passed whole in step 3, or one that accepted an
             # EOS has nothing to draft: it feeds nothing (a packed forward spends no compute on its row)
             done = f.complete or f.length or f.row.ends(f.tokens[: f.accepted]) is not None
-            n_masks = 0 if done else min(f.row.s - f.accepted, f.row.window)
+            n_masks = 0 if done else min(f.row.s - f.accepted, f.row.rule.window)
             toks, pos = self._feed(f, [self.mask_id] * n_masks) if n_masks else ([], [])
             tokens.append(toks)
             positions.append(pos)
@@ -325,8 +275,8 @@ class Infill:
             toks, pos = self._feed(f, tail) if not f.complete else ([], [])
             tokens.append(toks)
             positions.append(pos)
-            # the fed tokens' logits but the last one's, which the options beyond the paper use too
-            want.append((0, len(toks) - 1 + f.row.wants_last) if toks else (0, 0))
+            # the logits that score the fed tokens (each token's predict the next), and any the rule reads past them
+            want.append((0, len(toks) - 1 + f.row.rule.infill_next) if toks else (0, 0))
         logits = self.fwd.run([f.row.req for f in forks], tokens, positions, fcache, want)
         advance = []
         for f, toks, lg in zip(forks, tokens, logits):
@@ -335,8 +285,8 @@ class Infill:
                 f.kept, f.complete = f.length, True
             elif not f.complete:
                 self._verify_fork(f, forks, toks, lg)
-            if f.complete and not f.dropped and f.row.checks_first and toks and f.length == f.row.s:
-                f.next_logits = lg[len(toks) - 1].clone()  # this pass fed the slot's last token; a copy, not a view
+            if f.complete and not f.dropped and toks and f.length == f.row.s:  # this pass fed the slot's last token
+                f.row.rule.whole_slots_verified([f.slot], lg, range(len(toks) - 1, len(toks)))
             advance.append(f.kept - before)
         fcache.advance(advance)
 
@@ -351,7 +301,7 @@ class Infill:
         else:
             pred, off, targets = lg, f.kept + 1, toks[1:]
         scores = token_probs(pred[: len(targets)], torch.tensor(targets, dtype=torch.long, device=lg.device)).tolist()
-        n, corrected = self._passing(f, pred, off, scores)
+        n, corrected = f.row.rule.passing(f, pred, off, scores)
         f.accepted = n
         eos = f.row.ends(f.tokens[:n])
         if eos is not None:
@@ -365,24 +315,6 @@ class Infill:
             f.kept, f.complete = min(f.length, valid), f.length <= valid
         else:
             f.kept = n - 1  # the last accepted token is fed again
-
-    @staticmethod
-    def _passing(f: Fork, pred: torch.Tensor, off: int, scores: list[float]) -> tuple[int, int | None]:
-        """The fork's accepted length after a verify pass, and the index of the token it
-        corrected (None: none). Paper rule: the first not-yet-accepted token always passes,
-        then every drafted token whose AR probability exceeds the threshold. With
-        `ar_correction` the first not-yet-accepted token is scored too, and the first token
-        that fails, or the one after the drafts (an `infill_window` short of the slot's
-        end), is replaced by the AR prediction of this round's logits (pred[n - off] and
-        scores[n - off] are slot token n's) and accepted; not past an accepted EOS."""
-        tau, corrects = f.row.tau, f.row.req.cfg.ar_correction
-        n = f.accepted if corrects else min(f.accepted + 1, f.drafted)
-        while n < f.drafted and scores[n - off] > tau:
-            n += 1
-        if not corrects or n == f.row.s or f.row.ends(f.tokens[:n]) is not None:
-            return n, None
-        f.tokens[n] = int(f.row.req.sampler.pick(pred[n - off : n - off + 1])[0])
-        return n + 1, n
 
     @staticmethod
     def _drop_later_forks(f: Fork, forks: list[Fork]) -> None:
@@ -406,6 +338,3 @@ class Infill:
             by_row.setdefault(id(f.row), []).append(f)
         for fs in by_row.values():
             fs[0].row.commit("infill", [f.slot for f in fs], [f.tokens[: f.length] for f in fs])
-            for f in fs:
-                if f.next_logits is not None:
-                    f.row.keep_lookahead(f.slot, f.next_logits)

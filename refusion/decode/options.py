@@ -1,0 +1,208 @@
+"""The rule a ReFusion row decodes by: the paper's (`PaperRule`), or the paper's with the
+decoding options beyond it (`BeyondPaper`).
+
+The decoder (`refusion.py`) asks its row's rule at each point where an option departs
+from the paper, and `PaperRule` answers there as the paper does, so a row without options
+decodes exactly what the authors' decoder does. A row gets one rule, built from its
+`DecodeConfig` by `rule_for`; rows of any rules share a batch, since each rule reads only
+its own row's logits.
+
+The three options are `DecodeConfig` fields, off by default:
+
+- `ar_correction`: in infilling, the first token that fails verification is replaced by
+  the AR prediction its verify pass made for it and accepted. The paper re-drafts it from
+  MASK and accepts that draft unchecked: a prediction made with less context than the one
+  the verify pass had. The corrected token's KV entry, computed with the failed draft, is
+  not kept: the token is fed again, also when it completes the slot. The first slot of a
+  global verify pass that fails is corrected by that pass already (its logits there saw
+  just what its fork will see), which saves the fork a round.
+- `first_token_check`: the paper never checks a slot's first token (its plan confidence
+  selected it), though the AR prediction for it is known once the slot to its left is
+  committed. So the AR logits at the last token of each whole committed slot (and at the
+  prompt's last token) are kept; a selected slot whose left neighbour they belong to has
+  its plan draft for the first token checked against them, and replaced when it fails. In
+  global verification, a slot's first token is scored like any other when the slot before
+  it in the feed is its left neighbour.
+- `infill_window`: each infilling round drafts and verifies at most that many tokens past
+  a slot's accepted prefix. A round costs in proportion to what it feeds, and the drafts
+  far past the first failure are wasted; attention is causal, so the drafts a window makes
+  are the ones a whole slot of MASKs would give. With ar_correction, the token after a
+  window's drafts is the AR prediction of its last one.
+
+With one slot per block and token_threshold >= 0.5, greedy decoding with ar_correction
+and first_token_check equals greedy AR decoding of the same weights (every accepted token
+is the AR argmax): ReFusion becomes a lossless drafter for its own AR head, and the plan's
+MDM drafts only decide the speed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .config import DecodeConfig
+from .sampling import token_probs
+
+if TYPE_CHECKING:
+    from .refusion import Fork, ReFusionRow
+
+
+class PaperRule:
+    """The paper's answer at each hook: the plan reads no logits but the MASKs', a slot's
+    first token keeps its plan confidence, an infilling round drafts the rest of the slot,
+    its first not-yet-accepted token passes, and nothing is kept from one step for the next."""
+
+    # logits rows a verify pass wants past the ones that score its fed tokens (the last fed
+    # token's, which predict the token after the feed): global, and in infilling
+    global_next = 0
+    infill_next = 0
+
+    def __init__(self, cfg: DecodeConfig) -> None:
+        self.s, self.tau = cfg.slot_size, cfg.token_threshold
+        self.window = cfg.slot_size  # tokens an infilling round drafts past the accepted prefix, at most
+
+    # ------------------------------------------------------------------ plan
+    def plan_head(self, prefilling: bool) -> int:
+        """Logits rows the plan wants at the prompt's last token, before the MASKs'."""
+        return 0
+
+    def take_plan_head(self, logits: torch.Tensor) -> torch.Tensor:
+        """The plan's logits (n, V) less the rows `plan_head` asked for."""
+        return logits
+
+    def check_selected(self, row: ReFusionRow) -> None:
+        """The selected slots' plan drafts are verified as drafted."""
+
+    # ------------------------------------------------------------------ verify
+    def pass_first_tokens(self, firsts: torch.Tensor, slots: list[int]) -> None:
+        """`firsts` (n_selected,), a view of the global verify pass's passing mask at the
+        selected slots' first tokens: each keeps its plan confidence, which selected it."""
+        firsts.fill_(True)
+
+    def whole_slots_verified(self, slots: list[int], logits: torch.Tensor, last: range) -> None:
+        """`slots` are whole and final (they are committed next); logits[last[i]] (V,) are
+        this pass's logits at slots[i]'s last token."""
+
+    def before_infill(self, row: ReFusionRow, logits: torch.Tensor, chunks: list[list[int]], per_slot: list[int]) -> None:
+        """Global verification left the selection to infill: `chunks` and `per_slot` (the
+        slots' drafts and passing prefixes) go to the forks as they are."""
+
+    def committed(self, row: ReFusionRow, slots: list[int]) -> None:
+        """`slots` left the row's undecoded list."""
+
+    # ------------------------------------------------------------------ infill
+    def passing(self, f: Fork, pred: torch.Tensor, off: int, scores: list[float]) -> tuple[int, int | None]:
+        """The fork's accepted length after a verify pass, and the index of the token the
+        rule replaced (None: none): the first not-yet-accepted token passes, so that every
+        round accepts one token at least, then every drafted token that scores above the
+        threshold. pred[n - off] (V,) and scores[n - off] are slot token n's."""
+        return self.passes_from(f, min(f.accepted + 1, f.drafted), off, scores), None
+
+    def passes_from(self, f: Fork, n: int, off: int, scores: list[float]) -> int:
+        """The accepted length: n, then every drafted token from n on whose AR probability
+        exceeds the threshold."""
+        while n < f.drafted and scores[n - off] > self.tau:
+            n += 1
+        return n
+
+
+class BeyondPaper(PaperRule):
+    """The paper's rule with ar_correction, first_token_check and infill_window, each
+    where it applies (this module's docstring says what each does)."""
+
+    def __init__(self, cfg: DecodeConfig) -> None:
+        super().__init__(cfg)
+        self.corrects, self.checks_first = cfg.ar_correction, cfg.first_token_check
+        self.window = cfg.infill_window or cfg.slot_size
+        self.global_next = int(self.checks_first)  # predicts the next slot's first token
+        self.infill_next = int(self.checks_first or self.corrects)  # ... or corrects the token after the drafts
+        self.slots_per_block = cfg.slots_per_block
+        self.n_slots = cfg.serial_blocks * cfg.slots_per_block
+        # first_token_check: slot -> the AR logits (V,) that predict its first token, read at
+        # the last token of the slot to its left when that was committed (the prompt's, for slot 0)
+        self.lookahead: dict[int, torch.Tensor] = {}
+        self.ends: dict[int, torch.Tensor] = {}  # whole verified slot -> logits (V,) at its last token
+        self.head = False  # this step's plan logits start with the prompt's last token's
+
+    # ------------------------------------------------------------------ first_token_check
+    def plan_head(self, prefilling: bool) -> int:
+        self.head = prefilling and self.checks_first  # they predict slot 0's first token
+        return int(self.head)
+
+    def take_plan_head(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.head:
+            self.lookahead[0], logits = logits[0].clone(), logits[1:]  # a copy: not a view pinning the step's logits
+        return logits
+
+    def check_selected(self, row: ReFusionRow) -> None:
+        """A selected slot whose left neighbour is committed has its first token scored by
+        the AR prediction read there; one that fails (probability <= token_threshold) is
+        replaced by that prediction."""
+        for i in row.selected:
+            ahead = self.lookahead.get(row.undecoded[i])
+            if ahead is None:
+                continue
+            draft = row.plan.drafts[i, :1]  # (1,)
+            if float(token_probs(ahead[None], draft)[0]) <= self.tau:
+                row.plan.drafts[i, 0] = row.req.sampler.pick(ahead[None])[0]
+
+    def pass_first_tokens(self, firsts: torch.Tensor, slots: list[int]) -> None:
+        """A slot's first token is scored like any other when the slot before it in the
+        feed is its left neighbour: the logits there predict it."""
+        if not self.checks_first:
+            return super().pass_first_tokens(firsts, slots)
+        scored = [i > 0 and slots[i - 1] == slots[i] - 1 for i in range(len(slots))]
+        firsts |= ~torch.tensor(scored, dtype=torch.bool, device=firsts.device)
+
+    def whole_slots_verified(self, slots: list[int], logits: torch.Tensor, last: range) -> None:
+        if self.checks_first:
+            for j, i in zip(slots, last):
+                self.ends[j] = logits[i].clone()  # a copy: not a view pinning the pass's logits
+
+    def committed(self, row: ReFusionRow, slots: list[int]) -> None:
+        """The committed slots' predictions are no longer needed; each whole one's logits
+        at its last token predict the first token of the slot to its right."""
+        for j in slots:
+            self.lookahead.pop(j, None)
+        for j in slots:
+            end = self.ends.pop(j, None)
+            if end is not None:
+                self._keep_lookahead(row, j, end)
+        self.ends.clear()  # those of slots dropped after an EOS
+
+    def _keep_lookahead(self, row: ReFusionRow, slot: int, logits: torch.Tensor) -> None:
+        later_block = slot + 1 >= (row.block + 1) * self.slots_per_block
+        if slot + 1 < self.n_slots and (later_block or slot + 1 in row.undecoded):
+            self.lookahead[slot + 1] = logits
+
+    # ------------------------------------------------------------------ ar_correction
+    def before_infill(self, row: ReFusionRow, logits: torch.Tensor, chunks: list[list[int]], per_slot: list[int]) -> None:
+        """The first slot of the feed failed at token p, and this pass's logits at token
+        p - 1 saw just what its infilling fork will see (the committed cache and the slot's
+        own passing prefix): its AR prediction replaces token p and is accepted, as the
+        fork's first verify pass would correct it. (A later slot's logits saw the
+        unverified drafts fed before it, so its fork corrects it.)"""
+        if self.corrects:
+            p = per_slot[0]
+            chunks[0][p] = int(row.req.sampler.pick(logits[p - 1 : p])[0])
+            per_slot[0] = p + 1
+
+    def passing(self, f: Fork, pred: torch.Tensor, off: int, scores: list[float]) -> tuple[int, int | None]:
+        """The first not-yet-accepted token is scored too, and the first token that fails,
+        or the one after the drafts (an infill window short of the slot's end), is replaced
+        by this round's AR prediction for it and accepted; not past an accepted EOS."""
+        if not self.corrects:
+            return super().passing(f, pred, off, scores)
+        n = self.passes_from(f, f.accepted, off, scores)
+        if n == self.s or f.row.ends(f.tokens[:n]) is not None:
+            return n, None
+        f.tokens[n] = int(f.row.req.sampler.pick(pred[n - off : n - off + 1])[0])
+        return n + 1, n
+
+
+def rule_for(cfg: DecodeConfig) -> PaperRule:
+    """The rule of a row decoded with `cfg`: the paper's unless an option is set."""
+    if cfg.ar_correction or cfg.first_token_check or cfg.infill_window is not None:
+        return BeyondPaper(cfg)
+    return PaperRule(cfg)
