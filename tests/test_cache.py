@@ -82,58 +82,57 @@ def test_ragged_rows_with_n_new_padding_equal_each_row_alone(tiny_model):
         torch.testing.assert_close(steps[row], alone[0, n:])
 
 
-def test_packed_ragged_rows_equal_padded_rows(tiny_model):
-    """`lengths` packs the real tokens of ragged rows (norms, projections and MLP skip the
-    padding): outputs at real tokens and every cache entry a row keeps equal the padded
-    forward; outputs at the padding are zeros. Then a packed step from unequal lengths."""
+def test_ragged_rows_equal_each_row_alone(tiny_model):
+    """Rows feeding 7, 2, 0 and 5 tokens in one cached forward (only the real tokens are
+    projected, rotated and stored): each row's outputs equal the row recomputed alone
+    without a cache, outputs at the padding are zeros, and each row's entries equal a
+    cache that held the row alone. Then a step from unequal lengths, 1 or 3 tokens a row."""
     rows = [rand_tokens(n, seed=20 + n) for n in (7, 2, 0, 5)]  # a row may feed nothing
     T = max(len(r) for r in rows)
     tokens = torch.stack([torch.cat([r, torch.zeros(T - len(r), dtype=torch.long)]) for r in rows])
     positions = torch.arange(T).expand(len(rows), -1)
     lengths = [len(r) for r in rows]
-    assert sum(lengths) <= 0.75 * tokens.numel()  # so the packed path is taken
-    caches = [tiny_model.new_cache(len(rows), 16) for _ in range(2)]
-    padded = tiny_model.hidden(tokens, positions, caches[0], n_new=lengths)
-    packed = tiny_model.hidden(tokens, positions, caches[1], n_new=lengths, lengths=lengths)
-    for b, n in enumerate(lengths):
-        torch.testing.assert_close(packed[b, :n], padded[b, :n])
-        assert not packed[b, n:].any()
-        for layer in range(len(caches[0].k)):
-            torch.testing.assert_close(caches[1].k[layer][b, :, :n], caches[0].k[layer][b, :, :n])
-            torch.testing.assert_close(caches[1].v[layer][b, :, :n], caches[0].v[layer][b, :, :n])
+    cache = tiny_model.new_cache(len(rows), 16)
+    out = tiny_model.cached_hidden(tokens, positions, cache, n_new=lengths)  # (4, 7, hidden)
+    assert cache.lengths == lengths
+    for b, (r, n) in enumerate(zip(rows, lengths)):
+        assert not out[b, n:].any()
+        if n:
+            torch.testing.assert_close(out[b, :n], tiny_model.hidden(r[None], torch.arange(n)[None])[0])
+            alone = prefilled(tiny_model, r, torch.arange(n), capacity=16)
+            for layer in range(len(cache.k)):
+                torch.testing.assert_close(cache.k[layer][b, :, :n], alone.k[layer][0, :, :n])
+                torch.testing.assert_close(cache.v[layer][b, :, :n], alone.v[layer][0, :, :n])
     step = torch.stack([rand_tokens(3, seed=30 + b) for b in range(len(rows))])  # (4, 3)
     step_pos = torch.tensor(lengths)[:, None] + torch.arange(3)[None]
     step_len = [1, 3, 1, 1]
-    outs = [tiny_model.hidden(step, step_pos, c, n_new=step_len, lengths=l) for c, l in zip(caches, (None, step_len))]
-    for b, n in enumerate(step_len):
-        torch.testing.assert_close(outs[1][b, :n], outs[0][b, :n])
+    got = tiny_model.cached_hidden(step, step_pos, cache, n_new=step_len)
+    for b, (r, n) in enumerate(zip(rows, step_len)):
+        seq = torch.cat([r, step[b, :n]])[None]
+        alone = tiny_model.hidden(seq, torch.arange(seq.shape[1])[None])
+        torch.testing.assert_close(got[b, :n], alone[0, len(r) :])
 
 
-def test_split_rows_plans_a_join_as_two_runs_and_keeps_one_run_otherwise():
-    from refusion.model.kv_cache import WriteSlots
+def test_attention_runs_plan_a_join_as_two_runs_and_keep_one_run_otherwise():
+    from refusion.model.kv_cache import attention_runs
 
-    join = WriteSlots([6, 3, 5, 4, 0], 8, torch.device("cpu"))
-    join.split_rows([1, 1, 1, 1, 8])  # four rows decode one token, a new row prefills 8
-    assert join.segments == [(0, 4, 1, 7), (4, 5, 8, 8)]
-    even = WriteSlots([6, 3, 5, 4], 3, torch.device("cpu"))
-    even.split_rows([3, 2, 3, 3])  # no run of rows is much narrower: one run
-    assert even.segments is None
+    # four rows decode one token, a new row prefills 8
+    assert attention_runs([6, 3, 5, 4, 0], [1, 1, 1, 1, 8]) == [(0, 4, 1, 7), (4, 5, 8, 8)]
+    assert attention_runs([6, 3, 5, 4], [3, 2, 3, 3]) is None  # no run of rows is much narrower: one run
+    assert attention_runs([5, 5], [1, 1]) is None  # one token per row at equal lengths
 
 
-def test_a_join_step_in_two_runs_equals_the_padded_step_and_each_row_alone(tiny_model):
+def test_a_join_step_in_two_runs_equals_each_row_alone(tiny_model):
     """Rows at different lengths decode one token each while a new row prefills its
-    prompt in the same forward: attention then runs per run of rows (`split_rows`) on
-    packed keys; outputs and stored entries equal the padded forward and each row alone."""
+    prompt in the same forward: attention then runs per run of rows (`attention_runs`);
+    every row's outputs equal the row recomputed alone without a cache."""
     prompts = [rand_tokens(n, seed=40 + n) for n in (6, 3, 5, 4)]
     new_prompt = rand_tokens(8, seed=50)
-    caches = []
-    for _ in range(2):
-        cache = tiny_model.new_cache(4, 32, reserve=5)
-        T = max(len(p) for p in prompts)
-        tokens = torch.stack([torch.cat([p, torch.zeros(T - len(p), dtype=torch.long)]) for p in prompts])
-        tiny_model.hidden(tokens, torch.arange(T).expand(4, -1), cache, n_new=[len(p) for p in prompts])
-        cache.grow(1, 32)
-        caches.append(cache)
+    cache = tiny_model.new_cache(4, 32, reserve=5)
+    T = max(len(p) for p in prompts)
+    tokens = torch.stack([torch.cat([p, torch.zeros(T - len(p), dtype=torch.long)]) for p in prompts])
+    tiny_model.cached_hidden(tokens, torch.arange(T).expand(4, -1), cache, n_new=[len(p) for p in prompts])
+    cache.grow(1, 32)
     nxt = rand_tokens(4, seed=51)
     tokens = torch.zeros(5, 8, dtype=torch.long)
     positions = torch.zeros(5, 8, dtype=torch.long)
@@ -141,61 +140,21 @@ def test_a_join_step_in_two_runs_equals_the_padded_step_and_each_row_alone(tiny_
         tokens[b, 0], positions[b, 0] = nxt[b], len(p)
     tokens[4], positions[4] = new_prompt, torch.arange(8)
     lengths = [1, 1, 1, 1, 8]
-    padded = tiny_model.hidden(tokens, positions, caches[0], n_new=lengths)
-    split = tiny_model.hidden(tokens, positions, caches[1], n_new=lengths, lengths=lengths)
-    for b, n in enumerate(lengths):
-        torch.testing.assert_close(split[b, :n], padded[b, :n])
-        L = caches[0].lengths[b]
-        for layer in range(len(caches[0].k)):
-            torch.testing.assert_close(caches[1].k[layer][b, :, :L], caches[0].k[layer][b, :, :L])
-            torch.testing.assert_close(caches[1].v[layer][b, :, :L], caches[0].v[layer][b, :, :L])
-    alone = tiny_model.hidden(torch.cat([prompts[1], nxt[1:2]])[None], torch.arange(4)[None])
-    torch.testing.assert_close(split[1, :1], alone[0, 3:])
+    assert cache.packed_write([t[:n].tolist() for t, n in zip(tokens, lengths)],
+                              [p[:n].tolist() for p, n in zip(positions, lengths)], plan_runs=True).segments is not None
+    split = tiny_model.cached_hidden(tokens, positions, cache, n_new=lengths)
+    for b, p in enumerate(prompts):
+        alone = tiny_model.hidden(torch.cat([p, nxt[b : b + 1]])[None], torch.arange(len(p) + 1)[None])
+        torch.testing.assert_close(split[b, :1], alone[0, len(p) :])
     torch.testing.assert_close(split[4], tiny_model.hidden(new_prompt[None], torch.arange(8)[None])[0])
 
 
-def test_ragged_rows_via_truncate_equal_each_row_alone(tiny_model):
-    """Both rows prefilled to 6; row 1 rolled back to 3; the next step sees only what is left."""
-    prompts = torch.stack([rand_tokens(6, seed=5), rand_tokens(6, seed=6)])
-    cache = tiny_model.new_cache(2, 16)
-    tiny_model(prompts, torch.arange(6).expand(2, -1), cache)
-    cache.truncate([6, 3])
-    nxt = torch.stack([rand_tokens(2, seed=7), rand_tokens(2, seed=8)])  # (2, 2)
-    out = tiny_model(nxt, torch.tensor([[6, 7], [3, 4]]), cache)
-    for row, keep in enumerate([6, 3]):
-        seq = torch.cat([prompts[row, :keep], nxt[row]])[None]
-        alone = tiny_model(seq, torch.arange(keep + 2)[None])
-        torch.testing.assert_close(out[row], alone[0, keep:])
-
-
 # ---------------------------------------------------------------------------- named operations
-def test_truncate_forgets_discarded_entries_exactly(tiny_model):
-    """A plan step's MASK entries, once truncated away, leave no trace: the next forward
-    is bit-equal to one on a cache that never saw them."""
-    prompt, pos = rand_tokens(7, seed=9), torch.arange(7)
-    drafted = rand_tokens(4, seed=10)[None]
-    with_plan = prefilled(tiny_model, prompt, pos, capacity=16)
-    tiny_model(torch.full((1, 4), MASK), torch.arange(7, 11)[None], with_plan)
-    with_plan.truncate([7])
-    assert with_plan.lengths == [7]
-    never = prefilled(tiny_model, prompt, pos, capacity=16)
-    out = tiny_model(drafted, torch.arange(7, 11)[None], with_plan)
-    assert torch.equal(out, tiny_model(drafted, torch.arange(7, 11)[None], never))
-
-
-def test_truncate_only_shortens(tiny_model):
-    cache = prefilled(tiny_model, rand_tokens(5, seed=11), torch.arange(5))
-    with pytest.raises(ValueError):
-        cache.truncate([6])
-    with pytest.raises(ValueError):
-        cache.truncate([2, 2])
-    assert cache.lengths == [5]
-
-
-def test_fork_copies_rows_bit_equal_and_independent(tiny_model):
+def test_select_forks_rows_bit_equal_and_independent(tiny_model):
+    """Repeating a row (one copy of the committed cache per slot, as infilling does)."""
     cache = prefilled(tiny_model, rand_tokens(6, seed=12), torch.arange(6), capacity=16)
     before = [k.clone() for k in cache.k]
-    forked = cache.fork([3])
+    forked = cache.select([0, 0, 0])
     assert forked.lengths == [6, 6, 6] and forked.capacity == 16
     for row in range(3):
         entries_equal(forked, row, cache, 0, 0, 6)
@@ -209,11 +168,11 @@ def test_fork_copies_rows_bit_equal_and_independent(tiny_model):
         torch.testing.assert_close(out[row], tiny_model(slots[row][None], slot_pos[row][None], alone)[0])
 
 
-def test_fork_repeats_each_row_in_order(tiny_model):
+def test_select_repeats_rows_in_order(tiny_model):
     cache = tiny_model.new_cache(3, 16)
     prompts = torch.stack([rand_tokens(4, seed=s) for s in (16, 17, 18)])  # (3, 4)
     tiny_model(prompts, torch.arange(4).expand(3, -1), cache, n_new=[4, 2, 3])
-    forked = cache.fork([2, 0, 1])
+    forked = cache.select([0, 0, 2])
     assert forked.lengths == [4, 4, 3]
     for dst, src in enumerate([0, 0, 2]):
         entries_equal(forked, dst, cache, src, 0, cache.lengths[src])
@@ -266,13 +225,15 @@ def test_rows_joining_spare_storage_decode_like_a_fresh_cache(tiny_model):
     """A row that takes a freed row's storage computes what it computes in a new cache:
     the freed row's stale entries beyond the new row's length lie inside the step's key
     span (the other row is longer) and are never attended to."""
-    cache = three_rows(tiny_model, reserve=3)  # every row's storage holds 5 written columns
-    cache.retain([1])  # row 1 (2 entries) moves to row 0; rows 1 and 2 become spare, stale
+    cache = tiny_model.new_cache(3, 16, reserve=3)
+    rows = torch.stack([rand_tokens(5, seed=s) for s in (30, 31, 32)])  # (3, 5)
+    tiny_model(rows, torch.arange(5).expand(3, -1), cache)  # every row's storage holds 5 written columns
+    cache.retain([2])  # row 2 moves to row 0; rows 1 and 2 become spare, stale
     cache.grow(1, capacity=16)
     prompt = rand_tokens(3, seed=33)  # writes columns 0..2: stale columns 3, 4 stay
     tokens = torch.stack([torch.cat([rand_tokens(1, seed=34), torch.zeros(2, dtype=torch.long)]), prompt])
-    positions = torch.stack([torch.tensor([2, 0, 0]), torch.arange(3)])
-    out = tiny_model(tokens, positions, cache, n_new=[1, 3])  # keys span columns 0..4
+    positions = torch.stack([torch.tensor([5, 0, 0]), torch.arange(3)])
+    out = tiny_model(tokens, positions, cache, n_new=[1, 3])  # keys span columns 0..5
     assert cache.positions[1, 3:5].tolist() == [3, 4]  # the stale entries are still there
     fresh = prefilled(tiny_model, prompt, torch.arange(3), capacity=16)
     torch.testing.assert_close(out[1], tiny_model.lm_head(tiny_model.hidden(prompt[None], torch.arange(3)[None]))[0])
@@ -300,14 +261,14 @@ def test_append_from_copies_segments_in_order(tiny_model):
     append both slots to the committed row in position order."""
     P = 5
     committed = prefilled(tiny_model, rand_tokens(P, seed=22), torch.arange(P), capacity=32)
-    infill = committed.fork([2])
+    infill = committed.select([0, 0])
     slot_a, slot_b = rand_tokens(4, seed=23), rand_tokens(4, seed=24)
     tiny_model(torch.stack([slot_a, slot_b]), torch.tensor([[9, 10, 11, 12], [5, 6, 7, 8]]), infill)
     committed.append_from(infill, src_rows=[1, 0], src_starts=[P, P], counts=[4, 4], dst_rows=[0, 0])
     assert committed.lengths == [P + 8]
     entries_equal(committed, 0, infill, 1, P, P + 4)  # slot b (positions 5..8) first
     entries_equal(committed, 0, infill, 0, P + 4, P + 8, start_b=P)
-    tokens, positions = committed.row_entries(0)
+    tokens, positions = committed.tokens[0, : P + 8], committed.positions[0, : P + 8]
     assert positions[P:].tolist() == [5, 6, 7, 8, 9, 10, 11, 12]
     assert torch.equal(tokens[P:], torch.cat([slot_b, slot_a]))
 
@@ -316,7 +277,7 @@ def test_append_from_a_fork_equals_feeding_directly(tiny_model):
     """Entries computed in a forked row and appended back behave like entries fed in place."""
     P, prompt, slot = 6, rand_tokens(6, seed=25), rand_tokens(3, seed=26)
     committed = prefilled(tiny_model, prompt, torch.arange(P), capacity=16)
-    row = committed.fork([1])
+    row = committed.select([0])
     tiny_model(slot[None], torch.arange(P, P + 3)[None], row)
     committed.append_from(row, src_rows=[0], src_starts=[P], counts=[3], dst_rows=[0])
     direct = prefilled(tiny_model, torch.cat([prompt, slot]), torch.arange(P + 3), capacity=16)

@@ -33,9 +33,36 @@ def _filled(model: Transformer, lengths: list[int], capacity: int, seed: int = 0
     gen = torch.Generator().manual_seed(seed)
     cache = model.new_cache(len(lengths), capacity)
     T = max(lengths)
-    model.hidden(torch.randint(2, 64, (len(lengths), T), generator=gen), torch.arange(T).expand(len(lengths), -1), cache,
-                 n_new=lengths, lengths=lengths)
+    model.cached_hidden(torch.randint(2, 64, (len(lengths), T), generator=gen), torch.arange(T).expand(len(lengths), -1),
+                        cache, n_new=lengths)
     return cache
+
+
+def _reference(model: Transformer, cache, tokens: list[list[int]], positions: list[list[int]]):
+    """Each row recomputed alone without a cache (its entries, then its new tokens): the new
+    tokens' hidden states, row after row; and a cache that holds each whole row, filled
+    from empty in one forward: the entries a cached forward must have written."""
+    rows_t, rows_p, hidden = [], [], []
+    for b, (t, p) in enumerate(zip(tokens, positions)):
+        L = cache.lengths[b]
+        rows_t.append(cache.tokens[b, :L].tolist() + t)
+        rows_p.append(cache.positions[b, :L].tolist() + p)
+        if t:
+            hidden.append(model.hidden(torch.tensor([rows_t[-1]]), torch.tensor([rows_p[-1]]))[0, L:])
+    n = [len(r) for r in rows_t]
+    pad = lambda xs: torch.tensor([x + [0] * (max(n) - len(x)) for x in xs])  # noqa: E731
+    whole = model.new_cache(len(n), cache.capacity)
+    model.cached_hidden(pad(rows_t), pad(rows_p), whole, n_new=n)
+    return torch.cat(hidden), whole
+
+
+def _assert_entries_equal(cache, whole, lengths: list[int], n_new: list[int]) -> None:
+    for b, (L, n) in enumerate(zip(lengths, n_new)):
+        for layer in range(len(cache.k)):
+            torch.testing.assert_close(cache.k[layer][b, :, : L + n], whole.k[layer][b, :, : L + n], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(cache.v[layer][b, :, : L + n], whole.v[layer][b, :, : L + n], rtol=1e-5, atol=1e-5)
+        assert cache.tokens[b, : L + n].tolist() == whole.tokens[b, : L + n].tolist()
+        assert cache.positions[b, : L + n].tolist() == whole.positions[b, : L + n].tolist()
 
 
 def _feeds(lengths: list[int], n_new: list[int], seed: int = 1) -> tuple[list[list[int]], list[list[int]]]:
@@ -46,30 +73,23 @@ def _feeds(lengths: list[int], n_new: list[int], seed: int = 1) -> tuple[list[li
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 @torch.inference_mode()
-def test_packed_hidden_equals_the_ragged_forward(kind):
+def test_packed_hidden_equals_each_row_recomputed_alone(kind):
     """Four rows of different lengths feeding 3, 0, 1 and 5 tokens: `packed_hidden` (eager)
-    gives every real token's hidden state and cache entry as the ragged `hidden` does,
-    and neither advances the rows."""
+    gives every real token the hidden state of its row recomputed alone without a cache,
+    writes the entries a one-forward fill of each whole row holds, and advances no row."""
     model = _model(kind)
     lengths, n_new = [5, 9, 2, 7], [3, 0, 1, 5]
-    cache, twin = _filled(model, lengths, 24), _filled(model, lengths, 24)
+    cache = _filled(model, lengths, 24)
     tokens, positions = _feeds(lengths, n_new)
+    ref, whole = _reference(model, cache, tokens, positions)
     T = max(n_new)
-    pad = lambda xs: torch.tensor([x + [0] * (T - len(x)) for x in xs])  # noqa: E731
-    ref = model.hidden(pad(tokens), pad(positions), twin, n_new=0, lengths=n_new)  # (B, T, hidden)
-    ref = torch.cat([ref[b, :n] for b, n in enumerate(n_new)])
     where = torch.tensor([b * T + i for b, n in enumerate(n_new) for i in range(n)])
     query_cols = torch.tensor(lengths)[:, None] + torch.arange(T)
     flat = lambda xs: torch.tensor([x for row in xs for x in row])  # noqa: E731
     got = model.packed_hidden(flat(tokens), flat(positions), where, query_cols, cache.k, cache.v, cache.tokens, cache.positions)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    assert cache.lengths == twin.lengths == lengths
-    for layer in range(model.config.num_hidden_layers):
-        for b, (L, n) in enumerate(zip(lengths, n_new)):
-            torch.testing.assert_close(cache.k[layer][b, :, : L + n], twin.k[layer][b, :, : L + n])
-            torch.testing.assert_close(cache.v[layer][b, :, : L + n], twin.v[layer][b, :, : L + n])
-    for b, (L, t) in enumerate(zip(lengths, tokens)):
-        assert cache.tokens[b, L : L + len(t)].tolist() == t and cache.positions[b, L : L + len(t)].tolist() == positions[b]
+    assert cache.lengths == lengths
+    _assert_entries_equal(cache, whole, lengths, n_new)
 
 
 @pytest.mark.parametrize("lengths, n_new, runs, masked", [
@@ -81,24 +101,18 @@ def test_packed_hidden_equals_the_ragged_forward(kind):
 def test_the_decoders_eager_forward_equals_the_reference(lengths, n_new, runs, masked):
     """What `Forward` runs eagerly for every forward with a cache (`packed_hidden` over
     `KVCache.packed_write`, attention in runs of rows where a prompt is prefilled beside
-    one-token steps) gives the hidden states and cache entries of `hidden` with a cache."""
+    one-token steps) gives each row's hidden states recomputed alone without a cache, and
+    the entries of a one-forward fill of each whole row."""
     model = _model("qwen3")
-    cache, twin = _filled(model, lengths, 40), _filled(model, lengths, 40)
+    cache = _filled(model, lengths, 40)
     tokens, positions = _feeds(lengths, n_new)
+    ref, whole = _reference(model, cache, tokens, positions)
     layout = cache.packed_write(tokens, positions, plan_runs=True)
     assert (layout.segments is not None) == runs and layout.masked == masked
     got = model.packed_hidden(*layout.tensors(), segments=layout.segments, masked=layout.masked)
-    T = max(n_new)
-    pad = lambda xs: torch.tensor([x + [0] * (T - len(x)) for x in xs])  # noqa: E731
-    ref = model.hidden(pad(tokens), pad(positions), twin, n_new=0, lengths=n_new)
-    torch.testing.assert_close(got, torch.cat([ref[b, :n] for b, n in enumerate(n_new)]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert cache.lengths == lengths  # written, not kept: the caller advances
-    for b, (L, n) in enumerate(zip(lengths, n_new)):
-        for layer in range(model.config.num_hidden_layers):
-            torch.testing.assert_close(cache.k[layer][b, :, : L + n], twin.k[layer][b, :, : L + n])
-            torch.testing.assert_close(cache.v[layer][b, :, : L + n], twin.v[layer][b, :, : L + n])
-        assert cache.tokens[b, : L + n].tolist() == twin.tokens[b, : L + n].tolist()
-        assert cache.positions[b, : L + n].tolist() == twin.positions[b, : L + n].tolist()
+    _assert_entries_equal(cache, whole, lengths, n_new)
 
 
 def test_compiled_ar_decodes_what_eager_decodes(monkeypatch):

@@ -10,8 +10,8 @@ import torch
 from golden_data import CASES, load_tiny
 
 from refusion.decode import DecodeConfig, Engine, EngineConfig, generate
-from refusion.decode.engine import _rows_per_request
 from refusion.errors import ContextLengthError
+from refusion.model.sizing import cache_bytes, entry_bytes, request_need
 
 
 @pytest.fixture(scope="module")
@@ -139,10 +139,10 @@ def test_check_raises_what_add_request_would(tiny):
 
 
 def budget_for(tiny, cfg: DecodeConfig, rows: int, longest: int) -> float:
-    """The memory budget (GiB) that holds `rows` requests of cfg with prompts up to `longest`."""
-    c = tiny.config
-    per_entry = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * tiny.dtype.itemsize
-    return rows * _rows_per_request(cfg) * per_entry * (longest + 2 * cfg.region_length) / 2**30
+    """The memory budget (GiB) that holds `rows` requests of cfg with prompts up to
+    `longest` joining a running batch, by the engine's sizing rule."""
+    needs = [request_need(cfg, longest)] * rows
+    return cache_bytes(needs, entry_bytes(tiny.config, tiny.dtype), joining=True) / 2**30
 
 
 def test_the_memory_budget_bounds_the_batch_and_a_long_prompt_is_not_overtaken(tiny):

@@ -90,7 +90,7 @@ class CheckingEngine(Engine):
             cuts = [0, new - old] if path == "fast" else [0] + (slot_of.diff().nonzero().flatten() + 1).tolist() + [new - old]
             for a, e in zip(cuts, cuts[1:]):
                 ref = before.select([b])
-                model.hidden(toks[None, a:e], pos[None, a:e], ref)
+                model.cached_hidden(toks[None, a:e], pos[None, a:e], ref)
                 for layer in range(len(cache.k)):
                     got_k = cache.k[layer][b, :, old + a : old + e]
                     got_v = cache.v[layer][b, :, old + a : old + e]
@@ -133,9 +133,10 @@ def test_fast_path_cache_equals_full_recompute(tiny):
     assert {e.path for e in out.trace} == {"fast"}
     with torch.inference_mode():
         for cache in caches:
-            toks, pos = cache.row_entries(0)
-            fresh = tiny.new_cache(1, len(toks))
-            tiny.hidden(toks[None], pos[None], fresh)
+            n = cache.lengths[0]
+            toks, pos = cache.tokens[0, :n], cache.positions[0, :n]
+            fresh = tiny.new_cache(1, n)
+            tiny.cached_hidden(toks[None], pos[None], fresh)  # the committed sequence in one forward
             for layer in range(len(cache.k)):
                 torch.testing.assert_close(cache.k[layer][0, :, : len(toks)], fresh.k[layer][0, :, : len(toks)], rtol=1e-4, atol=1e-5)
                 torch.testing.assert_close(cache.v[layer][0, :, : len(toks)], fresh.v[layer][0, :, : len(toks)], rtol=1e-4, atol=1e-5)
@@ -149,7 +150,8 @@ def test_committed_cache_holds_output_in_generation_order(tiny):
     class Spy(Engine):
         def _infill(self):
             super()._infill()
-            seen.append(self.cache.row_entries(0))
+            n = self.cache.lengths[0]
+            seen.append((self.cache.tokens[0, :n].clone(), self.cache.positions[0, :n].clone()))
 
     decode_alone(Spy(tiny), c, case_config(c))
     toks, pos = seen[-1]

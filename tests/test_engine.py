@@ -187,9 +187,9 @@ def test_a_request_with_other_settings_joining_late_fits_the_cache(tiny):
 def test_the_cache_reserves_no_more_rows_than_the_budget_holds(tiny):
     """16 requests queued, a budget for 2: the cache's storage is for 2 rows, not 16."""
     cfg = DecodeConfig(method="ar", gen_length=16, stop_token_ids=())
-    c = tiny.config
-    per_entry = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
-    budget = 2 * per_entry * (10 + 2 * 16) / 2**30
+    from refusion.model.sizing import cache_bytes, entry_bytes, request_need
+
+    budget = cache_bytes([request_need(cfg, 10)] * 2, entry_bytes(tiny.config, tiny.dtype), joining=True) / 2**30
     engine = Engine(tiny, None, EngineConfig(max_batch_size=16, memory_budget_gb=budget))
     for i in range(16):
         engine.add_request(CASES[i]["prompt_ids"][:10] + [1] * (10 - len(CASES[i]["prompt_ids"][:10])), cfg)

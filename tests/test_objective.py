@@ -23,7 +23,6 @@ from refusion.train.objective import (
     SlotDraws,
     ar_batch,
     draw_slots,
-    hybrid_loss,
     loss_targets,
     refusion_batch,
     weighted_loss,
@@ -31,6 +30,13 @@ from refusion.train.objective import (
 
 MASK = 999
 PAD = 7
+
+
+def hybrid_loss(logits: torch.Tensor, batch, ar_reduction: str = "token"):
+    """The hybrid loss from full logits (B, T, V), through the trainer's pieces: the loss
+    targets picked out of every position, then their weighted cross-entropy."""
+    targets = loss_targets(batch, ar_reduction)
+    return weighted_loss(logits.flatten(0, 1)[targets.flat_index], targets)
 
 
 # ------------------------------------------------------------------ the naive reference

@@ -121,9 +121,17 @@ def test_cli_generate_and_eval_split_over_two_processes(tmp_path, capfd):
 
 
 def _shard_bytes(path: str) -> tuple[int, int]:
-    """A rank's weight bytes, and its KV cache's for 3 rows of 40 positions."""
+    """A rank's weight bytes, and the KV cache its engine allocates for 3 AR requests of
+    40 positions (10 of prompt, 30 generated)."""
+    from refusion.decode import DecodeConfig, Engine, EngineConfig
+
     model, _ = refusion.load(path, tensor_parallel_size=2)
-    cache = model.new_cache(3, 40)
+    engine = Engine(model, None, EngineConfig(tensor_parallel_size=2))
+    for i in range(3):
+        engine.add_request([5 + i] * 10, DecodeConfig(method="ar", gen_length=30, stop_token_ids=()))
+    engine.step()
+    cache = engine.cache
+    assert cache.reserved_rows == cache.batch_size == 3
     kv = sum(t.numel() * t.element_size() for t in [*cache.k, *cache.v, cache.tokens, cache.positions])
     return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values()), kv
 
@@ -132,13 +140,14 @@ def test_info_sizes_what_the_ranks_hold(make_hf_dir, capsys):
     import json
 
     from refusion.cli.main import main
+    from refusion.decode import DecodeConfig
     from refusion.io import load_metadata
     from refusion.model.sizing import memory_plan
 
     path = make_hf_dir("llama3")  # one KV head: replicated over the two ranks
     config, _ = load_metadata(path)
     weights, kv = spawn(2, _shard_bytes, str(path))
-    plan = memory_plan(config, torch.float32, 3, 40, tensor_parallel_size=2)
+    plan = memory_plan(config, torch.float32, 3, 40, DecodeConfig(method="ar"), tensor_parallel_size=2)
     assert (plan["weights_bytes"], plan["kv_cache_bytes"]) == (weights, kv)
     capsys.readouterr()  # what writing the checkpoint printed
     assert main(["info", str(path), "--batch-size", "3", "--context", "40", "--tensor-parallel-size", "2", "--json"]) == 0

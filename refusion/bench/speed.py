@@ -208,7 +208,7 @@ class OurForward:
     def __init__(self, model: Transformer, prefix: torch.Tensor, max_new: int) -> None:  # prefix (1, C)
         self.model, self.C = model, prefix.shape[1]
         self.cache = model.new_cache(1, self.C + max_new)
-        model.hidden(prefix, torch.arange(self.C, device=model.device)[None], self.cache)
+        model.cached_hidden(prefix, torch.arange(self.C, device=model.device)[None], self.cache)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # (1, s) each
         layout = self.cache.packed_write(tokens.tolist(), positions.tolist(), plan_runs=True)

@@ -26,13 +26,6 @@ class ARRow:
         self.done = False
 
     stops_early = True  # finished once its output is final (EOS or gen_length)
-    width = 0  # after the prompt it feeds one token, which its growth already counts
-
-    @property
-    def growth(self) -> int:
-        """Cache entries the row adds past its prompt, at most."""
-        return self.req.cfg.gen_length
-
     def feed(self) -> Feed:
         """A joining row feeds its prompt at 0..P-1; a running row its last token at P+done-1."""
         n = len(self.pending)

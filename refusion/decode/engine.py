@@ -28,7 +28,7 @@ import torch
 
 from ..errors import ConfigError, ContextLengthError, MissingMaskTokenError
 from ..model.prompts import Prompt, encode_prompt, eos_ids_of, mask_id_of
-from ..model.sizing import kv_bytes_per_entry
+from ..model.sizing import cache_bytes, entry_bytes, request_need, row_capacity
 from ..model.transformer import Transformer
 from .ar import ARRow, Feed
 from .config import DecodeConfig, EngineConfig
@@ -59,6 +59,7 @@ class Engine:
         self.default_config = recommended_of(model).decode_config()
         pad_id = self.mask_id if self.mask_id is not None else next(iter(self.eos_ids), 0)
         self.fwd = Forward(model, pad_id, compiled_step() if config.compile else None)
+        self._entry_bytes = entry_bytes(model.config, model.dtype)  # a rank's config: its share of the heads
         self.infill = Infill(self.fwd, self.mask_id)
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
@@ -205,31 +206,23 @@ class Engine:
             self.rows += new
 
     def _make_room(self, new: list[CachedRow]) -> None:
-        """Cache rows for `new`. Every step must fit: the longest row grown by the most any
-        row grows, plus the widest feed (a prompt prefilled, or a block of MASKs)."""
-        rows = self.rows + new
-        extra = max(r.growth for r in rows) + max(r.width for r in rows)
-        running = max((len(r.req.prompt) for r in self.rows), default=0)
+        """Cache rows for `new`, each as long as the sizing rule says every step of the
+        running and new rows needs (`row_capacity`), with storage reserved for the rows
+        that can be in flight (running and waiting, up to max_batch_size) within the budget."""
+        needs = [request_need(r.req.cfg, len(r.req.prompt)) for r in self.rows + new]
+        capacity = row_capacity(needs, joining=bool(self.rows))
         waiting = sum(q.cfg.method != "mdm" for q in self.waiting)
-        # storage for the rows that can be in flight, within the budget at this capacity
-        longest = max(running, *(len(r.req.prompt) for r in new))
-        per_row = self._bytes_per_entry() * (2 * longest + extra)
-        budget_rows = int(self.config.memory_budget_gb * 2**30 // max(per_row, 1))
-        reserve = max(len(rows), min(self.config.max_batch_size, len(rows) + waiting, budget_rows))
-        self.cache = make_room(self.model, self.cache, [r.req.prompt for r in new], running, extra, reserve)
-
-    def _bytes_per_entry(self) -> int:
-        return kv_bytes_per_entry(self.model.config, self.model.dtype)
+        budget_rows = int(self.config.memory_budget_gb * 2**30 // max(capacity * self._entry_bytes, 1))
+        rows = len(self.rows) + len(new)
+        reserve = max(rows, min(self.config.max_batch_size, rows + waiting, budget_rows))
+        self.cache = make_room(self.model, self.cache, len(new), capacity, reserve)
 
     def _fits(self, req: Request, new: list[CachedRow]) -> bool:
-        """Would the KV cache of every running row, the rows admitted this step and `req`
-        fit the memory budget? Rows are sized by the longest prompt and region among them
-        (one cache holds them all), ReFusion rows with a fork per slot of a block."""
+        """Would the cache rows of every running request, of the ones admitted this step and
+        of `req` fit the memory budget, sized by the one rule (`cache_bytes`)?"""
         reqs = [r.req for r in self.rows + self.mdm + new] + [req]
-        longest = max(len(q.prompt) for q in reqs)
-        region = max(q.cfg.region_length for q in reqs)
-        rows = sum(_rows_per_request(q.cfg) for q in reqs)
-        return rows * self._bytes_per_entry() * (longest + 2 * region) <= self.config.memory_budget_gb * 2**30
+        needs = [request_need(q.cfg, len(q.prompt)) for q in reqs]
+        return cache_bytes(needs, self._entry_bytes, joining=bool(self.rows)) <= self.config.memory_budget_gb * 2**30
 
     def _retire(self) -> None:
         """Finished rows leave; their cache storage stays for rows that join."""
@@ -288,11 +281,6 @@ class Engine:
                               [f[2] for f in feeds])
         for r, lg in zip(self.mdm, logits):
             r.take(lg)
-
-
-def _rows_per_request(cfg: DecodeConfig) -> int:
-    """Cache rows a request may hold at once: ReFusion forks one per slot of a block."""
-    return 1 + cfg.slots_per_block if cfg.method == "refusion" else 1
 
 
 def _unit_fix(cfg: DecodeConfig, room: int) -> str:

@@ -1,5 +1,5 @@
 """The counted forward pass over ragged rows that every decoding method calls, eager or
-compiled (`CompiledStep`), and the cache room a batch needs.
+compiled (`CompiledStep`), and the cache it runs on (`make_room`).
 
 Each row of a forward belongs to a `Request`; `Forward.run` counts the pass once for the
 engine and once for each request that fed it something or asked for logits, so a
@@ -25,17 +25,13 @@ if TYPE_CHECKING:
     from .request import Request
 
 
-def make_room(model: Transformer, cache: KVCache | None, prompts: Sequence[Sequence[int]], running_longest: int,
-              extra: int, reserve: int) -> KVCache:
-    """The decoder's cache with one new empty row per prompt (rows joining, or the first
-    batch), storage reserved for `reserve` rows. A new cache holds a row and its widest
-    step (the longest prompt + `extra`). A ragged step writes every row from the longest
-    row's end, so a running cache needs room for a prefill there: 2 x the longest prompt,
-    running or new, + `extra`."""
-    longest = max(len(p) for p in prompts)
+def make_room(model: Transformer, cache: KVCache | None, joining: int, capacity: int, reserve: int) -> KVCache:
+    """The decoder's cache with `joining` new empty rows (rows joining, or the first
+    batch), each able to hold `capacity` entries (`model.sizing.row_capacity`), storage
+    reserved for `reserve` rows."""
     if cache is None:
-        return model.new_cache(len(prompts), longest + extra, reserve=reserve)
-    cache.grow(len(prompts), 2 * max(longest, running_longest) + extra, reserve=reserve)
+        return model.new_cache(joining, capacity, reserve=reserve)
+    cache.grow(joining, capacity, reserve=reserve)
     return cache
 
 

@@ -95,16 +95,6 @@ class ReFusionRow:
 
     stops_early = True  # finished once its output is final (EOS or gen_length), whatever slots are left
 
-    @property
-    def growth(self) -> int:
-        """Cache entries the row adds past its prompt, at most: its region."""
-        return self.req.cfg.region_length
-
-    @property
-    def width(self) -> int:
-        """The most it feeds in one forward past its prompt: a block of MASKs."""
-        return self.slots_per_block * self.s
-
     def _block_slots(self, block: int) -> list[int]:
         return list(range(block * self.slots_per_block, (block + 1) * self.slots_per_block))
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
@@ -114,46 +113,6 @@ class KVCache:
                 "Shorten the prompt or gen_length, or allocate a larger cache."
             )
 
-    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, slots: "WriteSlots") -> tuple[torch.Tensor, torch.Tensor]:
-        """Store one layer's new keys/values (B, H_kv, T, D) at each row's end; return the
-        readable prefix (B, H_kv, used + T, D) of keys and values for attention."""
-        k, v = self.k[layer], self.v[layer]
-        if slots.uniform_start is not None:
-            s = slots.uniform_start
-            k[:, :, s : s + k_new.shape[2]] = k_new
-            v[:, :, s : s + v_new.shape[2]] = v_new
-        else:
-            k[slots.rows, :, slots.cols] = k_new.transpose(1, 2)  # (B, T, H_kv, D)
-            v[slots.rows, :, slots.cols] = v_new.transpose(1, 2)
-        return k[:, :, : slots.end], v[:, :, : slots.end]
-
-    def write_packed(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, slots: "WriteSlots",
-                     flat_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`write` for a packed forward: keys/values (N, H_kv, D) of the real tokens only
-        (at `flat_index` b * T + t of the padded layout), each stored at its row's end
-        (padding is neither computed nor stored)."""
-        rows, cols = slots.packed_index(flat_index)
-        k, v = self.k[layer], self.v[layer]
-        k[rows, :, cols] = k_new
-        v[rows, :, cols] = v_new
-        return k[:, :, : slots.end], v[:, :, : slots.end]
-
-    def begin_write(self, tokens: torch.Tensor, positions: torch.Tensor) -> "WriteSlots":
-        """Record the tokens/positions of a forward pass and say where each row writes."""
-        B, T = tokens.shape
-        if B != self.batch_size:
-            raise ValueError(f"cache has {self.batch_size} rows, input has {B}")
-        self.check_room(T)
-        slots = WriteSlots(self.lengths, T, self.device)
-        if slots.uniform_start is not None:
-            s = slots.uniform_start
-            self.tokens[:, s : s + T] = tokens
-            self.positions[:, s : s + T] = positions
-        else:
-            self.tokens[slots.rows, slots.cols] = tokens
-            self.positions[slots.rows, slots.cols] = positions
-        return slots
-
     def packed_write(self, tokens: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], *,
                      whole_cache: bool = False, plan_runs: bool = False) -> "PackedWrite":
         """The layout of a forward over ragged rows (row b feeds tokens[b], any number, none
@@ -161,7 +120,7 @@ class KVCache:
         where each sits in the rows' (B, T) layout, each query's column, and the storage it
         reads and writes. Only the window in use (used + T columns) is read, unless
         `whole_cache` (a contiguous read: what a compiled one-token step prefers). With
-        `plan_runs`, attention may run in two runs of rows (see `WriteSlots.split_rows`).
+        `plan_runs`, attention may run in two runs of rows (see `attention_runs`).
         Nothing is written here; the caller keeps what it wants with `advance`."""
         dev = self.device
         T = max(1, max((len(t) for t in tokens), default=0))
@@ -175,11 +134,7 @@ class KVCache:
         where = flat([range(b * T, b * T + len(t)) for b, t in enumerate(tokens)])
         query_cols = torch.tensor(self.lengths, dtype=torch.long, device=dev)[:, None] + torch.arange(T, device=dev)
         end = self.capacity if whole_cache else self.used() + T
-        segments = None
-        if plan_runs:
-            slots = WriteSlots(self.lengths, T, dev)
-            slots.split_rows([len(t) for t in tokens])
-            segments = slots.segments
+        segments = attention_runs(self.lengths, [len(t) for t in tokens]) if plan_runs else None
         # one new token per row at equal lengths reads exactly the window: no mask is needed
         masked = whole_cache or T > 1 or len(set(self.lengths)) > 1 or any(len(t) != 1 for t in tokens)
         return PackedWrite(flat(tokens), flat(positions), where, query_cols, [t[:, :, :end] for t in self.k],
@@ -192,16 +147,6 @@ class KVCache:
         self.lengths = [n + int(d) for n, d in zip(self.lengths, n_new)]
 
     # ------------------------------------------------------------------ named operations
-    def truncate(self, lengths: Sequence[int]) -> None:
-        """Roll rows back to the given lengths (discarding e.g. a plan step's MASK entries)."""
-        lengths = [int(n) for n in lengths]
-        if len(lengths) != self.batch_size:
-            raise ValueError(f"expected {self.batch_size} lengths, got {len(lengths)}")
-        for old, new in zip(self.lengths, lengths):
-            if not 0 <= new <= old:
-                raise ValueError(f"truncate can only shorten a row: {old} -> {new}")
-        self.lengths = lengths
-
     def select(self, rows: Sequence[int] | torch.Tensor, capacity: int | None = None, empty: int = 0,
                out: "KVCache | None" = None) -> "KVCache":
         """A cache made of the given rows (repeats allowed: that is a fork), copying only
@@ -272,11 +217,6 @@ class KVCache:
         self._view()
         return order
 
-    def fork(self, repeats: Sequence[int], capacity: int | None = None) -> "KVCache":
-        """Row b repeated repeats[b] times, in order (one copy of the committed cache per slot)."""
-        rows = [b for b, r in enumerate(repeats) for _ in range(int(r))]
-        return self.select(rows, capacity)
-
     def append_from(
         self,
         src: "KVCache",
@@ -313,12 +253,6 @@ class KVCache:
         self.positions[dr_t, dc_t] = src.positions[sr_t, sc_t]
         self.lengths = lengths
 
-    def row_entries(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens, positions) of a row's valid entries, in physical order."""
-        n = self.lengths[row]
-        return self.tokens[row, :n], self.positions[row, :n]
-
-
 @dataclass
 class PackedWrite:
     """A forward's layout over the cache, tensors only (see `KVCache.packed_write`)."""
@@ -339,71 +273,30 @@ class PackedWrite:
         return self.tokens, self.positions, self.where, self.query_cols, self.k, self.v, self.cache_tokens, self.cache_positions
 
 
-class WriteSlots:
-    """Where each row of a forward pass writes: physical columns start[b] .. start[b]+T-1.
-
-    Computed once per forward and shared by every layer. The common case (all rows at
-    the same length) takes plain slices; ragged rows take one advanced-index write.
-    """
-
-    def __init__(self, starts: Sequence[int], T: int, device: torch.device) -> None:
-        self.starts = list(starts)
-        self.T = T
-        self.end = max(self.starts, default=0) + T
-        first = self.starts[0] if self.starts else 0
-        self.uniform_start = first if all(s == first for s in self.starts) else None
-        self.device = device
-        self.segments: list[tuple[int, int, int, int]] | None = None  # see split_rows
-        self._packed: tuple[torch.Tensor, torch.Tensor] | None = None  # see packed_index
-
-    def split_rows(self, lengths: Sequence[int], worth: float = 0.6) -> None:
-        """Plan attention in two runs of rows when that saves work: `segments` becomes
-        [(first row, end row, queries, keys), ...], each run attending with only as many
-        query and key columns as its own rows need. The common case is a join: rows that
-        decode one token each beside a new row that prefills its prompt, which would
-        otherwise make every row pay for the prompt's width. `lengths[b]` is the number
-        of real tokens row b feeds. Kept only if it costs under `worth` x one run."""
-        B = len(self.starts)
-        if B < 2 or (self.uniform_start is not None and self.T == 1):
-            return
-        t = [max(1, min(int(n), self.T)) for n in lengths]  # a row that feeds nothing still has a query
-        e = [s + n for s, n in zip(self.starts, t)]  # keys a row's real queries can see
-        pre_t, pre_e, mt, me = [], [], 0, 0
-        for tb, eb in zip(t, e):
-            mt, me = max(mt, tb), max(me, eb)
-            pre_t.append(mt)
-            pre_e.append(me)
-        full, best, at = B * mt * me, B * mt * me, 0
-        st = se = 0
-        for a in range(B - 1, 0, -1):  # rows [0, a) and [a, B)
-            st, se = max(st, t[a]), max(se, e[a])
-            cost = a * pre_t[a - 1] * pre_e[a - 1] + (B - a) * st * se
-            if cost < best:
-                best, at, suffix = cost, a, (st, se)
-        if at and best < worth * full:
-            self.segments = [(0, at, pre_t[at - 1], pre_e[at - 1]), (at, B, *suffix)]
-
-    @cached_property
-    def cols(self) -> torch.Tensor:
-        """(B, T) physical column of each new entry; built only when a step needs it."""
-        start_t = torch.tensor(self.starts, device=self.device, dtype=torch.long)  # (B,)
-        return start_t[:, None] + torch.arange(self.T, device=self.device)[None, :]
-
-    def packed_index(self, flat_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, cols), each (N,): where each real token of a packed forward is stored
-        (`rows` and `cols` at its flat index b * T + t)."""
-        if self._packed is None:
-            self._packed = (torch.div(flat_index, self.T, rounding_mode="floor"), self.cols.flatten()[flat_index])
-        return self._packed
-
-    @cached_property
-    def rows(self) -> torch.Tensor:
-        """(B, T) row index of each new entry, for the ragged advanced-index write."""
-        return torch.arange(len(self.starts), device=self.device)[:, None].expand(-1, self.T)
-
-    def attention_mask(self) -> torch.Tensor | None:
-        """(B, 1, T, end) bool: query i of row b sees physical j <= start[b] + i.
-        None when the plain full view is already right (one new token, equal lengths)."""
-        if self.uniform_start is not None and self.T == 1:
-            return None
-        return storage_mask(self.cols, self.end)
+def attention_runs(starts: Sequence[int], fed: Sequence[int], worth: float = 0.6) -> list[tuple[int, int, int, int]] | None:
+    """Attention in two runs of rows, when that saves work: [(first row, end row, queries,
+    keys), ...], each run attending with only as many query and key columns as its own
+    rows need (None: one run). The common case is a join: rows that decode one token each
+    beside a new row that prefills its prompt, which would otherwise make every row pay
+    for the prompt's width. Row b holds starts[b] entries and feeds fed[b] tokens. Kept
+    only if it costs under `worth` x one run."""
+    B, T = len(starts), max(fed, default=0)
+    if B < 2 or (T <= 1 and len(set(starts)) == 1):
+        return None
+    t = [max(1, min(int(n), T)) for n in fed]  # a row that feeds nothing still has a query
+    e = [s + n for s, n in zip(starts, t)]  # keys a row's real queries can see
+    pre_t, pre_e, mt, me = [], [], 0, 0
+    for tb, eb in zip(t, e):
+        mt, me = max(mt, tb), max(me, eb)
+        pre_t.append(mt)
+        pre_e.append(me)
+    full, best, at = B * mt * me, B * mt * me, 0
+    st = se = 0
+    for a in range(B - 1, 0, -1):  # rows [0, a) and [a, B)
+        st, se = max(st, t[a]), max(se, e[a])
+        cost = a * pre_t[a - 1] * pre_e[a - 1] + (B - a) * st * se
+        if cost < best:
+            best, at, suffix = cost, a, (st, se)
+    if at and best < worth * full:
+        return [(0, at, pre_t[at - 1], pre_e[at - 1]), (at, B, *suffix)]
+    return None

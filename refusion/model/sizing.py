@@ -1,17 +1,68 @@
 """Memory: how much a model needs per device (its weights, a rank's share under tensor
-parallelism, and the KV cache for a batch of a given context, from the config alone),
-and how much a process holds. Imports no torch until a function needs it (the load test
-reads a server's memory with it)."""
+parallelism), how much a process holds, and the one rule for the KV cache: what a request
+needs of it (`request_need`), how long every row of one cache must be (`row_capacity`),
+and what that costs (`cache_bytes`). The engine admits requests and allocates its cache
+by this rule and `refusion info` reports it, so they agree on what fits. Imports no torch
+until a function needs it (the load test reads a server's memory with it)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from ..decode.config import DecodeConfig
 
 if TYPE_CHECKING:
     import torch
 
     from .config import ModelConfig
+
+ID_BYTES = 16  # an entry's token and position ids, int64 each
+
+
+@dataclass(frozen=True)
+class CacheNeed:
+    """What one request asks of the KV cache (see `request_need`)."""
+
+    prompt: int  # entries its prompt takes
+    growth: int  # entries its decoding adds past the prompt, at most
+    width: int  # entries one forward writes past the row's committed end, beyond its growth (a block of MASKs)
+    rows: int = 1  # cache rows it holds at once (ReFusion: its row and a fork per slot of a block; MDM: none)
+
+
+def request_need(cfg: DecodeConfig, prompt_len: int) -> CacheNeed:
+    """The cache a request of these settings and prompt needs. A ReFusion row grows by its
+    region, feeds a block of MASKs past its committed end, and forks a row per slot of a
+    block while it infills (the forks hold the committed row and at most a slot more);
+    an AR row grows by gen_length, one token a forward; MDM reuses no cache."""
+    if cfg.method == "mdm":
+        return CacheNeed(prompt_len, 0, 0, rows=0)
+    if cfg.method == "refusion":
+        width = cfg.slots_per_block * cfg.slot_size
+        return CacheNeed(prompt_len, cfg.region_length, width, rows=1 + cfg.slots_per_block)
+    return CacheNeed(prompt_len, cfg.gen_length, 0)
+
+
+def row_capacity(needs: Sequence[CacheNeed], joining: bool = False) -> int:
+    """Entries every row of one cache must hold for each step of these requests to fit
+    (a forward writes each row's new entries from the longest row's end on): the longest
+    row a request reaches (prompt + growth), plus the widest write past it (a block of
+    MASKs), plus, where requests join rows that already run, the longest prompt (a
+    joining prompt is prefilled beside the running rows)."""
+    needs = [n for n in needs if n.rows]
+    if not needs:
+        return 0
+    longest = max(n.prompt + n.growth for n in needs)
+    joined = max(n.prompt for n in needs) if joining else 0
+    return longest + max(n.width for n in needs) + joined
+
+
+def cache_bytes(needs: Sequence[CacheNeed], per_entry: int, joining: bool = False) -> int:
+    """Bytes of the cache rows these requests hold at once, every row (and fork) as long as
+    `row_capacity`, `per_entry` bytes an entry (`entry_bytes`)."""
+    return sum(n.rows for n in needs) * row_capacity(needs, joining) * per_entry
 
 
 def process_memory_kib(pid: int | str | None = None) -> dict[str, int] | None:
@@ -30,10 +81,10 @@ def process_memory_kib(pid: int | str | None = None) -> dict[str, int] | None:
     return out
 
 
-def kv_bytes_per_entry(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes one cache entry (one token of one row) takes in every layer: keys and
-    values of the config's KV heads (a rank's config: its heads)."""
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype.itemsize
+def entry_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes one cache entry (one token of one row) takes: keys and values in every layer
+    for the config's KV heads (a rank's config: its heads), and its token and position id."""
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype.itemsize + ID_BYTES
 
 
 def weight_bytes(config: ModelConfig, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
@@ -56,17 +107,22 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype, tensor_parallel_size: 
     return total * dtype.itemsize
 
 
-def memory_plan(config: ModelConfig, dtype: torch.dtype, batch_size: int, context: int,
-                tensor_parallel_size: int = 1, rows_per_request: int = 1) -> dict[str, Any]:
-    """Per device: weights, KV cache of batch_size requests of `context` positions (each
-    holding rows_per_request cache rows: a ReFusion request forks one per slot of a
-    block while it infills), and their sum, in bytes."""
+def memory_plan(config: ModelConfig, dtype: torch.dtype, batch_size: int, context: int, cfg: DecodeConfig,
+                tensor_parallel_size: int = 1) -> dict[str, Any]:
+    """Per device: the weights, and the KV cache the engine allocates for batch_size
+    requests admitted together, each of `context` positions (prompt and generation, the
+    generation as long as cfg's region where the context allows), by the engine's rule
+    (`request_need`, `row_capacity`); and their sum, in bytes."""
     from .tensor_parallel import local_config
 
     local = local_config(config, tensor_parallel_size) if tensor_parallel_size > 1 else config
-    rows = batch_size * rows_per_request
-    kv = rows * context * (kv_bytes_per_entry(local, dtype) + 16)  # + the token and position ids
+    alone = request_need(cfg, 0)
+    growth = min(alone.growth, context)
+    need = CacheNeed(context - growth, growth, alone.width, alone.rows)
+    needs = [need] * batch_size
+    kv = cache_bytes(needs, entry_bytes(local, dtype))
     weights = weight_bytes(config, dtype, tensor_parallel_size)
     return {"dtype": str(dtype).removeprefix("torch."), "tensor_parallel_size": tensor_parallel_size,
-            "batch_size": batch_size, "context": context, "cache_rows": rows, "weights_bytes": weights,
-            "kv_cache_bytes": kv, "total_bytes": weights + kv}
+            "batch_size": batch_size, "context": context, "cache_rows": batch_size * need.rows,
+            "row_capacity": row_capacity(needs), "weights_bytes": weights, "kv_cache_bytes": kv,
+            "total_bytes": weights + kv}

@@ -4,9 +4,11 @@
 what is fed (cached entries first, then the new tokens); RoPE uses the explicit
 position ids. That is all ReFusion needs: out-of-order slots are the normal case.
 
-Two forwards: `hidden` over (B, T) rows (training, MDM, and with a cache the reference the
-tests hold the decoder to), and `packed_hidden`, the decoder's every forward with a cache
-(eager, or compiled as one graph), over the layout the cache builds (`KVCache.packed_write`).
+Two forwards: `hidden` over (B, T) rows without a cache (training, MDM, and the reference
+the tests hold the cached forward to), and `packed_hidden`, the one forward with a cache
+(the decoder's every forward, eager or compiled as one graph, over the layout the cache
+builds: `KVCache.packed_write`); `cached_hidden` and `model(tokens, positions, cache)` are
+thin wrappers over it for callers that hold whole tensors.
 
 Parameter names equal Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...),
 so checkpoints load and save without renaming.
@@ -22,7 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
-from .kv_cache import KVCache, WriteSlots, storage_mask
+from .kv_cache import KVCache, storage_mask
 
 
 class RMSNorm(nn.Module):
@@ -109,27 +111,22 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(
-        self,
-        x: torch.Tensor,  # (B, T, hidden), or (N, hidden) when packed
-        cos: torch.Tensor,  # (B, 1, T, head_dim), or (N, 1, head_dim) when packed with a cache
-        sin: torch.Tensor,  # the same shape, first half negated (see apply_rope)
-        cache: KVCache | None,
-        slots: WriteSlots | None,
-        mask: torch.Tensor | None,  # (B, 1, T, S) bool, or None
-        packing: "Packing | None" = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packing: "Packing | None" = None) -> torch.Tensor:
+        """Causal attention over the rows fed, without a cache (training, MDM, and the
+        tests' references). x (B, T, hidden), or (N, hidden) when `packing` packed the
+        rows' real tokens; cos, sin (B, 1, T, head_dim), sin's first half negated."""
         H, H_kv, D = self.n_heads, self.n_kv, self.head_dim
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (..., heads * D)
         if self.q_norm is not None:
             q = self.q_norm(q.unflatten(-1, (H, D))).flatten(-2)
             k = self.k_norm(k.unflatten(-1, (H_kv, D))).flatten(-2)
-        if packing is not None and cache is not None:
-            q, k, v = self._store_packed(q, k, v, cos, sin, cache, slots, packing)
-        else:
-            q, k, v = self._store_padded(q, k, v, cos, sin, cache, slots, packing)
-        out = self._attend(q, k, v, cache, slots, mask)  # (B, H, T, D)
-        B, T = q.shape[0], q.shape[2]
+        if packing is not None:  # attention runs on the padded layout
+            q, k, v = packing.unpack_split(torch.cat((q, k, v), dim=-1), (H * D, H_kv * D, H_kv * D))
+        B, T = cos.shape[0], cos.shape[2]
+        q = apply_rope(q.view(B, T, H, D).transpose(1, 2), cos, sin)  # (B, H, T, D)
+        k = apply_rope(k.view(B, T, H_kv, D).transpose(1, 2), cos, sin)  # (B, H_kv, T, D)
+        v = v.view(B, T, H_kv, D).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H_kv != H)  # (B, H, T, D)
         out = out.transpose(1, 2).reshape(B, T, H * D)
         return self.o_proj(packing.pack(out) if packing is not None else out)
 
@@ -162,35 +159,6 @@ class Attention(nn.Module):
             out[a:b, :, :t] = F.scaled_dot_product_attention(q[a:b, :, :t], k[a:b, :, :e], v[a:b, :, :e], attn_mask=m, enable_gqa=gqa)
         return out
 
-    def _store_packed(self, q, k, v, cos, sin, cache: KVCache, slots: WriteSlots, packing: "Packing"):
-        """Rotate and store only the real tokens (N of them); queries alone go to the padded
-        layout. Returns q (B, H, T, D) and the readable keys/values (B, H_kv, S, D)."""
-        H, H_kv, D, N = self.n_heads, self.n_kv, self.head_dim, q.shape[0]
-        q, k = apply_rope(q.view(N, H, D), cos, sin), apply_rope(k.view(N, H_kv, D), cos, sin)  # cos (N, 1, D)
-        k, v = cache.write_packed(self.layer, k, v.view(N, H_kv, D), slots, packing.idx)
-        q = packing.unpack_split(q.flatten(1), (H * D,))[0].view(packing.B, packing.T, H, D).transpose(1, 2)
-        return q, k, v
-
-    def _store_padded(self, q, k, v, cos, sin, cache: KVCache | None, slots: WriteSlots | None, packing: "Packing | None"):
-        """Rotate (and store, with a cache) every position of the padded (B, T) layout."""
-        H, H_kv, D = self.n_heads, self.n_kv, self.head_dim
-        if packing is not None:  # no cache: attention runs on the padded layout
-            q, k, v = packing.unpack_split(torch.cat((q, k, v), dim=-1), (H * D, H_kv * D, H_kv * D))
-        B, T = cos.shape[0], cos.shape[2]
-        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(B, T, H_kv, D).transpose(1, 2)  # (B, H_kv, T, D)
-        v = v.view(B, T, H_kv, D).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.write(self.layer, k, v, slots)  # (B, H_kv, S, D)
-        return q, k, v
-
-    def _attend(self, q, k, v, cache: KVCache | None, slots: WriteSlots | None, mask: torch.Tensor | None) -> torch.Tensor:
-        """SDPA (B, H, T, D); per run of rows when `split_rows` planned runs."""
-        if mask is None and cache is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
-        return self._attend_runs(q, k, v, mask, slots.segments if slots is not None else None)
-
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -212,8 +180,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, cache, slots, mask, packing=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, mask, packing)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packing: "Packing | None" = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, packing)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -262,16 +230,12 @@ class Transformer(nn.Module):
         self,
         tokens: torch.Tensor,  # (B, T) int64
         positions: torch.Tensor,  # (B, T) int64
-        cache: KVCache | None = None,
-        n_new: int | list[int] | None = None,
         lengths: list[int] | None = None,
     ) -> torch.Tensor:
-        """Final hidden states (B, T, hidden). With a cache (the reference form of the
-        decoder's `packed_hidden`, and how a test or benchmark fills a cache), the new
-        entries are written at each row's end and the row grows by n_new[b] (default: all
-        T; pass fewer when a row's input is right-padded). `lengths[b]` says how many of row
-        b's tokens are real (the rest is right padding, whose outputs are zeros): with
-        enough padding the rows are packed (see `Packing`)."""
+        """Final hidden states (B, T, hidden) of rows fed on their own, without a cache:
+        training, MDM, and the reference the tests hold the cached forward to.
+        `lengths[b]` says how many of row b's tokens are real (the rest is right padding,
+        whose outputs are zeros): with enough padding the rows are packed (see `Packing`)."""
         if tokens.shape != positions.shape:
             raise ValueError(f"tokens {tuple(tokens.shape)} and positions {tuple(positions.shape)} differ in shape")
         B, T = tokens.shape
@@ -281,25 +245,35 @@ class Transformer(nn.Module):
             x = self.model.embed_tokens(packing.pack(tokens[..., None]).flatten())  # (N, hidden)
         else:
             x = self.model.embed_tokens(tokens)  # (B, T, hidden)
-        if packing is not None and cache is not None:  # rotations for the real tokens only
-            cos, sin = (c[0, 0, :, None] for c in self.rope(packing.pack(positions[..., None]).T, x.dtype))  # (N, 1, D)
-        else:
-            cos, sin = self.rope(positions, x.dtype)
-        slots = mask = None
-        if cache is not None:
-            slots = cache.begin_write(tokens, positions)
-            mask = slots.attention_mask()
-            if lengths is not None:
-                slots.split_rows(lengths)
+        cos, sin = self.rope(positions, x.dtype)  # (B, 1, T, D) each
         for block in self.model.layers:
-            if self.gradient_checkpointing and self.training and cache is None:
-                x = checkpoint(block, x, cos, sin, None, None, None, packing, use_reentrant=False)
+            if self.gradient_checkpointing and self.training:
+                x = checkpoint(block, x, cos, sin, packing, use_reentrant=False)
             else:
-                x = block(x, cos, sin, cache, slots, mask, packing)
-        if cache is not None:
-            cache.advance(T if n_new is None else n_new)
+                x = block(x, cos, sin, packing)
         x = self.model.norm(x)
         return packing.unpack_split(x, (x.shape[-1],))[0] if packing is not None else x
+
+    def cached_hidden(
+        self,
+        tokens: torch.Tensor,  # (B, T) int64
+        positions: torch.Tensor,  # (B, T) int64
+        cache: KVCache,
+        n_new: int | list[int] | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states (B, T, hidden) of rows fed after their cache entries, through
+        the decoder's one cached forward (`packed_hidden`); row b feeds and keeps its first
+        n_new[b] tokens (default: all T; the rest is right padding, whose outputs are
+        zeros). For callers that hold whole tensors (a benchmark's prefill, the tests);
+        the engine builds its ragged feeds itself (`decode.forward`)."""
+        B, T = tokens.shape
+        n = [T] * B if n_new is None else [n_new] * B if isinstance(n_new, int) else [int(x) for x in n_new]
+        layout = cache.packed_write([tokens[b, : n[b]].tolist() for b in range(B)],
+                                    [positions[b, : n[b]].tolist() for b in range(B)], plan_runs=True)
+        hidden = self.packed_hidden(*layout.tensors(), segments=layout.segments, masked=layout.masked)  # (N, hidden)
+        cache.advance(n)
+        out = hidden.new_zeros(B * layout.query_cols.shape[1], hidden.shape[-1]).index_copy(0, layout.where, hidden)
+        return out.view(B, -1, hidden.shape[-1])[:, :T]
 
     def forward(
         self,
@@ -308,8 +282,11 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         n_new: int | list[int] | None = None,
     ) -> torch.Tensor:
-        """Logits (B, T, vocab). See `hidden` for the cache contract."""
-        return self.lm_head(self.hidden(tokens, positions, cache, n_new))
+        """Logits (B, T, vocab): of the rows alone (`hidden`), or fed after their entries in
+        `cache`, which keeps them (`cached_hidden`)."""
+        if cache is None:
+            return self.lm_head(self.hidden(tokens, positions))
+        return self.lm_head(self.cached_hidden(tokens, positions, cache, n_new))
 
     def packed_hidden(
         self,
@@ -328,9 +305,10 @@ class Transformer(nn.Module):
         (`KVCache.packed_write` builds them): no cache object, no Python that depends on the
         rows' lengths. `torch.compile(dynamic=True)` therefore captures it as one graph that
         serves every batch, prompt length and cache size (see `decode.forward.CompiledStep`);
-        eagerly, `segments` may split attention into runs of rows. Its numbers are
-        `hidden`'s with a cache: the new entries are written at each row's end (the caller
-        advances the cache's lengths) and query t of row b sees columns <= query_cols[b, t]."""
+        eagerly, `segments` may split attention into runs of rows. The new entries are
+        written at each row's end (the caller advances the cache's lengths) and query t of
+        row b sees columns <= query_cols[b, t]: its numbers are `hidden`'s over the row's
+        entries followed by its new tokens (the tests check that)."""
         B, T = query_cols.shape
         rows, cols = where // T, query_cols.flatten().index_select(0, where)  # (N,) each
         cache_tokens[rows, cols] = tokens

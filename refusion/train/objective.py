@@ -210,10 +210,3 @@ def weighted_loss(logits: torch.Tensor, targets: LossTargets) -> LossParts:
     ar = (ce * targets.ar_weight).sum()
     mdm = (ce * targets.mdm_weight).sum()
     return LossParts(ar + mdm, ar, mdm)
-
-
-def hybrid_loss(logits: torch.Tensor, batch: TrainBatch, ar_reduction: str = "token") -> LossParts:
-    """The hybrid loss from full logits (B, T, V): mean AR cross-entropy over the clean-slot
-    labels + sum over MASK tokens of CE / p / |R|, divided by the batch size."""
-    targets = loss_targets(batch, ar_reduction)
-    return weighted_loss(logits.flatten(0, 1)[targets.flat_index], targets)

@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _memory(args: argparse.Namespace, info: dict[str, Any]) -> list[dict[str, Any]]:
-    """The plan for AR rows and for ReFusion requests with the checkpoint's settings."""
+    """The plan for AR requests and for ReFusion requests with the checkpoint's settings,
+    by the rule the engine admits and allocates with (`model.sizing`)."""
     from ...decode.config import DecodeConfig
     from ...errors import ConfigError
     from ...io import DTYPES, load_metadata
@@ -55,10 +56,10 @@ def _memory(args: argparse.Namespace, info: dict[str, Any]) -> list[dict[str, An
     if name not in DTYPES:
         raise ConfigError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
     cfg = DecodeConfig(**((info.get("recommended") or {}).get("decode") or {}))
-    refusion_rows = 1 + cfg.slots_per_block if cfg.method == "refusion" else 1
     plans = []
-    for label, rows in (("ar", 1), (f"refusion ({cfg.slots_per_block} slots per block)", refusion_rows)):
-        plan = memory_plan(config, DTYPES[name], args.batch_size, args.context, args.split, rows)
+    ar, refusion = cfg.replace(method="ar"), cfg.replace(method="refusion")
+    for label, c in (("ar", ar), (f"refusion ({refusion.slots_per_block} slots per block)", refusion)):
+        plan = memory_plan(config, DTYPES[name], args.batch_size, args.context, c, args.split)
         plans.append({"decoding": label, **plan})
     return plans
 
@@ -95,7 +96,7 @@ def format_info(info: dict[str, Any]) -> str:
         rows.append((f"memory, {plan['decoding']}",
                      f"{_size(plan['total_bytes'])} per device = weights {_size(plan['weights_bytes'])} + KV cache "
                      f"{_size(plan['kv_cache_bytes'])} ({plan['batch_size']} requests x {plan['context']} positions, "
-                     f"{plan['cache_rows']} cache rows, {plan['dtype']}, tensor-parallel size {plan['tensor_parallel_size']})"))
+                     f"{plan['cache_rows']} cache rows of {plan['row_capacity']} entries, {plan['dtype']}, tensor-parallel size {plan['tensor_parallel_size']})"))
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
 
