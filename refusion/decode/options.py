@@ -37,15 +37,33 @@ MDM drafts only decide the speed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from .config import DecodeConfig
 from .sampling import token_probs
 
-if TYPE_CHECKING:
-    from .refusion import Fork, ReFusionRow
+
+class ReFusionRow(Protocol):
+    """What a rule reads and changes of the row it serves (`refusion.ReFusionRow`)."""
+
+    req: Any  # the row's Request: its sampler picks replacement tokens
+    plan: Any  # this step's Plan: drafts (n_undecoded, s), conf
+    undecoded: list[int]  # slot indices of the current block, ascending
+    selected: list[int]  # indices into `undecoded` chosen by the plan
+    block: int
+
+    def ends(self, toks: list[int]) -> int | None: ...
+
+
+class Fork(Protocol):
+    """What a rule reads and changes of a slot being infilled (`refusion.Fork`)."""
+
+    row: ReFusionRow
+    tokens: list[int]  # the slot's tokens; tokens[:accepted] are final
+    accepted: int
+    drafted: int  # tokens[accepted:drafted] are this round's drafts
 
 
 class PaperRule:
