@@ -1,8 +1,8 @@
-"""The slot reorganisation and hybrid loss of SPEC §2 (refusion/objective.py).
+"""The slot reorganisation and hybrid loss of docs/algorithm.md#training (refusion/train/objective.py).
 
 `naive_example` below builds one training sequence with plain Python lists, step by step
-as SPEC §2 words it; the vectorised transform must equal it on every random draw, and the
-properties the SPEC names are checked directly as well."""
+as docs/algorithm.md words it; the vectorised transform must equal it on every random draw, and the
+properties the docs name are checked directly as well."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def hybrid_loss(logits: torch.Tensor, batch, ar_reduction: str = "token"):
 # ------------------------------------------------------------------ the naive reference
 def naive_example(prompt: list[int], response: list[int], draws: SlotDraws, b: int, mask_id: int = MASK,
                   boundary: bool = False) -> dict:
-    """One example's training sequence from draws row b, written out as SPEC §2 says; with
+    """One example's training sequence from draws row b, written out as docs/algorithm.md#slot-reorganisation says; with
     `boundary`, a clean token's label is the next response token even across a slot's end,
     and the prompt's last token is labelled with the first response token."""
     s = int(draws.slot_size[b])
@@ -129,7 +129,7 @@ def test_transform_equals_the_naive_reading_of_the_spec(examples, sizes, seed, b
 @settings(max_examples=300, deadline=None)
 @given(examples=examples_st, sizes=slot_sets, seed=st.integers(0, 2**31 - 1))
 def test_transform_properties(examples, sizes, seed):
-    """The properties SPEC §2 names, checked directly (not through the naive builder), given
+    """The properties docs/algorithm.md#slot-reorganisation names, checked directly (not through the naive builder), given
     the draws (slot size s and mask ratio p of each row)."""
     cfg = ObjectiveConfig(slot_sizes=tuple(sizes))
     tokens, prompt_lens, lengths = padded(examples)
@@ -279,7 +279,7 @@ def test_loss_equals_the_spec_formula_and_the_mean_of_per_example_losses(tiny_mo
     for part in ("total", "ar", "mdm"):
         want = sum(getattr(one, part) for one, _ in singles) / B
         torch.testing.assert_close(getattr(example_loss, part), want, rtol=1e-5, atol=1e-6)
-    # both, against the SPEC formula computed by the naive loop
+    # both, against the documented formula computed by the naive loop
     ar_sums, mdms, n_ars = zip(*(naive for _, naive in singles))
     assert float(token_loss.ar) == pytest.approx(sum(ar_sums) / sum(n_ars), rel=1e-5)
     assert float(token_loss.mdm) == pytest.approx(sum(mdms) / B, rel=1e-5)

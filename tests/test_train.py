@@ -66,7 +66,7 @@ def scratch_cfg(workdir: Path, tokenizer_dir: Path, out: Path, **kw) -> TrainCon
 
 def naive_token_losses(model, ds, mask_id: int, repeats: int = 4) -> tuple[float, float]:
     """Mean CE per AR label and per MASK token over sequences built by the naive reading of
-    SPEC §2 (test_objective.naive_example), not by the code under test."""
+    docs/algorithm.md#training (test_objective.naive_example), not by the code under test."""
     cfg, gen = ObjectiveConfig(), torch.Generator().manual_seed(123)
     ar, n_ar, mdm, n_mdm = 0.0, 0, 0.0, 0
     for _ in range(repeats):

@@ -1,5 +1,5 @@
-"""Decoding: the `Engine` that runs ReFusion (plan-and-infill, SPEC §3) and its AR and MDM
-baselines (SPEC §4) over one continuous batch, and `generate` / `stream`, its thinnest
+"""Decoding: the `Engine` that runs ReFusion (plan-and-infill, docs/algorithm.md#decoding) and its AR and MDM
+baselines (docs/algorithm.md#baselines) over one continuous batch, and `generate` / `stream`, its thinnest
 drivers. Every request carries its own `DecodeConfig`; the engine's resources are an
 `EngineConfig`.
 

@@ -1,4 +1,4 @@
-"""The AR baseline (SPEC §4): left to right with a KV cache, one token per forward.
+"""The AR baseline (docs/algorithm.md#ar): left to right with a KV cache, one token per forward.
 
 An AR row takes part in every forward of the engine's main cache: a ReFusion row's plan
 and its verification both give it a token, so AR rows batched with ReFusion rows share

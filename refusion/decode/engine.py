@@ -233,7 +233,7 @@ class Engine:
 
     # ------------------------------------------------------------------ one step
     def _step_cached(self) -> None:
-        """ReFusion's round (SPEC §3) for every ReFusion row, with the AR rows taking a
+        """ReFusion's round (docs/algorithm.md#one-step) for every ReFusion row, with the AR rows taking a
         token in each forward of the main cache."""
         self._plan()
         refusion = [r for r in self.rows if isinstance(r, ReFusionRow)]

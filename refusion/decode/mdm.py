@@ -1,4 +1,4 @@
-"""The MDM baseline (SPEC §4): LLaDA-style masked diffusion with low-confidence remasking.
+"""The MDM baseline (docs/algorithm.md#mdm): LLaDA-style masked diffusion with low-confidence remasking.
 
 Semi-autoregressive blocks of MASK tokens; every step feeds the whole context again (no
 KV reuse, as the papers' baseline does) and fixes the k most confident masked positions

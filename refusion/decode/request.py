@@ -1,7 +1,7 @@
 """One request in the engine: its settings, what it has committed so far, and what it
 reports (`RequestOutput`).
 
-Metrics are kept out of the algorithms (DESIGN §9): a method commits spans of tokens to
+Metrics are kept out of the algorithms (docs/architecture.md): a method commits spans of tokens to
 its `Request`, which turns them into the final left-to-right prefix (what may be
 streamed), its text and the finish decision; the counted forward adds to `stats`.
 """
@@ -20,7 +20,7 @@ from .text import StopText, TextDeltas
 
 @dataclass
 class DecodeStats:
-    """Counts for one request. SPEC §3: NFE = forward passes it took part in (a batched
+    """Counts for one request. docs/algorithm.md#counting: NFE = forward passes it took part in (a batched
     forward counts once), TPF = tokens / NFE over the whole generation, TPS = tokens / s."""
 
     tokens: int = 0

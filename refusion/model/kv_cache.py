@@ -3,7 +3,7 @@
 Each batch row is an independent sequence in *physical* (generation) order: entry j of
 row b is the j-th token fed to that row, whatever its position id. Keys are stored
 after RoPE, so an entry computed in one row (an infill row, say) can be copied into
-another row and stay valid: that copy is ReFusion's KV reuse (SPEC §3 step 4).
+another row and stay valid: that copy is ReFusion's KV reuse (docs/algorithm.md#commit).
 
 Rows may hold different lengths. Entries at or beyond a row's length are garbage and
 are never attended to: the model masks them out.

@@ -145,7 +145,7 @@ class ObjectiveConfig:
     slot_sizes: tuple[int, ...] = (4, 8, 16, 32)  # slot size drawn uniformly per example
     eps: float = 1e-3  # mask probability p = (1 - eps) * t + eps, t ~ U(0, 1)
     # How the AR cross-entropy is averaged: "token" = mean over every AR label of the batch
-    # (SPEC §2 read literally); "example" = mean per example, then over the batch, which makes
+    # (docs/algorithm.md#loss read literally); "example" = mean per example, then over the batch, which makes
     # the batch loss exactly the mean of the per-example losses.
     ar_reduction: str = "token"
     # Beyond the paper: also label the last token of each clean slot with the response token

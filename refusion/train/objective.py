@@ -1,4 +1,4 @@
-"""Training objectives: ReFusion's slot reorganisation with the hybrid AR/MDM loss (SPEC §2),
+"""Training objectives: ReFusion's slot reorganisation with the hybrid AR/MDM loss (docs/algorithm.md#training),
 and plain next-token training of the same model.
 
 Input is a right-padded batch in text order: `tokens` (B, T) holding prompt then response
@@ -47,7 +47,7 @@ class SlotDraws:
 def draw_slots(
     batch_size: int, max_slots: int, cfg: ObjectiveConfig, generator: torch.Generator | None = None
 ) -> SlotDraws:
-    """Draw slot sizes, mask ratios, masked slots and the clean-slot order (SPEC §2 steps 1-2)."""
+    """Draw slot sizes, mask ratios, masked slots and the clean-slot order (docs/algorithm.md#slot-reorganisation, steps 1-2)."""
     sizes = torch.tensor(cfg.slot_sizes, dtype=torch.int64)
     slot_size = sizes[torch.randint(len(sizes), (batch_size,), generator=generator)]
     t = torch.rand(batch_size, generator=generator)
@@ -99,7 +99,7 @@ def refusion_batch(
     generator: torch.Generator | None = None,
     draws: SlotDraws | None = None,
 ) -> TrainBatch:
-    """The slot reorganisation of SPEC §2, vectorised over the batch.
+    """The slot reorganisation (docs/algorithm.md#slot-reorganisation), vectorised over the batch.
 
     Pass `draws` to replay given random choices (they may have more slot columns than needed);
     otherwise they are drawn from `generator`."""
@@ -188,7 +188,7 @@ class LossParts:
 
 
 def loss_targets(batch: TrainBatch, ar_reduction: str = "token") -> LossTargets:
-    """Which logits the loss needs and how each token's CE is weighted (SPEC §2 step 4)."""
+    """Which logits the loss needs and how each token's CE is weighted (docs/algorithm.md#loss)."""
     if ar_reduction not in AR_REDUCTIONS:
         raise ConfigError(f"ar_reduction must be one of {AR_REDUCTIONS}, got {ar_reduction!r}")
     B = batch.batch_size
