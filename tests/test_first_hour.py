@@ -185,7 +185,7 @@ def test_eval_exits_non_zero_when_every_sample_fails(monkeypatch, tmp_path, caps
     def failing(model, tokenizer, prompts, cfg=None, engine_config=None):
         raise ContextLengthError("prompt (900 tokens) leaves no room in the model's context of 512 positions")
 
-    monkeypatch.setattr(refusion, "generate", failing)
+    monkeypatch.setattr("refusion.decode.api.generate", failing)  # what `refusion eval` calls
     code = main(["eval", "--task", "suite", "--limit", "3", "--out", str(tmp_path / "e"), "--no-progress", "--gen-length", "32"])
     err = capsys.readouterr().err
     assert code == 1

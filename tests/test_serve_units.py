@@ -18,6 +18,8 @@ from refusion.decode import (
     RequestOutput,
     StopText,
 )
+from refusion.decode.config import FieldError
+from refusion.decode.fit import NoRoomError, fit_to_room
 from refusion.errors import ConfigError
 from refusion.serve.loop import EngineLoop, Job, QueueFull, ShuttingDown
 from refusion.serve.metrics import Metrics
@@ -25,6 +27,7 @@ from refusion.serve.protocol import (
     DECODE_FIELDS,
     APIError,
     CompletionRequest,
+    as_request_error,
     fit_length,
     parse_request,
     request_config,
@@ -105,6 +108,49 @@ def test_request_fields_are_derived_from_decode_config():
     assert parse_request({"prompt": "a", "ar_correction": True}, "completion").overrides == {"ar_correction": True}
 
 
+@pytest.mark.parametrize("field,value,code", [
+    ("slot_size", 5000, "invalid_value"), ("temperature", -1, "invalid_value"), ("method", "beam", "invalid_value"),
+    ("infill_window", 0, "invalid_value"), ("top_p", "high", "invalid_type"), ("seed", 1.5, "invalid_type"),
+    ("ar_correction", 1, "invalid_type"), ("mdm_threshold", float("nan"), "invalid_type"),
+    ("stop_token_ids", [3, -1], "invalid_value"), ("stop", ["x"] * 17, "invalid_value"), ("stop", 5, "invalid_type"),
+])
+def test_a_bad_decoding_field_is_decode_configs_own_error(field, value, code):
+    """The HTTP request's decoding fields are checked by DecodeConfig: the 400 carries the
+    error DecodeConfig raises for that value, with the field as param."""
+    with pytest.raises(FieldError) as own:
+        DecodeConfig(**{field: value})
+    assert own.value.field == field and own.value.wrong_type == (code == "invalid_type")
+    with pytest.raises(APIError) as e:
+        parse_request({"prompt": "a", field: value}, "completion")
+    assert (e.value.status, e.value.param, e.value.code) == (400, field, code)
+    if isinstance(value, list):  # the library quotes the tuple it keeps, the server the list it was sent
+        assert e.value.message.split(", got")[0] == str(own.value).split(", got")[0]
+    else:
+        assert e.value.message == str(own.value)
+
+
+def test_config_errors_map_to_the_request_field():
+    with pytest.raises(APIError) as e, as_request_error("max_completion_tokens"):
+        raise FieldError("gen_length", "gen_length must be an integer, got 'x' (str)", wrong_type=True)
+    assert (e.value.param, e.value.code) == ("max_completion_tokens", "invalid_type")
+    with pytest.raises(APIError) as e, as_request_error():
+        raise FieldError("top_k", "top_k must be between 0 and 9, got 10")
+    assert (e.value.param, e.value.code) == ("top_k", "invalid_value")
+    with pytest.raises(APIError) as e, as_request_error():
+        raise ConfigError("these settings do not go together")
+    assert (e.value.param, e.value.code, e.value.message) == (None, "invalid_config", "these settings do not go together")
+
+
+def test_max_tokens_is_checked_like_a_decoding_field():
+    for value, code in [("ten", "invalid_type"), (True, "invalid_type"), (0, "invalid_value")]:
+        with pytest.raises(APIError) as e:
+            parse_request({"prompt": "a", "max_tokens": value}, "completion")
+        with pytest.raises(FieldError) as own:
+            DecodeConfig(gen_length=value)
+        assert (e.value.param, e.value.code) == ("max_tokens", code)
+        assert e.value.message.split(", got")[1] == str(own.value).split(", got")[1]  # the same words about the value
+
+
 def test_request_config_preset_keeps_the_servers_sampling():
     base = DecodeConfig(temperature=0.7, seed=9, top_p=0.8)
     cfg = request_config(base, CompletionRequest("completion", None, preset="gpqa", overrides={"top_k": 5}, stop=["##"]))
@@ -127,6 +173,19 @@ def test_fit_length():
         assert (e.value.param, e.value.code) == (param, "context_length_exceeded")
     c = fit_length(cfg.replace(method="ar"), 500, 12, 512, "prompt")
     assert c.gen_length == 12
+
+
+@pytest.mark.parametrize("prompt,max_tokens", [(512, None), (500, 13), (500, 10), (508, None), (470, 64)])
+def test_fit_length_is_the_decode_layers_fit(prompt, max_tokens):
+    """The server's context errors are fit_to_room's, with max_tokens named as the request
+    names it and param the setting the advice changes (the prompt's field for the prompt)."""
+    cfg = DecodeConfig(gen_length=64, slot_size=8, serial_blocks=2)
+    with pytest.raises(NoRoomError) as own:
+        fit_to_room(cfg, prompt, 512, max_tokens, name="max_tokens")
+    with pytest.raises(APIError) as e:
+        fit_length(cfg, prompt, max_tokens, 512, "messages")
+    assert e.value.message == str(own.value) and e.value.code == "context_length_exceeded"
+    assert e.value.param == (own.value.setting or "messages")
 
 
 # ---------------------------------------------------------------------------- metrics

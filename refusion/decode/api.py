@@ -10,6 +10,7 @@ from ..model.prompts import Prompt, encode_prompt
 from ..model.transformer import Transformer
 from .config import DecodeConfig, EngineConfig
 from .engine import Engine
+from .fit import fit_to_room
 from .request import RequestOutput
 
 
@@ -54,12 +55,13 @@ def generate(
 def fit_to_context(model: Transformer, tokenizer, prompts: Sequence[Prompt], cfg: DecodeConfig, *,
                    chat: bool = True) -> tuple[list[list[int]], list[DecodeConfig], list[int]]:
     """The prompts as token ids, each with `cfg`'s gen_length lowered to what the model's
-    context leaves after it, and the lengths of those it lowered. For lengths the user did
-    not ask for by number (a preset's 512, a checkpoint's recommendation); drivers say in
-    one line that they lowered them (`lowered_note`). Raises ContextLengthError for a prompt that leaves no room."""
+    context leaves after it (`fit_to_room`), and the lengths of those it lowered. For
+    lengths the user did not ask for by number (a preset's 512, a checkpoint's
+    recommendation); drivers say in one line that they lowered them (`lowered_note`).
+    Raises NoRoomError (a ContextLengthError) for a prompt that leaves no room."""
     context = model.config.max_position_embeddings
     ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
-    cfgs = [cfg.fit(context - len(i)) for i in ids]
+    cfgs = [fit_to_room(cfg, len(i), context) for i in ids]
     return ids, cfgs, [c.gen_length for c in cfgs if c.gen_length < cfg.gen_length]
 
 

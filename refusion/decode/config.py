@@ -2,20 +2,23 @@
 decodes it may use), the two dataclasses every driver shares: the CLI, the evaluator,
 the lm-eval plugin and the server.
 
-Each field's bounds and help are written once, in its metadata (`knob`): `validate`
-checks them, the CLI's flags (`refusion/flags.py`) and the HTTP request's checks
-(`serve/protocol.py`) are derived from them. Model facts (EOS and MASK ids, the context
-length) are not configuration: the engine reads them from the model.
+Each field's bounds and help are written once, in its metadata (`knob`), and checked in
+one place (`check_value`, raising a FieldError that names the field): `validate` runs it,
+and the CLI's flags (`cli/flags.py`) and the HTTP request (`serve/protocol.py`) call it
+on the values they are given and report its errors in their own terms. Model facts (EOS
+and MASK ids, the context length) are not configuration: the engine reads them from the
+model.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError, ContextLengthError
+from ..errors import ConfigError
 
 METHODS = ("refusion", "ar", "mdm")
 
@@ -34,10 +37,10 @@ MAX_STOPS = 16
 
 
 def knob(default: Any, help: str, *, lo: float | None = None, hi: float | None = None,
-         choices: tuple[str, ...] | None = None, flag: bool = True, http: bool = True) -> Any:
-    """A config field with its bounds and help; `flag` / `http` say whether the CLI and
-    the HTTP request expose it under its own name."""
-    meta = {"help": help, "lo": lo, "hi": hi, "choices": choices, "flag": flag, "http": http}
+         choices: tuple[str, ...] | None = None, most: int | None = None, flag: bool = True, http: bool = True) -> Any:
+    """A config field with its bounds (`most`: items of a list field) and help; `flag` /
+    `http` say whether the CLI and the HTTP request expose it under its own name."""
+    meta = {"help": help, "lo": lo, "hi": hi, "choices": choices, "most": most, "flag": flag, "http": http}
     if isinstance(default, (list, tuple)):
         return field(default_factory=lambda: tuple(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -71,7 +74,7 @@ class DecodeConfig:
     top_k: int = knob(0, "sample among the k most likely tokens (0 = no filter)", lo=0, hi=2**31 - 1)
     seed: int | None = knob(None, "sampling seed: the request samples the same tokens alone or in any batch", lo=-(2**63), hi=2**63 - 1)
     # --- when to stop
-    stop: tuple[str, ...] = knob((), "strings that end the text (not included in it)", flag=False, http=False)
+    stop: tuple[str, ...] = knob((), "strings that end the text (not included in it)", most=MAX_STOPS, flag=False, http=False)
     stop_token_ids: tuple[int, ...] | None = knob(
         None, "token ids that end the generation instead of the model's EOS ids (empty: nothing ends it before gen_length)",
         lo=0, hi=2**31 - 1)
@@ -85,10 +88,9 @@ class DecodeConfig:
         self.validate()
 
     def validate(self) -> "DecodeConfig":
-        """Raise ConfigError on any out-of-range value, before any compute."""
+        """Raise ConfigError (a FieldError naming the field) on any out-of-range value,
+        before any compute."""
         check_fields(self)
-        if len(self.stop) > MAX_STOPS or any(not isinstance(s, str) or not s for s in self.stop):
-            raise ConfigError(f"stop takes at most {MAX_STOPS} non-empty strings, got {self.stop!r}")
         return self
 
     # ------------------------------------------------------------------ derived
@@ -133,20 +135,6 @@ class DecodeConfig:
         max_gen_toks): the method's region is n rounded up to whole units."""
         return self.replace(gen_length=n)
 
-    def longest_fitting(self, room: int) -> int:
-        """The longest gen_length whose region fits in `room` positions (0: none does)."""
-        return max(room, 0) // self.unit * self.unit
-
-    def fit(self, room: int) -> "DecodeConfig":
-        """This config with gen_length lowered, if need be, so that its region fits in
-        `room` positions (what the context leaves after a prompt)."""
-        if self.region_length <= room:
-            return self
-        if room < self.unit:
-            raise ContextLengthError(f"{self.method} decodes in units of {self.unit} tokens; only {max(room, 0)} positions "
-                                     "are left after the prompt")
-        return self.replace(gen_length=min(self.gen_length, self.longest_fitting(room)))
-
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -171,6 +159,16 @@ class EngineConfig:
 
 
 # ---------------------------------------------------------------------- field checks
+class FieldError(ConfigError):
+    """A value that one field cannot take. `field` names it and `wrong_type` says whether
+    the value had the wrong type (else it was out of range), so that a driver can point
+    at the field in its own terms (the server: its `param` and `code`)."""
+
+    def __init__(self, field: str, message: str, *, wrong_type: bool = False) -> None:
+        super().__init__(message)
+        self.field, self.wrong_type = field, wrong_type
+
+
 def check_fields(cfg: Any) -> None:
     """Check every field of a config dataclass against its `knob` metadata."""
     for f in dataclasses.fields(cfg):
@@ -178,18 +176,59 @@ def check_fields(cfg: Any) -> None:
 
 
 def check_value(f: dataclasses.Field, value: Any) -> Any:
-    """`value` checked against field f's type and bounds (ConfigError naming the field)."""
-    meta, name = f.metadata, f.name
+    """`value` checked against field f's type and bounds, as the field stores it (a list
+    as a tuple, a lone string for a list of strings as a 1-tuple, a float field's integer
+    as a float); FieldError naming the field otherwise."""
     if value is None and "None" in str(f.type):
         return value
     kind = field_kind(f)
     if kind == "tuple":
-        if not isinstance(value, tuple):
-            raise ConfigError(f"{name} must be a list, got {type(value).__name__}")
-        for v in value:
-            _check_scalar(name, "str" if "str" in str(f.type) else "int", v, meta)
-        return value
-    return _check_scalar(name, kind, value, meta)
+        return _check_items(f, value)
+    value = check_scalar(f.name, kind, value, lo=f.metadata.get("lo"), hi=f.metadata.get("hi"),
+                         choices=f.metadata.get("choices"))
+    return float(value) if kind == "float" else value
+
+
+def check_scalar(name: str, kind: str, value: Any, *, lo: float | None = None, hi: float | None = None,
+                 choices: tuple[str, ...] | None = None) -> Any:
+    """`value` checked to be a `kind` ('bool', 'int', 'float', 'str') within the bounds or
+    choices; FieldError naming `name` otherwise. Fields and the server's own request
+    fields (max_tokens, stream) share it, so every such error reads the same."""
+    if not _is_kind(kind, value):
+        raise FieldError(name, f"{name} must be {_WANT[kind]}, got {_what(value)}", wrong_type=True)
+    if choices and value not in choices:
+        raise FieldError(name, f"{name} must be one of {', '.join(choices)}, got {shown(value)}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise FieldError(name, f"{name} must be {bounds_text(lo, hi)}, got {shown(value)}")
+    return value
+
+
+_WANT = {"bool": "a boolean", "int": "an integer", "float": "a finite number", "str": "a string"}
+
+
+def _is_kind(kind: str, value: Any) -> bool:
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return (is_int or isinstance(value, float)) and math.isfinite(value)
+    return {"bool": isinstance(value, bool), "int": is_int, "str": isinstance(value, str)}[kind]
+
+
+def _check_items(f: dataclasses.Field, value: Any) -> tuple:
+    """A list field: a list or tuple (a lone string, where it holds strings) of at most
+    `most` items, each of its item type within its bounds. Strings must not be empty: an
+    empty stop string would end every text before it starts."""
+    name, meta, most = f.name, f.metadata, f.metadata.get("most")
+    strings = "str" in str(f.type)
+    items = (value,) if strings and isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(_is_kind("str" if strings else "int", v) for v in items):
+        want = "a string or a list of strings" if strings else "a list of integers"
+        raise FieldError(name, f"{name} must be {want}, got {_what(value)}", wrong_type=True)
+    if (most is not None and len(items) > most) or (strings and not all(items)):
+        limit = f"at most {most} " if most is not None else ""
+        raise FieldError(name, f"{name} takes {limit}{'non-empty strings' if strings else 'items'}, got {shown(value)}")
+    for v in items:
+        check_scalar(name, "str" if strings else "int", v, lo=meta.get("lo"), hi=meta.get("hi"))
+    return tuple(items)
 
 
 def field_kind(f: dataclasses.Field) -> str:
@@ -201,22 +240,27 @@ def field_kind(f: dataclasses.Field) -> str:
     raise TypeError(f"field {f.name} has an unsupported type {t}")
 
 
-def _check_scalar(name: str, kind: str, value: Any, meta: Any) -> Any:
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    ok = {"bool": isinstance(value, bool), "int": is_int, "str": isinstance(value, str),
-          "float": (is_int or isinstance(value, float)) and math.isfinite(value)}[kind]
-    if not ok:
-        want = {"bool": "a boolean", "int": "an integer", "float": "a number", "str": "a string"}[kind]
-        raise ConfigError(f"{name} must be {want}, got {value!r}")
-    if meta.get("choices") and value not in meta["choices"]:
-        raise ConfigError(f"{name} must be one of {', '.join(meta['choices'])}, got {value!r}")
-    lo, hi = meta.get("lo"), meta.get("hi")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ConfigError(f"{name} must be {bounds_text(lo, hi)}, got {value!r}")
-    return value
-
-
 def bounds_text(lo: float | None, hi: float | None) -> str:
     if lo is not None and hi is not None:
         return f"between {lo} and {hi}"
     return f">= {lo}" if lo is not None else f"<= {hi}"
+
+
+_short = reprlib.Repr()
+_short.maxstring, _short.maxother, _short.maxlevel = 60, 60, 3
+
+
+def shown(value: Any) -> str:
+    """A value quoted in an error, cut short: a request's value may be megabytes long, or
+    an integer of thousands of digits."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    return _short.repr(value)
+
+
+def _what(value: Any) -> str:
+    """A value of the wrong type, for "x must be ..., got ...": quoted with its type, or
+    named where JSON's non-finite numbers would print as Python's (nan, inf)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else f"{'-' if value < 0 else ''}Infinity (or a number too large for a double)"
+    return f"{shown(value)} ({type(value).__name__})"

@@ -26,12 +26,13 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import ConfigError, ContextLengthError, MissingMaskTokenError
+from ..errors import ConfigError, MissingMaskTokenError
 from ..model.prompts import Prompt, encode_prompt, eos_ids_of, mask_id_of
 from ..model.sizing import cache_bytes, entry_bytes, request_need, row_capacity
 from ..model.transformer import Transformer
 from .ar import ARRow, Feed
 from .config import DecodeConfig, EngineConfig
+from .fit import fit_to_room
 from .forward import Forward, compiled_step, make_room
 from .mdm import MDMRow
 from .recommended import recommended_of
@@ -119,14 +120,8 @@ class Engine:
                 f"method {cfg.method!r} needs a MASK token and this model has none: "
                 "run `refusion convert BASE OUT` (then train), or use method='ar'"
             )
-        limit = c.max_position_embeddings
-        if len(ids) + cfg.region_length > limit:
-            room = cfg.longest_fitting(limit - len(ids))
-            fix = f"lower gen_length to {room} or shorten the prompt" if room > 0 else _unit_fix(cfg, limit - len(ids))
-            raise ContextLengthError(
-                f"prompt ({len(ids)} tokens) + generation ({cfg.region_length}) exceeds the model's context of {limit} "
-                f"positions; {fix}"
-            )
+        # gen_length as given (a driver lowers a length it may lower before): NoRoomError says what fits
+        fit_to_room(cfg, len(ids), c.max_position_embeddings, cfg.gen_length)
 
     @torch.inference_mode()
     def abort(self, request_id: str) -> bool:
@@ -283,15 +278,6 @@ class Engine:
             r.take(lg)
 
 
-def _unit_fix(cfg: DecodeConfig, room: int) -> str:
-    """What to change when not even one decoding unit fits after the prompt: ReFusion's
-    unit is slot_size x serial_blocks, so fewer blocks may fit where gen_length cannot."""
-    if cfg.method == "refusion" and cfg.serial_blocks > 1:
-        fitting = [b for b in range(cfg.serial_blocks - 1, 0, -1) if cfg.replace(serial_blocks=b).region_length <= room]
-        if fitting:
-            return (f"ReFusion decodes in units of slot_size x serial_blocks = {cfg.unit} tokens: lower serial_blocks "
-                    f"to {fitting[0]}, or shorten the prompt")
-    return "shorten the prompt"
 
 
 def _split(model: Transformer) -> int:

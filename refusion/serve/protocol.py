@@ -2,6 +2,9 @@
 
 Validation is written out by hand (not pydantic) so that every rejection names its field
 the way OpenAI does: `{"error": {"message", "type", "param", "code"}}` with a 4xx status.
+The decoding fields (temperature, top_p, seed, stop, ReFusion's knobs) are checked by
+DecodeConfig's own check, whose FieldError becomes the 400 (`as_request_error`), and a
+request is fitted to the context by the decode layer's `fit_to_room`.
 Fields that OpenAI defines and that would change the answer in a way we cannot honour
 (logprobs, tools, n > 1, penalties, ...) are refused; harmless ones (`user`, `metadata`,
 ...) are accepted and ignored; anything else is an unrecognised argument, as at OpenAI.
@@ -15,13 +18,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import reprlib
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..decode.config import MAX_STOPS, PRESETS, DecodeConfig, check_value, field_kind
+from ..decode.config import (
+    PRESETS,
+    DecodeConfig,
+    FieldError,
+    check_scalar,
+    check_value,
+    shown,
+)
+from ..decode.fit import NoRoomError, fit_to_room
 from ..errors import ConfigError
 
 
@@ -57,25 +69,7 @@ def _printable(text: str | None) -> str | None:
     return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-_short = reprlib.Repr()
-_short.maxstring, _short.maxother, _short.maxlevel = 60, 60, 3
-
-
-def _shown(v: Any) -> str:
-    """A request value quoted in an error, cut short (a value may be megabytes long)."""
-    if _is_int(v) and abs(v) >= 10**30:
-        return f"an integer of about {int(v.bit_length() * math.log10(2)) + 1} digits"
-    return _short.repr(v)
-
-
-def _got(v: Any) -> str:
-    """What a value of the wrong type is, for "x must be ..., got ..."."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return "NaN" if math.isnan(v) else f"{'-' if v < 0 else ''}Infinity (or a number too large for a double)"
-    return type(v).__name__
-
-
-# ------------------------------------------------------------------ field checkers
+# ------------------------------------------------------------------ field checks
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -84,63 +78,37 @@ def _is_number(v: Any) -> bool:
     return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
 
 
-def _int(lo: int | None = None, hi: int | None = None):
-    def check(name: str, v: Any) -> int:
-        if not _is_int(v):
-            raise bad(f"{name} must be an integer, got {_got(v)}", name, "invalid_type")
-        if (lo is not None and v < lo) or (hi is not None and v > hi):
-            raise bad(f"{name} must be {_range(lo, hi)}, got {_shown(v)}", name)
-        return v
-
-    return check
-
-
-def _choice(options: tuple[str, ...]):
-    def check(name: str, v: Any) -> str:
-        if not isinstance(v, str):
-            raise bad(f"{name} must be a string, got {_got(v)}", name, "invalid_type")
-        if v not in options:
-            raise bad(f"{name} must be one of {', '.join(options)}, got {_shown(v)}", name)
-        return v
-
-    return check
+@contextmanager
+def as_request_error(param: str | None = None) -> Iterator[None]:
+    """DecodeConfig's errors as 400s: a FieldError points at its field as the request
+    calls it (`param`, else the field's own name), "invalid_type" for a value of the
+    wrong type and "invalid_value" for one out of range; any other ConfigError is an
+    "invalid_config" of the request as a whole."""
+    try:
+        yield
+    except FieldError as e:
+        raise bad(str(e), param or e.field, "invalid_type" if e.wrong_type else "invalid_value") from None
+    except ConfigError as e:
+        raise bad(str(e), None, "invalid_config") from None
 
 
-def _range(lo: float | None, hi: float | None) -> str:
-    if lo is not None and hi is not None:
-        return f"between {lo} and {hi}"
-    return f">= {lo}" if lo is not None else f"<= {hi}"
+def _decode_value(f: dataclasses.Field, value: Any) -> Any:
+    """A request's value for DecodeConfig field f (same name), by DecodeConfig's own check."""
+    with as_request_error(f.name):
+        return check_value(f, value)
 
 
-def _bool(name: str, v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise bad(f"{name} must be a boolean, got {_got(v)}", name, "invalid_type")
-    return v
+def _own_value(name: str, kind: str, value: Any, **bounds: Any) -> Any:
+    """A value of one of the server's own request fields (max_tokens, stream, preset, a
+    message's strings), checked the way DecodeConfig's fields are."""
+    with as_request_error(name):
+        return check_scalar(name, kind, value, **bounds)
 
 
-def _field_checker(f: dataclasses.Field):
-    """The request check of a DecodeConfig field, from its type and `knob` bounds."""
-    kind = field_kind(f)
-    want = {"bool": "a boolean", "int": "an integer", "float": "a finite number", "str": "a string", "tuple": "a list"}[kind]
-    typed = {"bool": lambda v: isinstance(v, bool), "int": _is_int, "float": _is_number, "str": lambda v: isinstance(v, str),
-             "tuple": lambda v: isinstance(v, list)}[kind]
-
-    def check(name: str, v: Any) -> Any:
-        if not typed(v):
-            raise bad(f"{name} must be {want}, got {_got(v)}", name, "invalid_type")
-        if kind == "tuple" and any(isinstance(x, (list, dict)) for x in v):
-            raise bad(f"{name} must be a flat list, got {_shown(v)}", name, "invalid_type")
-        v = tuple(v) if kind == "tuple" else float(v) if kind == "float" else v
-        try:
-            return check_value(f, v)
-        except ConfigError as e:
-            raise bad(str(e), name) from None
-
-    return check
-
-
-# request field -> checker: DecodeConfig's fields that a request may set (temperature .. stop_token_ids)
-DECODE_FIELDS = {f.name: _field_checker(f) for f in dataclasses.fields(DecodeConfig) if f.metadata.get("http", True)}
+# request field -> the DecodeConfig field it sets under its own name (method, slot_size, .., stop_token_ids);
+# max_tokens sets gen_length once fitted to the prompt (`fit_length`), and stop sets stop
+DECODE_FIELDS = {f.name: f for f in dataclasses.fields(DecodeConfig) if f.metadata.get("http", True)}
+_STOP = next(f for f in dataclasses.fields(DecodeConfig) if f.name == "stop")
 # accepted and ignored
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options"}
 # accepted only at the value that means "off" (anything else would change the answer)
@@ -200,7 +168,7 @@ def parse_request(body: Any, kind: str) -> CompletionRequest:
     body = {k: v for k, v in body.items() if v is not None}  # null = not given, as at OpenAI
     for name, ok in NEUTRAL.items():
         if name in body and not ok(body[name]):
-            raise bad(f"{name}={_shown(body[name])} is not supported by this server", name, "unsupported_value")
+            raise bad(f"{name}={shown(body[name])} is not supported by this server", name, "unsupported_value")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model must be a string", "model", "invalid_type")
@@ -215,18 +183,18 @@ def parse_request(body: Any, kind: str) -> CompletionRequest:
         req.messages = _messages(body["messages"])
     for name in ("max_tokens", "max_completion_tokens"):
         if name in body:
-            req.max_tokens = _int(1, MAX_TOKENS)(name, body[name])
+            req.max_tokens = _own_value(name, "int", body[name], lo=1, hi=MAX_TOKENS)
     if "stop" in body:
-        req.stop = _stops(body["stop"])
-    req.stream = _bool("stream", body.get("stream", False))
+        req.stop = list(_decode_value(_STOP, body["stop"]))
+    req.stream = _own_value("stream", "bool", body.get("stream", False))
     opts = body.get("stream_options")
     if opts is not None:
         if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
             raise bad("stream_options must be an object with include_usage", "stream_options", "invalid_type")
-        req.include_usage = _bool("stream_options.include_usage", opts.get("include_usage", False))
+        req.include_usage = _own_value("stream_options.include_usage", "bool", opts.get("include_usage", False))
     if "preset" in body:
-        req.preset = _choice(PRESETS)("preset", body["preset"])
-    req.overrides = {name: check(name, body[name]) for name, check in DECODE_FIELDS.items() if name in body}
+        req.preset = _own_value("preset", "str", body["preset"], choices=PRESETS)
+    req.overrides = {name: _decode_value(f, body[name]) for name, f in DECODE_FIELDS.items() if name in body}
     return req
 
 
@@ -260,7 +228,7 @@ def _message(m: Any, where: str) -> dict[str, Any]:
         raise bad(f"{where} must be an object with role and content", where, "invalid_type")
     role = m.get("role")
     if role not in ROLES:
-        raise bad(f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {_shown(role)}", f"{where}.role")
+        raise bad(f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {shown(role)}", f"{where}.role")
     allowed = MESSAGE_FIELDS.get(role, {"name"})
     extra = sorted(set(m) - {"role", "content"} - allowed)
     if extra:
@@ -290,7 +258,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
             raise bad(f"{at} must be an object with id, type and function: {{name, arguments}}", at, "invalid_type")
         if call.get("type", "function") != "function":
-            raise bad(f"{at}.type must be \"function\", got {_shown(call['type'])}", f"{at}.type")
+            raise bad(f"{at}.type must be \"function\", got {shown(call['type'])}", f"{at}.type")
         fn = call["function"]
         item = {"type": "function", "function": {"name": _string(f"{at}.function.name", fn.get("name")),
                                                  "arguments": _string(f"{at}.function.arguments", fn.get("arguments", ""))}}
@@ -301,9 +269,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
 
 
 def _string(where: str, v: Any) -> str:
-    if not isinstance(v, str):
-        raise bad(f"{where} must be a string, got {_got(v)}", where, "invalid_type")
-    return _text(where, v)
+    return _text(where, _own_value(where, "str", v))
 
 
 def _text(where: str, v: str, param: str | None = None) -> str:
@@ -332,85 +298,25 @@ def _content(c: Any, where: str) -> str:
     raise bad(f"{where}.content must be a string or a list of text parts", f"{where}.content", "invalid_type")
 
 
-def _stops(s: Any) -> list[str]:
-    stops = [s] if isinstance(s, str) else s
-    if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
-        raise bad("stop must be a string or a list of strings", "stop", "invalid_type")
-    if len(stops) > MAX_STOPS or any(not x for x in stops):
-        raise bad(f"stop takes at most {MAX_STOPS} non-empty strings", "stop")
-    return stops
-
-
 # ------------------------------------------------------------------ decode settings
 def request_config(base: DecodeConfig, req: CompletionRequest) -> DecodeConfig:
     """The server's DecodeConfig with the request's preset (its slot settings only: the
     server's sampling settings stay) and knobs on top, and the request's stop strings
     (gen_length is set later, per prompt, by `fit_length`)."""
-    try:
+    with as_request_error():
         cfg = DecodeConfig.preset(req.preset, base) if req.preset else base
         return cfg.replace(**req.overrides, stop=tuple(req.stop) or cfg.stop)
-    except ConfigError as e:
-        param = next((k for k in req.overrides if str(e).startswith(k)), None)
-        raise bad(str(e), param, "invalid_config") from None
 
 
 def fit_length(cfg: DecodeConfig, prompt_len: int, max_tokens: int | None, context: int, param: str) -> DecodeConfig:
-    """The config with gen_length set for one prompt, or a 400 that names the setting to
-    change and a value that works.
-
-    max_tokens may be at most the context minus the prompt; omitted, it is the server's
-    gen_length, capped to what fits. A method that decodes in units (ReFusion: whole
-    slots in equal blocks) needs its region, max_tokens rounded up to whole units, to fit
-    too; the output is cut back to max_tokens (`DecodeConfig.region_length`)."""
-    room = context - prompt_len
-    if room < 1:
-        raise bad(f"the prompt has {prompt_len} tokens; this model's context is {context} tokens, which leaves no room to generate", param, "context_length_exceeded")
-    if max_tokens is None:
-        if cfg.unit > room:  # no length fits: the unit must shrink
-            knob, advice = _unit_advice(cfg, room)
-            raise bad(f"{_unit_text(cfg)}, but only {room} are left after the {prompt_len}-token prompt (context {context}); "
-                      f"{advice}, or shorten the prompt", knob, "context_length_exceeded")
-        return cfg.fit(room)
-    if max_tokens > room:
-        raise bad(
-            f"this model's maximum context length is {context} tokens; you requested {prompt_len + max_tokens} "
-            f"({prompt_len} in the prompt, {max_tokens} for the completion): lower max_tokens to at most {room}",
-            "max_tokens", "context_length_exceeded",
-        )
-    cfg = cfg.for_max_tokens(max_tokens)
-    if cfg.region_length > room:
-        knob, advice = _unit_advice(cfg, room, max_tokens)
-        fits = cfg.longest_fitting(room)  # the longest max_tokens that fits with this unit (0: none)
-        if fits:
-            knob, advice = "max_tokens", f"lower max_tokens to at most {fits}, or {advice}"
-        raise bad(
-            f"max_tokens {max_tokens} needs {cfg.region_length} positions: {_unit_text(cfg)}, and only {room} are left "
-            f"after the {prompt_len}-token prompt (context {context}); {advice}",
-            knob, "context_length_exceeded",
-        )
-    return cfg
-
-
-def _unit_text(cfg: DecodeConfig) -> str:
-    if cfg.method == "mdm":
-        return f"mdm decodes in whole blocks of mdm_block_length {cfg.mdm_block_length} positions"
-    return (f"{cfg.method} decodes in whole units of slot_size {cfg.slot_size} x serial_blocks {cfg.serial_blocks} "
-            f"= {cfg.unit} positions")
-
-
-def _unit_advice(cfg: DecodeConfig, room: int, max_tokens: int | None = None) -> tuple[str, str]:
-    """(the knob, "lower it to at most K") for a unit with which the request fits. Any
-    unit u <= room - max_tokens + 1 does: max_tokens rounded up to whole units is then at
-    most max_tokens + u - 1 <= room (without max_tokens, u <= room lets some length fit)."""
-    slack = room if max_tokens is None else room - max_tokens + 1
-    if cfg.method == "mdm":
-        return "mdm_block_length", f"lower mdm_block_length to at most {slack}"
-    size, blocks = cfg.slot_size, cfg.serial_blocks
-    if slack // blocks >= 1:
-        return "slot_size", f"lower slot_size to at most {slack // blocks}"
-    if slack // size >= 1:
-        return "serial_blocks", f"lower serial_blocks to at most {slack // size}"
-    return "slot_size", f"lower slot_size to at most {slack} and serial_blocks to 1"
+    """The config with gen_length set for one prompt (`fit_to_room`: max_tokens must fit
+    as it is; omitted, the server's gen_length is capped to what fits), or a 400 whose
+    `param` is the setting its advice changes (`param`, the prompt's field, when only a
+    shorter prompt would do)."""
+    try:
+        return fit_to_room(cfg, prompt_len, context, max_tokens, name="max_tokens")
+    except NoRoomError as e:
+        raise bad(str(e), e.setting or param, "context_length_exceeded") from None
 
 
 # ------------------------------------------------------------------ response bodies

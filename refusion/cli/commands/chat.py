@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
 from ...decode.config import DecodeConfig
+from ...decode.fit import NoRoomError, fit_to_room, fits
 from ...errors import ContextLengthError, ReFusionError
 from ...model.prompts import chat_ids
 from ..flags import (
@@ -152,18 +153,16 @@ def fit_prompt(tokenizer: Any, cfg: DecodeConfig, context: int, system: str | No
     """The prompt ids, the config fitted to the room they leave, and how many of the oldest
     turns were dropped to make room. Earlier turns go before the reply is shortened: a
     full-length answer to the new message matters more than the oldest context. Raises
-    ContextLengthError when even the new message alone leaves less than one decoding unit."""
+    ContextLengthError ("message too long", with what would fit) when even the new
+    message alone leaves less than one decoding unit."""
     for dropped in range(len(turns) + 1):
         ids = chat_ids(tokenizer, messages_of(system, turns[dropped:], user))
-        if context - len(ids) >= cfg.region_length:
+        if fits(cfg, len(ids), context):
             return ids, cfg, dropped
-    room = context - len(ids)
-    if room < cfg.unit:
-        raise ContextLengthError(
-            f"message too long: its prompt is {len(ids)} tokens and the model's context of {context} positions "
-            f"holds at most {context - cfg.unit} (a reply needs {cfg.unit}); send a shorter message"
-        )
-    return ids, cfg.fit(room), len(turns)
+    try:
+        return ids, fit_to_room(cfg, len(ids), context), len(turns)
+    except NoRoomError as e:
+        raise ContextLengthError(f"message too long: {e}") from None
 
 
 def stream_reply(engine: Engine, ids: list[int], cfg: DecodeConfig, write: TextIO) -> RequestOutput | None:
