@@ -22,7 +22,7 @@ from ..errors import ConfigError
 
 METHODS = ("refusion", "ar", "mdm")
 
-# The authors' settings (SPEC §3): gen_length 512; (slot_size, serial_blocks, slot_threshold, token_threshold).
+# The authors' settings (docs/algorithm.md#presets): gen_length 512; (slot_size, serial_blocks, slot_threshold, token_threshold).
 _PAPER = {
     "gsm8k": (32, 4, 0.9, 0.4),
     "math": (32, 8, 0.8, 0.6),
@@ -53,7 +53,7 @@ class DecodeConfig:
 
     method: str = knob("refusion", "decoding method", choices=METHODS)
     gen_length: int = knob(256, "tokens to generate at most", lo=1, hi=2**20, http=False)
-    # --- ReFusion (SPEC §3)
+    # --- ReFusion (docs/algorithm.md#decoding)
     slot_size: int = knob(8, "ReFusion: tokens per slot", lo=1, hi=4096)
     serial_blocks: int = knob(1, "ReFusion: left-to-right blocks of the generation region", lo=1, hi=4096)
     slot_threshold: float = knob(0.9, "ReFusion plan: select every slot whose first-token confidence exceeds this", lo=0.0, hi=1.0)
@@ -64,7 +64,7 @@ class DecodeConfig:
                                           "of its left neighbour where that is known, and replaced when it fails; beyond the paper")
     infill_window: int | None = knob(None, "ReFusion infill: draft and verify at most this many tokens past a slot's accepted "
                                            "prefix per round (default: the rest of the slot); beyond the paper", lo=1, hi=4096)
-    # --- MDM baseline (SPEC §4): LLaDA-style low-confidence remasking in semi-AR blocks
+    # --- MDM baseline (docs/algorithm.md#mdm): LLaDA-style low-confidence remasking in semi-AR blocks
     mdm_block_length: int = knob(32, "MDM: tokens per semi-autoregressive block", lo=1, hi=4096)
     mdm_steps: int | None = knob(None, "MDM: denoising steps over the whole generation (default: one token per step)", lo=1, hi=2**16)
     mdm_threshold: float | None = knob(None, "MDM: fix every position above this confidence (at least one) instead of top-k", lo=0.0, hi=1.0)
@@ -118,7 +118,7 @@ class DecodeConfig:
     # ------------------------------------------------------------------ making one
     @classmethod
     def preset(cls, name: str, base: "DecodeConfig | None" = None, **overrides: Any) -> "DecodeConfig":
-        """The authors' settings for a benchmark (SPEC §3) on top of `base` (its sampling
+        """The authors' settings for a benchmark (docs/algorithm.md#presets) on top of `base` (its sampling
         and stop settings are kept), then `overrides`: `DecodeConfig.preset("gsm8k")`."""
         if name not in _PAPER:
             raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
