@@ -13,13 +13,29 @@ from .lazy import lazy_attributes
 __version__ = "0.1.0"
 
 _WHERE = {
-    "load": "io", "ModelConfig": "model", "Transformer": "model", "ReFusionError": "errors",
-    "DecodeConfig": "decode", "EngineConfig": "decode", "Engine": "decode", "RequestOutput": "decode",
-    "generate": "decode", "stream": "decode",
+    "load": "io",
+    "ModelConfig": "model",
+    "Transformer": "model",
+    "ReFusionError": "errors",
+    "DecodeConfig": "decode",
+    "EngineConfig": "decode",
+    "Engine": "decode",
+    "RequestOutput": "decode",
+    "generate": "decode",
+    "stream": "decode",
 }
 __all__ = [
-    "DecodeConfig", "Engine", "EngineConfig", "ModelConfig", "ReFusionError", "RequestOutput", "Transformer",
-    "__version__", "generate", "load", "stream",
+    "DecodeConfig",
+    "Engine",
+    "EngineConfig",
+    "ModelConfig",
+    "ReFusionError",
+    "RequestOutput",
+    "Transformer",
+    "__version__",
+    "generate",
+    "load",
+    "stream",
 ]
 
 if TYPE_CHECKING:

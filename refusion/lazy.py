@@ -8,7 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 
-def lazy_attributes(package: str, where: dict[str, str], names: list[str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_attributes(
+    package: str, where: dict[str, str], names: list[str]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """`__getattr__` and `__dir__` for `package`: name -> its submodule `where[name]`."""
     namespace = importlib.import_module(package).__dict__
 

@@ -66,7 +66,9 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         ),
     ),
     # qkv bias, tied embeddings, GQA
-    "qwen2": dict(_COMMON, model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2": dict(
+        _COMMON, model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True
+    ),
     # q/k norm, head_dim not hidden/heads, GQA
     "qwen3": dict(
         _COMMON,
@@ -88,8 +90,20 @@ torch.set_num_threads(1)
 # default), nothing changes: the suite runs on the CPU.
 TEST_DEVICE = os.environ.get("REFUSION_TEST_DEVICE")
 _FACTORIES = {
-    torch.empty, torch.empty_strided, torch.zeros, torch.ones, torch.full, torch.arange, torch.linspace, torch.eye,
-    torch.rand, torch.randn, torch.randint, torch.randperm, torch.tensor, torch.as_tensor,
+    torch.empty,
+    torch.empty_strided,
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.arange,
+    torch.linspace,
+    torch.eye,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randperm,
+    torch.tensor,
+    torch.as_tensor,
 }
 
 

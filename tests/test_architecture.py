@@ -131,7 +131,9 @@ def parse_layer_table(markdown: str) -> LayerTable:
 class Import:
     target: str  # the module imported (dotted name)
     line: int
-    at_import: bool = True  # runs when the importing module is imported (not in a function, not for TYPE_CHECKING)
+    at_import: bool = (
+        True  # runs when the importing module is imported (not in a function, not for TYPE_CHECKING)
+    )
 
 
 def package_modules(package_dir: Path) -> dict[str, Path]:
@@ -170,7 +172,8 @@ def _literal_head(node: ast.expr) -> str | None:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _walk(node: ast.AST, at_import: bool = True):
@@ -178,7 +181,8 @@ def _walk(node: ast.AST, at_import: bool = True):
     not in a function's body (nor, close enough, its defaults), not under `if TYPE_CHECKING:`."""
     for child in ast.iter_child_nodes(node):
         in_function = isinstance(node, ast.Lambda) or (
-            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and child not in node.decorator_list)
+            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and child not in node.decorator_list
+        )
         for_types = isinstance(node, ast.If) and _is_type_checking(node.test) and child in node.body
         runs = at_import and not in_function and not for_types
         yield child, runs
@@ -189,6 +193,7 @@ def module_imports(module: str, path: Path, modules: dict[str, Path], top: str) 
     """The modules of the package that `module` imports, anywhere in its source."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+
     def inside(name: str) -> bool:
         return name == top or name.startswith(top + ".")
 
@@ -242,7 +247,10 @@ def _edges(graph: dict[str, list[Import]], top: str) -> dict[str, list[str]]:
     """module -> the modules of the graph it imports; imports of the top package are left
     out (rule (d) reports them: every one would also close a cycle through the top
     package, which imports the public names)."""
-    return {m: sorted({i.target for i in imps if i.target in graph and i.target != top}) for m, imps in graph.items()}
+    return {
+        m: sorted({i.target for i in imps if i.target in graph and i.target != top})
+        for m, imps in graph.items()
+    }
 
 
 def find_cycles(graph: dict[str, list[Import]], top: str) -> list[list[str]]:
@@ -344,7 +352,13 @@ def unlayered(graph: dict[str, list[Import]], table: LayerTable) -> list[str]:
 
 def top_imports(graph: dict[str, list[Import]], table: LayerTable) -> list[tuple[str, int]]:
     """(module, line) for every module inside that imports the top package itself."""
-    return [(m, i.line) for m, imps in sorted(graph.items()) if m != table.top for i in imps if i.target == table.top]
+    return [
+        (m, i.line)
+        for m, imps in sorted(graph.items())
+        if m != table.top
+        for i in imps
+        if i.target == table.top
+    ]
 
 
 def heavy_packages(graph: dict[str, list[Import]], table: LayerTable) -> list[str]:
@@ -366,8 +380,10 @@ def heavy_packages(graph: dict[str, list[Import]], table: LayerTable) -> list[st
             theirs = table.layer_of(imp.target)
             if imp.at_import and theirs is not None and theirs.number > low:
                 where = "the top package" if own is None else f"layer {own.number}"
-                out.append(f"{package} ({where}) holds a module of layer {low} but imports {imp.target} "
-                           f"(layer {theirs.number}) when it runs, at line {imp.line}")
+                out.append(
+                    f"{package} ({where}) holds a module of layer {low} but imports {imp.target} "
+                    f"(layer {theirs.number}) when it runs, at line {imp.line}"
+                )
     return out
 
 
@@ -449,14 +465,25 @@ class Findings:
 
     def faults(self) -> dict[str, list]:
         """Every rule's findings, by rule name; empty lists where a rule holds."""
-        return {"cycles": self.cycles, "violations": self.violations, "missing": self.missing, "tops": self.tops,
-                "heavy": self.heavy}
+        return {
+            "cycles": self.cycles,
+            "violations": self.violations,
+            "missing": self.missing,
+            "tops": self.tops,
+            "heavy": self.heavy,
+        }
 
 
 def check(package_dir: Path, table: LayerTable) -> Findings:
     graph = import_graph(package_dir, table.top)
-    return Findings(graph, find_cycles(graph, table.top), [str(v) for v in layer_violations(graph, table)],
-                    unlayered(graph, table), top_imports(graph, table), heavy_packages(graph, table))
+    return Findings(
+        graph,
+        find_cycles(graph, table.top),
+        [str(v) for v in layer_violations(graph, table)],
+        unlayered(graph, table),
+        top_imports(graph, table),
+        heavy_packages(graph, table),
+    )
 
 
 def only(findings: Findings, **expected) -> None:
@@ -468,7 +495,10 @@ def test_the_toy_table_parses():
     table = parse_layer_table(TOY_TABLE)
     assert table.top == "toy"
     assert [(la.number, la.name, la.prefixes) for la in table.layers] == [
-        (1, "base", ("toy.base", "toy.sub.config")), (2, "mid", ("toy.mid", "toy.sub")), (3, "high", ("toy.high",))]
+        (1, "base", ("toy.base", "toy.sub.config")),
+        (2, "mid", ("toy.mid", "toy.sub")),
+        (3, "high", ("toy.high",)),
+    ]
     # the longest prefix wins: a package's settings module sits below the package, whose
     # __init__ is in the package's layer
     assert table.layer_of("toy.sub.config").number == 1
@@ -476,13 +506,16 @@ def test_the_toy_table_parses():
     assert table.layer_of("toy.subway") is None and table.layer_of("toy") is None
 
 
-@pytest.mark.parametrize("bad, why", [
-    (TOY_TABLE.replace(MARKER, ""), "no line"),
-    (TOY_TABLE.replace("| 3 | high", "| 4 | high"), "numbered"),
-    (TOY_TABLE.replace("`toy.high`", "`toy.mid`"), "in layer 2 and in layer 3"),
-    (TOY_TABLE.replace("| top | package | `toy` (itself only) |\n", ""), "top"),
-    (TOY_TABLE.replace("`toy.high`", "`other.high`"), "not inside the top package"),
-])
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        (TOY_TABLE.replace(MARKER, ""), "no line"),
+        (TOY_TABLE.replace("| 3 | high", "| 4 | high"), "numbered"),
+        (TOY_TABLE.replace("`toy.high`", "`toy.mid`"), "in layer 2 and in layer 3"),
+        (TOY_TABLE.replace("| top | package | `toy` (itself only) |\n", ""), "top"),
+        (TOY_TABLE.replace("`toy.high`", "`other.high`"), "not inside the top package"),
+    ],
+)
 def test_a_broken_table_is_refused(bad, why):
     with pytest.raises(ValueError, match=why):
         parse_layer_table(bad)
@@ -498,8 +531,15 @@ def test_the_clean_toy_passes_and_its_imports_are_all_seen(tmp_path):
         "toy.mid": [("toy.base", True), ("toy.sub.config", True)],  # `from . import base`: the submodule
         "toy.sub": [("toy.sub.config", True)],
         "toy.sub.config": [("toy.base", True)],
-        "toy.sub.worker": [("toy.base", False), ("toy.mid", False)],  # in a function; `from .. import mid`; import_module
-        "toy.high": [("toy.mid", True), ("toy.sub", False), ("toy.sub.worker", True)],  # f-string: the package
+        "toy.sub.worker": [
+            ("toy.base", False),
+            ("toy.mid", False),
+        ],  # in a function; `from .. import mid`; import_module
+        "toy.high": [
+            ("toy.mid", True),
+            ("toy.sub", False),
+            ("toy.sub.worker", True),
+        ],  # f-string: the package
     }
 
 
@@ -509,7 +549,12 @@ def test_a_planted_cycle_is_reported_exactly(tmp_path):
     files["toy/sub/__init__.py"] += "def late():\n    from .worker import work\n"  # sub -> worker (-> mid)
     found = check(write_package(tmp_path, files), parse_layer_table(TOY_TABLE))
     only(found, cycles=[["toy.mid", "toy.sub", "toy.sub.worker"]])
-    assert shortest_cycle(found.graph, "toy", found.cycles[0]) == ["toy.mid", "toy.sub", "toy.sub.worker", "toy.mid"]
+    assert shortest_cycle(found.graph, "toy", found.cycles[0]) == [
+        "toy.mid",
+        "toy.sub",
+        "toy.sub.worker",
+        "toy.mid",
+    ]
 
 
 def test_separate_cycles_are_reported_one_group_each(tmp_path):
@@ -522,7 +567,11 @@ def test_separate_cycles_are_reported_one_group_each(tmp_path):
     }
     graph = import_graph(write_package(tmp_path, files), "toy")
     assert find_cycles(graph, "toy") == [["toy.high", "toy.high2", "toy.mid"]]
-    assert shortest_cycle(graph, "toy", ["toy.high", "toy.high2", "toy.mid"]) == ["toy.high", "toy.high2", "toy.high"]
+    assert shortest_cycle(graph, "toy", ["toy.high", "toy.high2", "toy.mid"]) == [
+        "toy.high",
+        "toy.high2",
+        "toy.high",
+    ]
     files["toy/base.py"] = "from . import base2\n"
     files["toy/base2.py"] = "from .base import e\n"
     graph = import_graph(write_package(tmp_path, files), "toy")
@@ -539,7 +588,9 @@ def test_a_planted_upward_import_is_reported_exactly(tmp_path):
 
 def test_an_upward_import_for_type_checking_counts(tmp_path):
     files = clean_toy()
-    files["toy/base.py"] = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from toy.sub.worker import work\n"
+    files["toy/base.py"] = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from toy.sub.worker import work\n"
+    )
     found = check(write_package(tmp_path, files), parse_layer_table(TOY_TABLE))
     assert found.violations == ["toy.base (layer 1) imports toy.sub.worker (layer 2) at line 3"]
 
@@ -556,7 +607,10 @@ def test_a_module_outside_every_layer_is_reported(tmp_path):
     files = clean_toy()
     files["toy/extra/__init__.py"] = ""
     files["toy/extra/tool.py"] = "from ..base import json\n"
-    only(check(write_package(tmp_path, files), parse_layer_table(TOY_TABLE)), missing=["toy.extra", "toy.extra.tool"])
+    only(
+        check(write_package(tmp_path, files), parse_layer_table(TOY_TABLE)),
+        missing=["toy.extra", "toy.extra.tool"],
+    )
 
 
 def test_a_package_that_runs_higher_imports_on_the_way_down_is_reported(tmp_path):
@@ -564,10 +618,13 @@ def test_a_package_that_runs_higher_imports_on_the_way_down_is_reported(tmp_path
     files["toy/sub/__init__.py"] += "from .worker import work\n"  # run by every import of toy.sub.config
     files["toy/__init__.py"] += "from .mid import base\n"  # run by every import of anything
     found = check(write_package(tmp_path, files), parse_layer_table(TOY_TABLE))
-    only(found, heavy=[
-        "toy (the top package) holds a module of layer 1 but imports toy.mid (layer 2) when it runs, at line 4",
-        "toy.sub (layer 2) holds a module of layer 1 but imports toy.sub.worker (layer 2) when it runs, at line 2",
-    ])
+    only(
+        found,
+        heavy=[
+            "toy (the top package) holds a module of layer 1 but imports toy.mid (layer 2) when it runs, at line 4",
+            "toy.sub (layer 2) holds a module of layer 1 but imports toy.sub.worker (layer 2) when it runs, at line 2",
+        ],
+    )
 
 
 # ---------------------------------------------------------------------------- the real package

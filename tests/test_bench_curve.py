@@ -18,9 +18,35 @@ pytest.importorskip("matplotlib")
 def test_curve_decodes_each_checkpoint_and_reads_the_losses(tmp_path, capsys):
     data, run = tmp_path / "train.jsonl", tmp_path / "run"
     subprocess.run([sys.executable, "-m", "refusion.tasks", "data", "train", "64", str(data)], check=True)
-    assert main(["train", "--model", str(BUNDLED_DIR), "--data", str(data), "--out", str(run), "--objective", "refusion",
-                 "--max-steps", "4", "--batch-size", "4", "--save-every", "2", "--eval-every", "2", "--keep-checkpoints", "0",
-                 "--lr", "1e-3", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                str(BUNDLED_DIR),
+                "--data",
+                str(data),
+                "--out",
+                str(run),
+                "--objective",
+                "refusion",
+                "--max-steps",
+                "4",
+                "--batch-size",
+                "4",
+                "--save-every",
+                "2",
+                "--eval-every",
+                "2",
+                "--keep-checkpoints",
+                "0",
+                "--lr",
+                "1e-3",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert main(["bench", "curve", str(run), "--every", "2", "--limit", "4"]) == 0
     curve = json.loads((run / "curve.json").read_text())
@@ -33,7 +59,11 @@ def test_curve_decodes_each_checkpoint_and_reads_the_losses(tmp_path, capsys):
     suite = json.loads((tmp_path / "suite" / "suite.json").read_text())
     refusion_row = next(r for r in suite["table"] if r["key"] == "refusion")
     step0 = curve["points"][0]
-    assert (step0["tokens"], step0["nfe"], step0["accuracy"]) == (refusion_row["tokens"], refusion_row["nfe"], refusion_row["accuracy"])
+    assert (step0["tokens"], step0["nfe"], step0["accuracy"]) == (
+        refusion_row["tokens"],
+        refusion_row["nfe"],
+        refusion_row["accuracy"],
+    )
     assert "AR decoding" in capsys.readouterr().out
     # run again: nothing is decoded again; a rewritten checkpoint is; a pruned one keeps its point
     import shutil

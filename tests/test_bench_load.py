@@ -24,7 +24,10 @@ def test_random_checkpoint_is_sharded_bf16_and_loads(tmp_path):
 
 
 def test_bench_load_reports_every_rank(tmp_path, capfd):
-    assert main(["bench", "load", "--shape", "tiny", "--tokens", "3", "--json", "--dir", str(tmp_path / "ckpt")]) == 0
+    assert (
+        main(["bench", "load", "--shape", "tiny", "--tokens", "3", "--json", "--dir", str(tmp_path / "ckpt")])
+        == 0
+    )
     report = json.loads(capfd.readouterr().out)
     (whole,), split = (r["ranks"] for r in report["runs"])
     assert whole["held_bytes"] == report["weight_bytes"] and whole["tokens"] == 3

@@ -14,8 +14,26 @@ from refusion.bench.speed import floor_ms, forward_cost, random_model
 from refusion.cli.main import main
 
 TINY_RUN = [
-    "--repeats", "1", "--decode-rounds", "1", "--sizes", "1,4", "--new-tokens", "8", "--prompts", "1",
-    "--gen-length", "16", "--slot-size", "8", "--bw-mib", "8", "--matmul-n", "64", "--sample-ms", "1",
+    "--repeats",
+    "1",
+    "--decode-rounds",
+    "1",
+    "--sizes",
+    "1,4",
+    "--new-tokens",
+    "8",
+    "--prompts",
+    "1",
+    "--gen-length",
+    "16",
+    "--slot-size",
+    "8",
+    "--bw-mib",
+    "8",
+    "--matmul-n",
+    "64",
+    "--sample-ms",
+    "1",
 ]
 
 
@@ -30,8 +48,16 @@ def test_floor_is_the_slower_of_streaming_and_compute():
 
 def _hand_model(tied: bool) -> Transformer:
     config = ModelConfig(
-        model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=True, tie_word_embeddings=tied,
+        model_type="qwen3",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        qk_norm=True,
+        tie_word_embeddings=tied,
     )
     with torch.device("meta"):
         return Transformer(config)
@@ -64,8 +90,12 @@ def test_decode_ceiling_counts_each_shape_at_its_rate():
     assert shapes == {(32, 32): (4, 0), (16, 32): (4, 0), (64, 32): (4, 1), (32, 64): (2, 0)}
     rates = {(32, 32): 1.0, (16, 32): 2.0, (64, 32): 4.0, (32, 64): 8.0}
     fed, logit_rows = 3.0, 2.0  # per committed token
-    seconds = (2 * 32 * 32 * 4 * fed / 1.0 + 2 * 16 * 32 * 4 * fed / 2.0 + 2 * 64 * 32 * (4 * fed + logit_rows) / 4.0
-               + 2 * 32 * 64 * 2 * fed / 8.0) / 1e9
+    seconds = (
+        2 * 32 * 32 * 4 * fed / 1.0
+        + 2 * 16 * 32 * 4 * fed / 2.0
+        + 2 * 64 * 32 * (4 * fed + logit_rows) / 4.0
+        + 2 * 32 * 64 * 2 * fed / 8.0
+    ) / 1e9
     assert ceiling_tps(model, rates, 1.0, fed, logit_rows) == pytest.approx(1.0 / seconds)
     # twice the work per token: half the ceiling
     assert ceiling_tps(model, rates, 1.0, 2 * fed, 2 * logit_rows) == pytest.approx(0.5 / seconds)
@@ -91,7 +121,9 @@ def test_command_prints_and_writes_consistent_figures(tmp_path, capsys):
     assert floors["bandwidth_gbs"] > 0 and floors["matmul_gflops"] > 0
     assert [r["tokens"] for r in fig["forward"]] == [1, 4]
     for r in fig["forward"]:
-        expected = floor_ms(r["weight_bytes"], r["kv_bytes"], r["flops"], floors["bandwidth_gbs"], floors["matmul_gflops"])
+        expected = floor_ms(
+            r["weight_bytes"], r["kv_bytes"], r["flops"], floors["bandwidth_gbs"], floors["matmul_gflops"]
+        )
         assert r["floor_ms"] == pytest.approx(expected)
         assert r["ours_vs_floor"] == pytest.approx(r["ours_ms"] / r["floor_ms"])
         assert r["hf_vs_ours"] == pytest.approx(r["hf_ms"] / r["ours_ms"])
@@ -118,7 +150,10 @@ def test_without_transformers_or_mask_the_report_says_so(tmp_path, capsys, make_
     """A tiny Hugging Face checkpoint without a MASK token, --hf off: sections c and d and
     the targets say what they left out."""
     path = tmp_path / "speed.json"
-    assert main(["bench", "speed", str(make_hf_dir("qwen3")), *TINY_RUN, "--hf", "off", "--json", str(path)]) == 0
+    assert (
+        main(["bench", "speed", str(make_hf_dir("qwen3")), *TINY_RUN, "--hf", "off", "--json", str(path)])
+        == 0
+    )
     out = capsys.readouterr().out
     fig = json.loads(path.read_text())
     assert "hf_ms" not in fig["forward"][0] and "hf_tps" not in fig["ar_decode"]
@@ -131,11 +166,28 @@ def test_compile_adds_the_compiled_step_and_decode(tmp_path, capsys, make_hf_dir
     """--compile: every forward row gains the compiled forward's time against the same
     floor, and section c the compiled AR decode, whose tokens equal the eager decode's."""
     path = tmp_path / "speed.json"
-    assert main(["bench", "speed", str(make_hf_dir("qwen3")), *TINY_RUN, "--hf", "off", "--compile", "--json", str(path)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "speed",
+                str(make_hf_dir("qwen3")),
+                *TINY_RUN,
+                "--hf",
+                "off",
+                "--compile",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     fig = json.loads(path.read_text())
     for row in fig["forward"]:  # 1 and 4 tokens
-        assert row["compiled_ms"] > 0 and row["compiled_vs_floor"] == pytest.approx(row["compiled_ms"] / row["floor_ms"])
+        assert row["compiled_ms"] > 0 and row["compiled_vs_floor"] == pytest.approx(
+            row["compiled_ms"] / row["floor_ms"]
+        )
     ar = fig["ar_decode"]
     assert ar["compiled_equal"] is True and ar["compiled_tps"] > 0
     assert out.count("compiled (--compile): ") == 2 and "outputs identical to ours eager" in out

@@ -19,7 +19,18 @@ from refusion.cli.main import main
 from refusion.decode.recommended import Recommended
 from refusion.io import BUNDLED_DIR
 
-TINY = ["--gen-length", "16", "--slot-size", "8", "--serial-blocks", "1", "--mdm-block-length", "16", "--chunk", "2"]
+TINY = [
+    "--gen-length",
+    "16",
+    "--slot-size",
+    "8",
+    "--serial-blocks",
+    "1",
+    "--mdm-block-length",
+    "16",
+    "--chunk",
+    "2",
+]
 
 
 # ---------------------------------------------------------------------------- AUP
@@ -65,9 +76,27 @@ def test_frontier_keeps_only_undominated_points() -> None:
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, Path]:
     out = tmp_path_factory.mktemp("suite")
-    argv = ["bench", "suite", "--ar-model", str(BUNDLED_DIR), "--limit", "4", *TINY, "--out", str(out),
-            "--sweep-limit", "2", "--sweep-slot", "0.7", "--sweep-token", "0.3,0.6",
-            "--sweep-mdm-tokens-per-step", "2", "--sweep-mdm-threshold", "0.9"]
+    argv = [
+        "bench",
+        "suite",
+        "--ar-model",
+        str(BUNDLED_DIR),
+        "--limit",
+        "4",
+        *TINY,
+        "--out",
+        str(out),
+        "--sweep-limit",
+        "2",
+        "--sweep-slot",
+        "0.7",
+        "--sweep-token",
+        "0.3,0.6",
+        "--sweep-mdm-tokens-per-step",
+        "2",
+        "--sweep-mdm-threshold",
+        "0.9",
+    ]
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):  # capsys is function-scoped; this fixture runs once per module
         assert main(argv) == 0
@@ -77,14 +106,26 @@ def small_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, Path
 def test_table_has_every_row_on_the_same_items(small_run) -> None:
     result, printed, _ = small_run
     labels = [r["label"] for r in result["table"]]
-    assert labels == ["AR baseline (AR decoding)", "ReFusion", "ReFusion L2R (one slot per block)", "MDM",
-                      "AR decoding of ReFusion weights", "ReFusion + AR correction",
-                      "ReFusion + AR correction + first-token check",
-                      "ReFusion, the checkpoint's settings (slot 32, 4 blocks, 0.7/0.5 + AR correction + first-token check, "
-                      "infill window 12)"]
-    assert [r["method"] for r in result["table"]] == ["ar", "refusion", "refusion", "mdm", "ar"] + ["refusion"] * 3
+    assert labels == [
+        "AR baseline (AR decoding)",
+        "ReFusion",
+        "ReFusion L2R (one slot per block)",
+        "MDM",
+        "AR decoding of ReFusion weights",
+        "ReFusion + AR correction",
+        "ReFusion + AR correction + first-token check",
+        "ReFusion, the checkpoint's settings (slot 32, 4 blocks, 0.7/0.5 + AR correction + first-token check, "
+        "infill window 12)",
+    ]
+    assert [r["method"] for r in result["table"]] == ["ar", "refusion", "refusion", "mdm", "ar"] + [
+        "refusion"
+    ] * 3
     options = [(r["config"]["ar_correction"], r["config"]["first_token_check"]) for r in result["table"]]
-    assert options == [(False, False)] * 5 + [(True, False), (True, True), (True, True)]  # the paper's rule, then each option
+    assert options == [(False, False)] * 5 + [
+        (True, False),
+        (True, True),
+        (True, True),
+    ]  # the paper's rule, then each option
     firsts = [[(x["index"], x["family"]) for x in r["records"]] for r in result["table"]]
     assert all(f == firsts[0] for f in firsts) and len(firsts[0]) == result["items"] == 4
     l2r = result["table"][2]["config"]
@@ -108,7 +149,11 @@ def test_table_figures_follow_from_records(small_run) -> None:
             mine = [r["correct"] for r in recs if r["family"] == fam]
             assert acc == pytest.approx(sum(mine) / len(mine))
         line = next(ln for ln in printed.splitlines() if ln.startswith(row["label"] + " "))
-        assert f"{row['vs_ar']:.2f}x" in line and f"{row['tpf']:.2f}" in line and f"{100 * row['accuracy']:.1f}" in line
+        assert (
+            f"{row['vs_ar']:.2f}x" in line
+            and f"{row['tpf']:.2f}" in line
+            and f"{100 * row['accuracy']:.1f}" in line
+        )
     assert result["table"][3]["nfe_per_item"] == 16  # MDM default: one token per step over a 16-token block
 
 
@@ -118,14 +163,25 @@ def test_sweep_png_and_aup_recomputed_from_points(small_run) -> None:
     png = Path(sweep["plot"])
     assert png == out / "sweep.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     checked = "ReFusion + AR correction + first-token check"
-    assert [p["method"] for p in sweep["points"]] == ["ReFusion", "ReFusion", checked, checked, "MDM", "MDM", "AR baseline"]
+    assert [p["method"] for p in sweep["points"]] == [
+        "ReFusion",
+        "ReFusion",
+        checked,
+        checked,
+        "MDM",
+        "MDM",
+        "AR baseline",
+    ]
     assert [p["config"]["ar_correction"] for p in sweep["points"][:4]] == [False, False, True, True]
     assert all(len(p["records"]) == sweep["items"] == 2 for p in sweep["points"])
     y_max = max(100 * p["accuracy"] for p in sweep["points"])
     assert sweep["y_max"] == pytest.approx(y_max)
     for method, value in sweep["aup"].items():
-        pts = [(p["tokens"] / p["nfe"], 100 * sum(r["correct"] for r in p["records"]) / len(p["records"]))
-               for p in sweep["points"] if p["method"] == method]
+        pts = [
+            (p["tokens"] / p["nfe"], 100 * sum(r["correct"] for r in p["records"]) / len(p["records"]))
+            for p in sweep["points"]
+            if p["method"] == method
+        ]
         assert value == pytest.approx(aup(pts, y_max))
     assert "AUP: ReFusion" in printed
 
@@ -133,17 +189,38 @@ def test_sweep_png_and_aup_recomputed_from_points(small_run) -> None:
 def test_the_checkpoints_own_settings_get_a_row_unless_a_row_has_them() -> None:
     base = suite.SUITE_DEFAULTS
     runs = suite.table_runs(base, with_ar=True)
-    own = Recommended(decode=dict(method="refusion", gen_length=512, slot_size=32, serial_blocks=2, temperature=0.5,
-                                  ar_correction=True, first_token_check=True))
+    own = Recommended(
+        decode=dict(
+            method="refusion",
+            gen_length=512,
+            slot_size=32,
+            serial_blocks=2,
+            temperature=0.5,
+            ar_correction=True,
+            first_token_check=True,
+        )
+    )
     row = suite.recommended_run(base, own, runs)
-    assert row.label == "ReFusion, the checkpoint's settings (slot 32, 2 blocks, 0.9/0.4 + AR correction + first-token check)"
+    assert (
+        row.label
+        == "ReFusion, the checkpoint's settings (slot 32, 2 blocks, 0.9/0.4 + AR correction + first-token check)"
+    )
     # the layout, thresholds and options are the checkpoint's; length and sampling the suite's
-    assert (row.cfg.slot_size, row.cfg.serial_blocks, row.cfg.ar_correction, row.cfg.first_token_check) == (32, 2, True, True)
+    assert (row.cfg.slot_size, row.cfg.serial_blocks, row.cfg.ar_correction, row.cfg.first_token_check) == (
+        32,
+        2,
+        True,
+        True,
+    )
     assert (row.cfg.gen_length, row.cfg.temperature) == (base.gen_length, 0.0)
-    same = Recommended(decode=dict(slot_size=8, serial_blocks=4, slot_threshold=0.7, token_threshold=0.3, ar_correction=True))
+    same = Recommended(
+        decode=dict(slot_size=8, serial_blocks=4, slot_threshold=0.7, token_threshold=0.3, ar_correction=True)
+    )
     assert suite.recommended_run(base, same, runs) is None  # a row has these
     assert suite.recommended_run(base, Recommended(decode=own.decode | {"method": "ar"}), runs) is None
-    assert suite.recommended_run(base, Recommended(), runs) is None  # no decode_config.json: no row of defaults
+    assert (
+        suite.recommended_run(base, Recommended(), runs) is None
+    )  # no decode_config.json: no row of defaults
     assert suite.recommended_run(base, Recommended(decode={"gen_length": 64}), runs) is None
     windowed = suite.recommended_run(base, Recommended(decode=same.decode | {"infill_window": 8}), runs)
     assert windowed.cfg.infill_window == 8 and windowed.label.endswith("+ AR correction, infill window 8)")
@@ -152,11 +229,31 @@ def test_the_checkpoints_own_settings_get_a_row_unless_a_row_has_them() -> None:
 # ---------------------------------------------------------------------------- options and errors
 def test_default_ar_missing_skips_row_and_families_filter(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setattr(suite, "DEFAULT_AR_MODEL", "bundled:no-such-model")
-    argv = ["bench", "suite", "--limit", "2", "--families", "code,lists", "--no-sweep", *TINY,
-            "--gen-length", "8", "--json", str(tmp_path / "t.json")]
+    argv = [
+        "bench",
+        "suite",
+        "--limit",
+        "2",
+        "--families",
+        "code,lists",
+        "--no-sweep",
+        *TINY,
+        "--gen-length",
+        "8",
+        "--json",
+        str(tmp_path / "t.json"),
+    ]
     assert main(argv) == 0
     result = json.loads((tmp_path / "t.json").read_text())
-    keys = ["refusion", "refusion_l2r", "mdm", "ar_refusion", "refusion_corrected", "refusion_checked", "refusion_recommended"]
+    keys = [
+        "refusion",
+        "refusion_l2r",
+        "mdm",
+        "ar_refusion",
+        "refusion_corrected",
+        "refusion_checked",
+        "refusion_recommended",
+    ]
     assert [r["key"] for r in result["table"]] == keys
     assert all(r["vs_ar"] is None for r in result["table"]) and "sweep" not in result
     assert {x["family"] for r in result["table"] for x in r["records"]} <= {"code", "lists"}
@@ -171,17 +268,22 @@ def _one_line_error(capsys, argv: list[str]) -> str:
 
 
 def test_missing_ar_model_path_is_a_clear_error(tmp_path, capsys) -> None:
-    err = _one_line_error(capsys, ["bench", "suite", "--ar-model", str(tmp_path / "nope"), "--limit", "1", "--no-sweep"])
+    err = _one_line_error(
+        capsys, ["bench", "suite", "--ar-model", str(tmp_path / "nope"), "--limit", "1", "--no-sweep"]
+    )
     assert "AR baseline model not found" in err and "nope" in err
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--families", "poetry"], "unknown task families poetry"),
-    (["--method", "ar"], "drop --method"),
-    (["--max-batch-size", "4"], "batch size 1"),
-    (["--chunk", "0"], "--chunk must be a positive integer"),
-    (["--sweep-slot", "0.5,high"], "--sweep-slot must be comma-separated numbers"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--families", "poetry"], "unknown task families poetry"),
+        (["--method", "ar"], "drop --method"),
+        (["--max-batch-size", "4"], "batch size 1"),
+        (["--chunk", "0"], "--chunk must be a positive integer"),
+        (["--sweep-slot", "0.5,high"], "--sweep-slot must be comma-separated numbers"),
+    ],
+)
 def test_bad_options_are_clear_errors(capsys, flags: list[str], message: str) -> None:
     assert message in _one_line_error(capsys, ["bench", "suite", "--ar-model", str(BUNDLED_DIR), *flags])
 

@@ -27,7 +27,9 @@ def test_bundled_checkpoint_fits_the_package_budget():
 def test_both_bundled_models_ship_and_fit_the_package_budget():
     assert bundled_names() == ["ar-tiny", "refusion-tiny"]
     assert sum(f.stat().st_size for f in BUNDLED_ROOT.rglob("*") if f.is_file()) < 40 * 2**20
-    assert json.loads((BUNDLED_ROOT / "ar-tiny" / "decode_config.json").read_text())["decode"]["method"] == "ar"
+    assert (
+        json.loads((BUNDLED_ROOT / "ar-tiny" / "decode_config.json").read_text())["decode"]["method"] == "ar"
+    )
 
 
 def test_bundled_names_load_the_shipped_models(bundled):
@@ -56,7 +58,12 @@ def test_transformers_loads_the_bundled_model(bundled):
 def test_refusion_decoding_commits_several_tokens_per_forward(bundled):
     model, tok = bundled
     items = load_test_items()[::75]  # a few items of every family
-    outs = refusion.generate(model, tok, [it.prompt for it in items], refusion.DecodeConfig(gen_length=128, slot_size=8, slot_threshold=0.7, token_threshold=0.3))
+    outs = refusion.generate(
+        model,
+        tok,
+        [it.prompt for it in items],
+        refusion.DecodeConfig(gen_length=128, slot_size=8, slot_threshold=0.7, token_threshold=0.3),
+    )
     tokens = sum(o.stats.tokens for o in outs)
     nfe = sum(o.stats.nfe for o in outs)
     assert tokens / nfe > 1.0
@@ -65,7 +72,23 @@ def test_refusion_decoding_commits_several_tokens_per_forward(bundled):
 
 def test_eval_humaneval_runs_end_to_end_offline(tmp_path, capsys):
     out = tmp_path / "he"
-    assert main(["eval", "--task", "humaneval", "--limit", "5", "--gen-length", "128", "--out", str(out), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--task",
+                "humaneval",
+                "--limit",
+                "5",
+                "--gen-length",
+                "128",
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     summary = json.loads((out / "summary.json").read_text())
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 5 and summary["n"] == 5

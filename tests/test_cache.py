@@ -27,14 +27,18 @@ def rand_tokens(n: int, seed: int) -> torch.Tensor:
     return torch.randint(2, 60, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def prefilled(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, capacity: int = 64) -> KVCache:
+def prefilled(
+    model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, capacity: int = 64
+) -> KVCache:
     """A one-row cache holding `tokens` (T,) at `positions` (T,)."""
     cache = model.new_cache(1, capacity)
     model(tokens[None], positions[None], cache)
     return cache
 
 
-def entries_equal(a: KVCache, row_a: int, b: KVCache, row_b: int, start: int, stop: int, start_b: int | None = None):
+def entries_equal(
+    a: KVCache, row_a: int, b: KVCache, row_b: int, start: int, stop: int, start_b: int | None = None
+):
     """Bit-equality of k, v, tokens and positions over a range of physical columns."""
     sb = start if start_b is None else start_b
     n = stop - start
@@ -140,8 +144,14 @@ def test_a_join_step_in_two_runs_equals_each_row_alone(tiny_model):
         tokens[b, 0], positions[b, 0] = nxt[b], len(p)
     tokens[4], positions[4] = new_prompt, torch.arange(8)
     lengths = [1, 1, 1, 1, 8]
-    assert cache.packed_write([t[:n].tolist() for t, n in zip(tokens, lengths)],
-                              [p[:n].tolist() for p, n in zip(positions, lengths)], plan_runs=True).segments is not None
+    assert (
+        cache.packed_write(
+            [t[:n].tolist() for t, n in zip(tokens, lengths)],
+            [p[:n].tolist() for p, n in zip(positions, lengths)],
+            plan_runs=True,
+        ).segments
+        is not None
+    )
     split = tiny_model.cached_hidden(tokens, positions, cache, n_new=lengths)
     for b, p in enumerate(prompts):
         alone = tiny_model.hidden(torch.cat([p, nxt[b : b + 1]])[None], torch.arange(len(p) + 1)[None])
@@ -236,11 +246,17 @@ def test_rows_joining_spare_storage_decode_like_a_fresh_cache(tiny_model):
     out = tiny_model(tokens, positions, cache, n_new=[1, 3])  # keys span columns 0..5
     assert cache.positions[1, 3:5].tolist() == [3, 4]  # the stale entries are still there
     fresh = prefilled(tiny_model, prompt, torch.arange(3), capacity=16)
-    torch.testing.assert_close(out[1], tiny_model.lm_head(tiny_model.hidden(prompt[None], torch.arange(3)[None]))[0])
+    torch.testing.assert_close(
+        out[1], tiny_model.lm_head(tiny_model.hidden(prompt[None], torch.arange(3)[None]))[0]
+    )
     for layer in range(len(cache.k)):
         torch.testing.assert_close(cache.k[layer][1, :, :3], fresh.k[layer][0, :, :3])
     query, q_pos = rand_tokens(1, seed=35)[None], torch.tensor([[3]])
-    both = tiny_model(torch.cat([torch.zeros(1, 1, dtype=torch.long), query]), torch.cat([torch.tensor([[3]]), q_pos]), cache)
+    both = tiny_model(
+        torch.cat([torch.zeros(1, 1, dtype=torch.long), query]),
+        torch.cat([torch.tensor([[3]]), q_pos]),
+        cache,
+    )
     torch.testing.assert_close(both[1], tiny_model(query, q_pos, fresh)[0])
 
 

@@ -98,7 +98,9 @@ def test_with_history_the_conversation_is_sent(engine, bundled):
     turns, _, err = run_chat(engine, bundled, [SORT, REVERSE], keep_history=True)
     assert [u for u, _ in turns] == [SORT, REVERSE]
     first_reply = turns[0][1]
-    assert engine.prompts[1] == chat_ids(tok, [user(SORT), {"role": "assistant", "content": first_reply}, user(REVERSE)])
+    assert engine.prompts[1] == chat_ids(
+        tok, [user(SORT), {"role": "assistant", "content": first_reply}, user(REVERSE)]
+    )
     assert "dropped" not in err
 
 
@@ -113,7 +115,9 @@ def test_oldest_turns_are_dropped_when_the_context_fills(engine, bundled):
     assert len(engine.prompts) == 4  # every message answered: the session went on
     assert all(len(ids) + cfg.region_length <= CONTEXT for ids in engine.prompts)
     assert turns[-1][0] == messages[-1] and turns[0][0] != messages[0]
-    assert tok.decode(engine.prompts[-1]).startswith("<|im_start|>system\nbe brief")  # the system message stays
+    assert tok.decode(engine.prompts[-1]).startswith(
+        "<|im_start|>system\nbe brief"
+    )  # the system message stays
 
 
 def test_a_message_too_long_is_refused_and_the_chat_goes_on(engine, bundled):
@@ -124,7 +128,9 @@ def test_a_message_too_long_is_refused_and_the_chat_goes_on(engine, bundled):
     assert len(errors) == 1 and "too long" in errors[0] and str(CONTEXT) in errors[0]
     assert len(engine.prompts) == 2  # the long one never reached the engine
     assert [u for u, _ in turns] == [SORT, REVERSE]  # the history survived it
-    assert engine.prompts[1] == chat_ids(tok, [user(SORT), {"role": "assistant", "content": turns[0][1]}, user(REVERSE)])
+    assert engine.prompts[1] == chat_ids(
+        tok, [user(SORT), {"role": "assistant", "content": turns[0][1]}, user(REVERSE)]
+    )
 
 
 def test_a_library_error_is_one_line_and_the_chat_goes_on(engine, bundled):
@@ -218,8 +224,13 @@ def test_a_single_turn_model_keeps_no_history_unless_asked(bundled, recorded, mo
 
 
 def test_chat_with_piped_input_answers_each_line_and_exits_0():
-    done = subprocess.run([sys.executable, "-m", "refusion.cli", "chat", "--gen-length", "16"],
-                          input=f"{SORT}\n{REVERSE}\n", capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "refusion.cli", "chat", "--gen-length", "16"],
+        input=f"{SORT}\n{REVERSE}\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     replies = done.stdout.split("> ")[1:]
     assert len(replies) == 3 and all(r.strip() for r in replies[:2]) and not replies[2].strip()

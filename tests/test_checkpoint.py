@@ -107,7 +107,9 @@ def test_save_in_shards_with_an_index_that_transformers_and_we_load(make_hf_dir,
 
 def test_sharded_safetensors_with_index(make_hf_dir):
     path = make_hf_dir("llama", shard_size="60KB")
-    assert (path / "model.safetensors.index.json").is_file() and len(list(path.glob("model-*.safetensors"))) > 2
+    assert (path / "model.safetensors.index.json").is_file() and len(
+        list(path.glob("model-*.safetensors"))
+    ) > 2
     model, _ = load(path)
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     vocab = model.config.vocab_size

@@ -96,7 +96,9 @@ def test_info_refuses_a_tokenizer_larger_than_the_vocabulary(make_hf_dir, capsys
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.add_tokens(["<|extra-1|>", "<|extra-2|>"])
     tokenizer.save_pretrained(path)
-    assert_one_line_error(capsys, path, "tokenizer", f"{tokenizer_len + 2} tokens", f"vocab_size={tokenizer_len}")
+    assert_one_line_error(
+        capsys, path, "tokenizer", f"{tokenizer_len + 2} tokens", f"vocab_size={tokenizer_len}"
+    )
 
 
 def test_info_accepts_a_padded_vocabulary(make_hf_dir, capsys, tokenizer_len):
@@ -132,20 +134,30 @@ def test_info_of_the_bundled_model_still_works(capsys):
 
 # ---------------------------------------------------------------------------- architectures
 def hf_dict(**changes) -> dict:
-    d = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=64, hidden_size=32,
-             intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    d = dict(
+        model_type="qwen3",
+        architectures=["Qwen3ForCausalLM"],
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+    )
     d.update(changes)
     return {k: v for k, v in d.items() if v is not None}
 
 
-@pytest.mark.parametrize("model_type, architectures, bad", [
-    ("qwen3", ["FooBarForCausalLM"], "FooBarForCausalLM"),
-    ("qwen3", ["LlamaForCausalLM"], "LlamaForCausalLM"),
-    ("llama", ["Qwen2ForCausalLM"], "Qwen2ForCausalLM"),
-    ("qwen2", ["Qwen2ForSequenceClassification"], "Qwen2ForSequenceClassification"),
-    ("qwen3", ["Qwen3ForCausalLM", "FooBarForCausalLM"], "FooBarForCausalLM"),
-    ("qwen3", "FooBarForCausalLM", "FooBarForCausalLM"),
-])
+@pytest.mark.parametrize(
+    "model_type, architectures, bad",
+    [
+        ("qwen3", ["FooBarForCausalLM"], "FooBarForCausalLM"),
+        ("qwen3", ["LlamaForCausalLM"], "LlamaForCausalLM"),
+        ("llama", ["Qwen2ForCausalLM"], "Qwen2ForCausalLM"),
+        ("qwen2", ["Qwen2ForSequenceClassification"], "Qwen2ForSequenceClassification"),
+        ("qwen3", ["Qwen3ForCausalLM", "FooBarForCausalLM"], "FooBarForCausalLM"),
+        ("qwen3", "FooBarForCausalLM", "FooBarForCausalLM"),
+    ],
+)
 def test_an_architecture_that_disagrees_with_model_type_is_refused(model_type, architectures, bad):
     with pytest.raises(UnsupportedArchitectureError) as err:
         ModelConfig.from_hf_dict(hf_dict(model_type=model_type, architectures=architectures))
@@ -153,10 +165,16 @@ def test_an_architecture_that_disagrees_with_model_type_is_refused(model_type, a
     assert bad in message and f"model_type={model_type!r}" in message and "\n" not in message
 
 
-@pytest.mark.parametrize("model_type, architectures", [
-    ("llama", ["LlamaForCausalLM"]), ("qwen2", ["Qwen2ForCausalLM"]), ("qwen3", ["Qwen3ForCausalLM"]),
-    ("qwen3", None), ("qwen3", []),
-])
+@pytest.mark.parametrize(
+    "model_type, architectures",
+    [
+        ("llama", ["LlamaForCausalLM"]),
+        ("qwen2", ["Qwen2ForCausalLM"]),
+        ("qwen3", ["Qwen3ForCausalLM"]),
+        ("qwen3", None),
+        ("qwen3", []),
+    ],
+)
 def test_matching_or_absent_architectures_are_accepted(model_type, architectures):
     config = ModelConfig.from_hf_dict(hf_dict(model_type=model_type, architectures=architectures))
     assert config.model_type == model_type
@@ -182,7 +200,9 @@ def test_a_config_without_architectures_still_loads(make_hf_dir):
 # ---------------------------------------------------------------------------- modes of what is saved
 def modes(directory: Path) -> tuple[int, set[int]]:
     """The directory's mode and the set of its files' modes."""
-    return stat.S_IMODE(directory.stat().st_mode), {stat.S_IMODE(p.stat().st_mode) for p in directory.iterdir()}
+    return stat.S_IMODE(directory.stat().st_mode), {
+        stat.S_IMODE(p.stat().st_mode) for p in directory.iterdir()
+    }
 
 
 @pytest.fixture
@@ -260,7 +280,9 @@ def test_a_dead_writers_staging_is_removed_on_the_next_save(tiny_model, tmp_path
     (record,) = [r for r in caplog.records if r.name == "refusion.io.staging"]
     message = record.getMessage()
     assert "\n" not in message
-    assert "removed 1 staging folder of" in message and str(tmp_path / "out") in message and "0.6 MB" in message
+    assert (
+        "removed 1 staging folder of" in message and str(tmp_path / "out") in message and "0.6 MB" in message
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
@@ -310,7 +332,9 @@ def closed_pipe():
     stream.close()
 
 
-@pytest.mark.parametrize("argv", [["info"], ["info", "--json"], ["--help"], ["info", "--help"], ["generate", "--help"]])
+@pytest.mark.parametrize(
+    "argv", [["info"], ["info", "--json"], ["--help"], ["info", "--help"], ["generate", "--help"]]
+)
 def test_a_closed_stdout_ends_quietly(closed_pipe, capsys, monkeypatch, argv):
     monkeypatch.setattr(sys, "stdout", closed_pipe)  # here: capsys sets its own as the test starts
     assert main(argv) == EXIT_BROKEN_PIPE

@@ -10,10 +10,27 @@ from refusion.cli.main import main
 
 
 def test_generate_json_matches_the_library(model_dir, capsys):
-    assert main(["generate", str(model_dir), "hello there", "the cat", "--json", "--gen-length", "16", "--slot-size", "4"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(model_dir),
+                "hello there",
+                "the cat",
+                "--json",
+                "--gen-length",
+                "16",
+                "--slot-size",
+                "4",
+            ]
+        )
+        == 0
+    )
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     model, tok = refusion.load(model_dir)
-    outs = refusion.generate(model, tok, ["hello there", "the cat"], refusion.DecodeConfig(gen_length=16, slot_size=4))
+    outs = refusion.generate(
+        model, tok, ["hello there", "the cat"], refusion.DecodeConfig(gen_length=16, slot_size=4)
+    )
     assert [r["token_ids"] for r in lines] == [o.token_ids for o in outs]
     assert [r["text"] for r in lines] == [o.text for o in outs]
     assert all(r["stats"]["nfe"] >= 1 and r["config"]["method"] == "refusion" for r in lines)
@@ -21,14 +38,45 @@ def test_generate_json_matches_the_library(model_dir, capsys):
 
 @pytest.mark.parametrize("method", ["ar", "mdm"])
 def test_generate_stats_for_baselines(model_dir, capsys, method):
-    assert main(["generate", str(model_dir), "hi", "--method", method, "--gen-length", "8", "--mdm-block-length", "4", "--stats"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(model_dir),
+                "hi",
+                "--method",
+                method,
+                "--gen-length",
+                "8",
+                "--mdm-block-length",
+                "4",
+                "--stats",
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     assert re.search(rf"\[{method}\] tokens=\d+ nfe=\d+ tpf=[\d.]+", err)
 
 
 def test_generate_trace_page_replays_the_commits(model_dir, tmp_path, capsys):
     page = tmp_path / "trace.html"
-    assert main(["generate", str(model_dir), "hello", "--gen-length", "16", "--slot-size", "4", "--trace", str(page)]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(model_dir),
+                "hello",
+                "--gen-length",
+                "16",
+                "--slot-size",
+                "4",
+                "--trace",
+                str(page),
+            ]
+        )
+        == 0
+    )
     html = page.read_text()
     data = json.loads(re.search(r"const DATA = (.*);\n", html).group(1))
     events = data[0]["events"]
@@ -41,7 +89,12 @@ def test_generate_trace_page_replays_the_commits(model_dir, tmp_path, capsys):
 def test_generate_preset_and_overrides_reach_the_config(model_dir, capsys):
     assert main(["generate", str(model_dir), "x", "--preset", "gsm8k", "--gen-length", "128", "--json"]) == 0
     cfg = json.loads(capsys.readouterr().out)["config"]
-    assert (cfg["slot_size"], cfg["serial_blocks"], cfg["slot_threshold"], cfg["token_threshold"]) == (32, 4, 0.9, 0.4)
+    assert (cfg["slot_size"], cfg["serial_blocks"], cfg["slot_threshold"], cfg["token_threshold"]) == (
+        32,
+        4,
+        0.9,
+        0.4,
+    )
     assert cfg["gen_length"] == 128
 
 
@@ -81,7 +134,28 @@ def test_chat_streams_replies(model_dir, monkeypatch, capsys):
 
 
 def test_bench_decode_prints_the_table(model_dir, capsys):
-    assert main(["bench", "decode", str(model_dir), "--prompts", "2", "--rounds", "1", "--gen-length", "8", "--slot-size", "4", "--batch-sizes", "1,2", "--mdm-block-length", "4"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "decode",
+                str(model_dir),
+                "--prompts",
+                "2",
+                "--rounds",
+                "1",
+                "--gen-length",
+                "8",
+                "--slot-size",
+                "4",
+                "--batch-sizes",
+                "1,2",
+                "--mdm-block-length",
+                "4",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     for method in ("ar", "refusion", "mdm"):
         assert re.search(rf"^{method}\s+\d+\s+\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+x", out, re.M)
@@ -97,8 +171,25 @@ def test_bench_decode_compares_compiled_and_eager(model_dir, capsys, tmp_path):
     """`+c` methods run with --compile in the same run as the eager ones, after a warm-up
     that compiles their graphs; they decode the same tokens (the same counts, NFE and fed)."""
     path = tmp_path / "decode.json"
-    args = ["bench", "decode", str(model_dir), "--prompts", "2", "--rounds", "1", "--gen-length", "8", "--slot-size", "4",
-            "--batch-sizes", "1,2", "--methods", "ar,refusion,ar+c,refusion+c", "--json", str(path)]
+    args = [
+        "bench",
+        "decode",
+        str(model_dir),
+        "--prompts",
+        "2",
+        "--rounds",
+        "1",
+        "--gen-length",
+        "8",
+        "--slot-size",
+        "4",
+        "--batch-sizes",
+        "1,2",
+        "--methods",
+        "ar,refusion,ar+c,refusion+c",
+        "--json",
+        str(path),
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "warm-up: compiling ar+c" in out and "warm-up: compiling refusion+c" in out
@@ -107,7 +198,10 @@ def test_bench_decode_compares_compiled_and_eager(model_dir, capsys, tmp_path):
         assert re.search(rf"^{re.escape(m + '+c')}\s+\d+\s+\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+x", out, re.M)
         for key in ("tokens", "nfe"):
             assert fig["table"][m + "+c"][key] == fig["table"][m][key]
-        assert fig["sweep_detail"][m + "+c"]["2"]["fed_per_token"] == fig["sweep_detail"][m]["2"]["fed_per_token"]
+        assert (
+            fig["sweep_detail"][m + "+c"]["2"]["fed_per_token"]
+            == fig["sweep_detail"][m]["2"]["fed_per_token"]
+        )
 
 
 def test_bench_decode_rejects_an_unknown_suffix(model_dir, capsys):

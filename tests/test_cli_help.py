@@ -24,7 +24,9 @@ print(len(out.getvalue()), ",".join(heavy) or "-")
 
 @pytest.mark.parametrize("argv", [["--help"], *[[verb, "--help"] for verb in VERBS]])
 def test_help_imports_no_torch(argv):
-    done = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, timeout=60, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, timeout=60, check=True
+    )
     chars, heavy = done.stdout.split()
     assert int(chars) > 100  # a real help text was printed
     assert heavy == "-", f"{' '.join(argv)} imported {heavy}"

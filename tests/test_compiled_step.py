@@ -20,9 +20,18 @@ from refusion.decode.forward import CompiledStep
 
 def _model(kind: str) -> Transformer:
     gqa = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    config = ModelConfig(model_type=kind, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         qk_norm=kind == "qwen3", attention_bias=kind == "qwen2", max_position_embeddings=256,
-                         eos_token_id=1, **gqa)
+    config = ModelConfig(
+        model_type=kind,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        qk_norm=kind == "qwen3",
+        attention_bias=kind == "qwen2",
+        max_position_embeddings=256,
+        eos_token_id=1,
+        **gqa,
+    )
     model = Transformer(config)
     randomise_(model, seed=3)
     return model.eval()
@@ -33,8 +42,12 @@ def _filled(model: Transformer, lengths: list[int], capacity: int, seed: int = 0
     gen = torch.Generator().manual_seed(seed)
     cache = model.new_cache(len(lengths), capacity)
     T = max(lengths)
-    model.cached_hidden(torch.randint(2, 64, (len(lengths), T), generator=gen), torch.arange(T).expand(len(lengths), -1),
-                        cache, n_new=lengths)
+    model.cached_hidden(
+        torch.randint(2, 64, (len(lengths), T), generator=gen),
+        torch.arange(T).expand(len(lengths), -1),
+        cache,
+        n_new=lengths,
+    )
     return cache
 
 
@@ -59,8 +72,12 @@ def _reference(model: Transformer, cache, tokens: list[list[int]], positions: li
 def _assert_entries_equal(cache, whole, lengths: list[int], n_new: list[int]) -> None:
     for b, (L, n) in enumerate(zip(lengths, n_new)):
         for layer in range(len(cache.k)):
-            torch.testing.assert_close(cache.k[layer][b, :, : L + n], whole.k[layer][b, :, : L + n], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(cache.v[layer][b, :, : L + n], whole.v[layer][b, :, : L + n], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                cache.k[layer][b, :, : L + n], whole.k[layer][b, :, : L + n], rtol=1e-5, atol=1e-5
+            )
+            torch.testing.assert_close(
+                cache.v[layer][b, :, : L + n], whole.v[layer][b, :, : L + n], rtol=1e-5, atol=1e-5
+            )
         assert cache.tokens[b, : L + n].tolist() == whole.tokens[b, : L + n].tolist()
         assert cache.positions[b, : L + n].tolist() == whole.positions[b, : L + n].tolist()
 
@@ -86,17 +103,22 @@ def test_packed_hidden_equals_each_row_recomputed_alone(kind):
     where = torch.tensor([b * T + i for b, n in enumerate(n_new) for i in range(n)])
     query_cols = torch.tensor(lengths)[:, None] + torch.arange(T)
     flat = lambda xs: torch.tensor([x for row in xs for x in row])  # noqa: E731
-    got = model.packed_hidden(flat(tokens), flat(positions), where, query_cols, cache.k, cache.v, cache.tokens, cache.positions)
+    got = model.packed_hidden(
+        flat(tokens), flat(positions), where, query_cols, cache.k, cache.v, cache.tokens, cache.positions
+    )
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert cache.lengths == lengths
     _assert_entries_equal(cache, whole, lengths, n_new)
 
 
-@pytest.mark.parametrize("lengths, n_new, runs, masked", [
-    ([6, 6, 6, 6, 2], [1, 1, 1, 1, 12], True, True),  # a join: four one-token steps beside a prefill
-    ([4, 9, 2], [2, 0, 3], False, True),  # ragged, one run
-    ([7, 7, 7], [1, 1, 1], False, False),  # one token per row at equal lengths: no mask needed
-])
+@pytest.mark.parametrize(
+    "lengths, n_new, runs, masked",
+    [
+        ([6, 6, 6, 6, 2], [1, 1, 1, 1, 12], True, True),  # a join: four one-token steps beside a prefill
+        ([4, 9, 2], [2, 0, 3], False, True),  # ragged, one run
+        ([7, 7, 7], [1, 1, 1], False, False),  # one token per row at equal lengths: no mask needed
+    ],
+)
 @torch.inference_mode()
 def test_the_decoders_eager_forward_equals_the_reference(lengths, n_new, runs, masked):
     """What `Forward` runs eagerly for every forward with a cache (`packed_hidden` over
@@ -126,17 +148,30 @@ def test_compiled_ar_decodes_what_eager_decodes(monkeypatch):
     eager = generate(model, None, prompts, cfg, engine_config=two)
     fed = []
     call = CompiledStep.__call__
-    monkeypatch.setattr(CompiledStep, "__call__", lambda self, m, t, p, c: fed.append(tuple(map(len, t))) or call(self, m, t, p, c))
+    monkeypatch.setattr(
+        CompiledStep,
+        "__call__",
+        lambda self, m, t, p, c: fed.append(tuple(map(len, t))) or call(self, m, t, p, c),
+    )
     compiled = generate(model, None, prompts, cfg, engine_config=two.replace(compile=True))
-    assert len(fed) > 20 and {(1,), (1, 1)} <= set(fed) and any(max(f) > 1 and len(f) == 2 for f in fed)  # steps and joins
+    assert (
+        len(fed) > 20 and {(1,), (1, 1)} <= set(fed) and any(max(f) > 1 and len(f) == 2 for f in fed)
+    )  # steps and joins
     assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
     assert [o.stats.nfe for o in compiled] == [o.stats.nfe for o in eager]
     assert [o.stats.fed for o in compiled] == [o.stats.fed for o in eager]
 
 
 def _case_config(c: dict) -> DecodeConfig:
-    return DecodeConfig(method="refusion", gen_length=c["gen_length"], slot_size=c["slot_size"], serial_blocks=c["serial_blocks"],
-                        slot_threshold=c["slot_threshold"], token_threshold=c["token_threshold"], stop_token_ids=(c["eos_id"],))
+    return DecodeConfig(
+        method="refusion",
+        gen_length=c["gen_length"],
+        slot_size=c["slot_size"],
+        serial_blocks=c["serial_blocks"],
+        slot_threshold=c["slot_threshold"],
+        token_threshold=c["token_threshold"],
+        stop_token_ids=(c["eos_id"],),
+    )
 
 
 def test_compiled_refusion_reproduces_the_golden_decodings(monkeypatch):
@@ -146,13 +181,22 @@ def test_compiled_refusion_reproduces_the_golden_decodings(monkeypatch):
     tiny = load_tiny()
     fed = []
     call = CompiledStep.__call__
-    monkeypatch.setattr(CompiledStep, "__call__", lambda self, m, t, p, c: fed.append(tuple(map(len, t))) or call(self, m, t, p, c))
+    monkeypatch.setattr(
+        CompiledStep,
+        "__call__",
+        lambda self, m, t, p, c: fed.append(tuple(map(len, t))) or call(self, m, t, p, c),
+    )
     groups = collections.defaultdict(list)
     for c in CASES:
         groups[json.dumps(dataclasses.asdict(_case_config(c)), sort_keys=True, default=str)].append(c)
     for cs in groups.values():
-        outs = generate(tiny, None, [c["prompt_ids"] for c in cs], _case_config(cs[0]),
-                        engine_config=EngineConfig(max_batch_size=4, compile=True))
+        outs = generate(
+            tiny,
+            None,
+            [c["prompt_ids"] for c in cs],
+            _case_config(cs[0]),
+            engine_config=EngineConfig(max_batch_size=4, compile=True),
+        )
         assert [o.token_ids for o in outs] == [c["expected_ids"] for c in cs]
     assert len(fed) > 50 and any(len(f) > 1 for f in fed) and any(max(f) > 1 for f in fed)
 
@@ -176,12 +220,25 @@ def _forwards(step: CompiledStep, model: Transformer, shapes: list[tuple[list[in
         T = max(n_new)
         flat = lambda xs: torch.tensor([x for row in xs for x in row])  # noqa: E731
         where = torch.tensor([b * T + j for b, n in enumerate(n_new) for j in range(n)])
-        ref = model.packed_hidden(flat(tokens), flat(positions), where, torch.tensor(lengths)[:, None] + torch.arange(T),
-                                  twin.k, twin.v, twin.tokens, twin.positions)
+        ref = model.packed_hidden(
+            flat(tokens),
+            flat(positions),
+            where,
+            torch.tensor(lengths)[:, None] + torch.arange(T),
+            twin.k,
+            twin.v,
+            twin.tokens,
+            twin.positions,
+        )
         yield step(model, tokens, positions, cache), ref
 
 
-SHAPES = [([3], [1], 20), ([5, 2, 7], [1, 1, 1], 20), ([4], [6], 20), ([2, 6], [3, 5], 20)]  # one row or several; one token or several
+SHAPES = [
+    ([3], [1], 20),
+    ([5, 2, 7], [1, 1, 1], 20),
+    ([4], [6], 20),
+    ([2, 6], [3, 5], 20),
+]  # one row or several; one token or several
 
 
 @torch.inference_mode()
@@ -200,8 +257,12 @@ def test_a_few_graphs_serve_every_shape():
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert 1 <= counters["stats"]["unique_graphs"] - graphs <= len(SHAPES)  # they did compile
     graphs = counters["stats"]["unique_graphs"]
-    more = [([3 + i], [1], 30 + 17 * i) for i in range(5)] + [([1 + i, 9, 4], [1, 1, 1], 40 + 9 * i) for i in range(5)]
-    more += [([2 + i], [2 + i], 25 + 11 * i) for i in range(5)] + [([i + 1, 3, 8, 2][: i % 3 + 2], [4, i + 2, 1, 7][: i % 3 + 2], 64) for i in range(5)]
+    more = [([3 + i], [1], 30 + 17 * i) for i in range(5)] + [
+        ([1 + i, 9, 4], [1, 1, 1], 40 + 9 * i) for i in range(5)
+    ]
+    more += [([2 + i], [2 + i], 25 + 11 * i) for i in range(5)] + [
+        ([i + 1, 3, 8, 2][: i % 3 + 2], [4, i + 2, 1, 7][: i % 3 + 2], 64) for i in range(5)
+    ]
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # an eager fallback would fail here
         for got, ref in _forwards(step, model, more):
@@ -231,7 +292,9 @@ def test_a_failed_compile_says_what_to_do(monkeypatch):
     step = CompiledStep()
 
     def fail(*args):
-        raise torch._dynamo.exc.BackendCompilerFailed("inductor", RuntimeError("no working C++ compiler found"), None)
+        raise torch._dynamo.exc.BackendCompilerFailed(
+            "inductor", RuntimeError("no working C++ compiler found"), None
+        )
 
     monkeypatch.setattr(step, "fn", fail)
     cache = _filled(model, [3], 10)

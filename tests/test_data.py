@@ -23,8 +23,13 @@ from refusion.train.dataset import (
 RECORDS = [
     {"query": "Hello there", "response": "Hello world!"},
     {"query": "Two plus three?", "response": "five"},
-    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The cat?"},
-                  {"role": "assistant", "content": "sat on the mat"}]},
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "The cat?"},
+            {"role": "assistant", "content": "sat on the mat"},
+        ]
+    },
 ]
 
 
@@ -67,27 +72,32 @@ def test_records_are_tokenised_with_the_chat_template_and_eos(tmp_path, tiny_tok
 
 
 def test_the_authors_sample_file_reads(tiny_tokenizer):
-    ds, stats = load_dataset("/work/shared/data/refusion_train_sample.json", tiny_tokenizer, max_length=1 << 20)
+    ds, stats = load_dataset(
+        "/work/shared/data/refusion_train_sample.json", tiny_tokenizer, max_length=1 << 20
+    )
     assert stats.kept == stats.records == len(ds) > 0 and not stats.bad
 
 
 def test_bad_records_are_counted_and_skipped(tmp_path, tiny_tokenizer):
     good = {"query": "q", "response": "fine"}
-    path = write_jsonl(tmp_path / "d.jsonl", [
-        good,
-        {"query": "no response"},
-        {"response": "no query"},
-        {"query": "q", "response": "   "},
-        b'{"query": "q", "response": "caf\xe9"}',  # latin-1, not UTF-8
-        '{"query": "q", "response": ',
-        "[1, 2]",
-        {"query": 3, "response": "x"},
-        {"messages": [{"role": "assistant", "content": "hi"}]},
-        {"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}]},
-        "",
-        good,
-        {"query": "q", "response": "long " * 200},
-    ])
+    path = write_jsonl(
+        tmp_path / "d.jsonl",
+        [
+            good,
+            {"query": "no response"},
+            {"response": "no query"},
+            {"query": "q", "response": "   "},
+            b'{"query": "q", "response": "caf\xe9"}',  # latin-1, not UTF-8
+            '{"query": "q", "response": ',
+            "[1, 2]",
+            {"query": 3, "response": "x"},
+            {"messages": [{"role": "assistant", "content": "hi"}]},
+            {"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}]},
+            "",
+            good,
+            {"query": "q", "response": "long " * 200},
+        ],
+    )
     ds, stats = load_dataset(path, tiny_tokenizer, max_length=64)
     assert len(ds) == stats.kept == 2
     assert stats.records == 12  # the blank line is not a record
@@ -104,7 +114,11 @@ def test_bad_records_are_counted_and_skipped(tmp_path, tiny_tokenizer):
         "the last message is not the assistant's": 1,
     }
     summary = stats.summary()
-    assert "2 of 12 records kept" in summary and "1 too long" in summary and "line 2: missing key 'response'" in summary
+    assert (
+        "2 of 12 records kept" in summary
+        and "1 too long" in summary
+        and "line 2: missing key 'response'" in summary
+    )
 
 
 def test_missing_unreadable_or_empty_files_raise_data_error(tmp_path, tiny_tokenizer):

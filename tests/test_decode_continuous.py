@@ -21,8 +21,13 @@ def tiny():
 
 def golden_config(c: dict, **changes) -> DecodeConfig:
     return DecodeConfig(
-        method="refusion", gen_length=c["gen_length"], slot_size=c["slot_size"], serial_blocks=c["serial_blocks"],
-        slot_threshold=c["slot_threshold"], token_threshold=c["token_threshold"], stop_token_ids=(c["eos_id"],),
+        method="refusion",
+        gen_length=c["gen_length"],
+        slot_size=c["slot_size"],
+        serial_blocks=c["serial_blocks"],
+        slot_threshold=c["slot_threshold"],
+        token_threshold=c["token_threshold"],
+        stop_token_ids=(c["eos_id"],),
     ).replace(**changes)
 
 
@@ -44,11 +49,19 @@ def test_golden_cases_through_one_place(tiny):
     authors' reference."""
     by_cfg: dict[str, list[dict]] = {}
     for c in CASES:
-        by_cfg.setdefault(json.dumps(dataclasses.asdict(golden_config(c)), sort_keys=True, default=str), []).append(c)
+        by_cfg.setdefault(
+            json.dumps(dataclasses.asdict(golden_config(c)), sort_keys=True, default=str), []
+        ).append(c)
     groups = [cs for cs in by_cfg.values() if len(cs) >= 2]
     assert groups, "the golden set has configs shared by several prompts"
     for cs in groups:
-        outs = generate(tiny, None, [c["prompt_ids"] for c in cs], golden_config(cs[0]), engine_config=EngineConfig(max_batch_size=1))
+        outs = generate(
+            tiny,
+            None,
+            [c["prompt_ids"] for c in cs],
+            golden_config(cs[0]),
+            engine_config=EngineConfig(max_batch_size=1),
+        )
         assert [o.token_ids for o in outs] == [c["expected_ids"] for c in cs]
 
 
@@ -167,7 +180,9 @@ def test_the_memory_budget_bounds_the_batch_and_a_long_prompt_is_not_overtaken(t
     outs = run(engine, between)
     assert max(running) == 2 and started.index("2") < started.index("3")
     prompts = [short[0], short[1], long_, short[2]]
-    assert [outs[str(i)].token_ids for i in range(4)] == [generate(tiny, None, [p], cfg)[0].token_ids for p in prompts]
+    assert [outs[str(i)].token_ids for i in range(4)] == [
+        generate(tiny, None, [p], cfg)[0].token_ids for p in prompts
+    ]
 
 
 @pytest.mark.parametrize("method", ["ar", "refusion"])
@@ -178,9 +193,15 @@ def test_cache_storage_is_reserved_for_the_rows_that_can_be_in_flight(tiny, meth
     cfg = golden_config(CASES[0], method=method)
     reserved: list[int] = []
     new_cache = tiny.new_cache
-    monkeypatch.setattr(tiny, "new_cache", lambda b, cap, reserve=0: reserved.append(reserve) or new_cache(b, cap, reserve))
-    generate(tiny, None, [c["prompt_ids"] for c in CASES[:3]], cfg, engine_config=EngineConfig(max_batch_size=8))
-    generate(tiny, None, [c["prompt_ids"] for c in CASES[:12]], cfg, engine_config=EngineConfig(max_batch_size=8))
+    monkeypatch.setattr(
+        tiny, "new_cache", lambda b, cap, reserve=0: reserved.append(reserve) or new_cache(b, cap, reserve)
+    )
+    generate(
+        tiny, None, [c["prompt_ids"] for c in CASES[:3]], cfg, engine_config=EngineConfig(max_batch_size=8)
+    )
+    generate(
+        tiny, None, [c["prompt_ids"] for c in CASES[:12]], cfg, engine_config=EngineConfig(max_batch_size=8)
+    )
     assert reserved == [3, 8]
 
 

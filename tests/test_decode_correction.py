@@ -35,7 +35,11 @@ class Counting:
 
     def __init__(self, monkeypatch):
         self.corrected = self.first_replaced = self.first_slot = 0
-        passing, check, before_infill = BeyondPaper.passing, BeyondPaper.check_selected, BeyondPaper.before_infill
+        passing, check, before_infill = (
+            BeyondPaper.passing,
+            BeyondPaper.check_selected,
+            BeyondPaper.before_infill,
+        )
 
         def counted_passing(rule, f, pred, off, scores):
             n, corrected = passing(rule, f, pred, off, scores)
@@ -56,8 +60,11 @@ class Counting:
         monkeypatch.setattr(BeyondPaper, "check_selected", counted_check)
 
 
-@pytest.mark.parametrize("options", [dict(ar_correction=True), BOTH, dict(BOTH, infill_window=2), dict(infill_window=1)],
-                         ids=["ar_correction", "both", "both+window", "window"])
+@pytest.mark.parametrize(
+    "options",
+    [dict(ar_correction=True), BOTH, dict(BOTH, infill_window=2), dict(infill_window=1)],
+    ids=["ar_correction", "both", "both+window", "window"],
+)
 def test_kv_reuse_equals_direct_computation_with_the_options(tiny, monkeypatch, options):
     """Every committed entry equals a direct computation, corrected tokens included (a
     corrected token's entry is recomputed, not the draft's kept)."""
@@ -88,14 +95,27 @@ def test_corrected_rows_and_paper_rows_share_a_batch(tiny):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(prompt=st.lists(st.integers(0, 297), min_size=1, max_size=24), s=st.sampled_from([2, 4, 8]),
-       n_slots=st.integers(1, 6), tau=st.floats(0.5, 0.95), eos=st.sampled_from([298, 165, 250, 93]),
-       window=st.sampled_from([None, 1, 2, 3]))
+@given(
+    prompt=st.lists(st.integers(0, 297), min_size=1, max_size=24),
+    s=st.sampled_from([2, 4, 8]),
+    n_slots=st.integers(1, 6),
+    tau=st.floats(0.5, 0.95),
+    eos=st.sampled_from([298, 165, 250, 93]),
+    window=st.sampled_from([None, 1, 2, 3]),
+)
 def test_one_slot_per_block_with_both_options_is_greedy_ar(tiny, prompt, s, n_slots, tau, eos, window):
     """Also with an infill window: a round short of the slot's end corrects the token
     after its drafts, which is the AR prediction too."""
-    cfg = DecodeConfig(gen_length=n_slots * s, slot_size=s, serial_blocks=n_slots, token_threshold=tau,
-                       slot_threshold=0.9, stop_token_ids=(eos,), infill_window=window, **BOTH)
+    cfg = DecodeConfig(
+        gen_length=n_slots * s,
+        slot_size=s,
+        serial_blocks=n_slots,
+        token_threshold=tau,
+        slot_threshold=0.9,
+        stop_token_ids=(eos,),
+        infill_window=window,
+        **BOTH,
+    )
     with torch.inference_mode():
         refusion = generate(tiny, None, [prompt], cfg)[0]
         ar = generate(tiny, None, [prompt], cfg.replace(method="ar"))[0]
@@ -107,8 +127,16 @@ def test_the_paper_rule_is_not_lossless(tiny):
     so the test above checks something the options do."""
     differ = 0
     for c in CASES[:12]:
-        cfg = DecodeConfig(gen_length=32, slot_size=4, serial_blocks=8, token_threshold=0.6, slot_threshold=0.9,
-                           stop_token_ids=(c["eos_id"],))
-        differ += generate(tiny, None, [c["prompt_ids"]], cfg)[0].token_ids != \
-            generate(tiny, None, [c["prompt_ids"]], cfg.replace(method="ar"))[0].token_ids
+        cfg = DecodeConfig(
+            gen_length=32,
+            slot_size=4,
+            serial_blocks=8,
+            token_threshold=0.6,
+            slot_threshold=0.9,
+            stop_token_ids=(c["eos_id"],),
+        )
+        differ += (
+            generate(tiny, None, [c["prompt_ids"]], cfg)[0].token_ids
+            != generate(tiny, None, [c["prompt_ids"]], cfg.replace(method="ar"))[0].token_ids
+        )
     assert differ > 0

@@ -119,7 +119,9 @@ def test_batched_equals_one_at_a_time(tiny, cfg, prompts):
 
 def test_refusion_plans_and_infills_in_parallel(tiny):
     """On the sharpened tiny model ReFusion commits several tokens per forward for some configs."""
-    cfg = DecodeConfig(gen_length=48, slot_size=8, slot_threshold=0.5, token_threshold=0.2, stop_token_ids=(298,))
+    cfg = DecodeConfig(
+        gen_length=48, slot_size=8, slot_threshold=0.5, token_threshold=0.2, stop_token_ids=(298,)
+    )
     out = generate(tiny, None, [[5, 6, 7, 8, 9]], cfg)[0]
     assert out.stats.tpf > 1
 
@@ -134,7 +136,9 @@ def test_finished_rows_stop_costing_compute(tiny):
 
 
 def test_sampling_is_seeded_and_batch_invariant(tiny):
-    cfg = DecodeConfig(gen_length=32, slot_size=4, temperature=1.0, top_k=20, top_p=0.9, seed=7, stop_token_ids=(298,))
+    cfg = DecodeConfig(
+        gen_length=32, slot_size=4, temperature=1.0, top_k=20, top_p=0.9, seed=7, stop_token_ids=(298,)
+    )
     a = generate(tiny, None, [[3, 4, 5], [9, 9]], cfg)
     b = generate(tiny, None, [[9, 9]], cfg)
     assert a[1].token_ids == b[0].token_ids
@@ -172,7 +176,9 @@ def test_bad_requests_fail_before_compute(tiny):
             generate(tiny, None, [[1] * 500], DecodeConfig(gen_length=64))
         with pytest.raises(ConfigError, match="no prompts"):
             generate(tiny, None, [], DecodeConfig())
-        with pytest.raises(ContextLengthError, match="context"):  # a bad prompt after a good one: nothing runs
+        with pytest.raises(
+            ContextLengthError, match="context"
+        ):  # a bad prompt after a good one: nothing runs
             generate(tiny, None, [[1, 2], [1] * 500], DecodeConfig(gen_length=64))
         tiny.config.mask_token_id, saved = None, tiny.config.mask_token_id
         try:
@@ -186,8 +192,12 @@ def test_bad_requests_fail_before_compute(tiny):
 
 def test_streaming_prefixes_grow_to_the_output(tiny):
     seen = []
-    cfg = DecodeConfig(gen_length=32, slot_size=4, slot_threshold=0.5, token_threshold=0.2, stop_token_ids=(298,))
-    out = generate(tiny, None, [[7, 8, 9]], cfg, on_output=lambda i, o: seen.append((list(o.token_ids), o.finished)))[0]
+    cfg = DecodeConfig(
+        gen_length=32, slot_size=4, slot_threshold=0.5, token_threshold=0.2, stop_token_ids=(298,)
+    )
+    out = generate(
+        tiny, None, [[7, 8, 9]], cfg, on_output=lambda i, o: seen.append((list(o.token_ids), o.finished))
+    )[0]
     assert seen[-1] == (out.token_ids, True)
     for (a, _), (b, _) in zip(seen, seen[1:]):
         assert b[: len(a)] == a  # a final prefix never changes

@@ -19,8 +19,13 @@ def tiny():
 
 def case_config(c: dict) -> DecodeConfig:
     return DecodeConfig(
-        method="refusion", gen_length=c["gen_length"], slot_size=c["slot_size"], serial_blocks=c["serial_blocks"],
-        slot_threshold=c["slot_threshold"], token_threshold=c["token_threshold"], stop_token_ids=(c["eos_id"],),
+        method="refusion",
+        gen_length=c["gen_length"],
+        slot_size=c["slot_size"],
+        serial_blocks=c["serial_blocks"],
+        slot_threshold=c["slot_threshold"],
+        token_threshold=c["token_threshold"],
+        stop_token_ids=(c["eos_id"],),
     )
 
 
@@ -87,15 +92,23 @@ class CheckingEngine(Engine):
             toks, pos = cache.tokens[b, old:new], cache.positions[b, old:new]
             slot_of = (pos - len(row.req.prompt)) // row.s
             # the fast path commits one contiguous forward; infill commits one segment per slot
-            cuts = [0, new - old] if path == "fast" else [0] + (slot_of.diff().nonzero().flatten() + 1).tolist() + [new - old]
+            cuts = (
+                [0, new - old]
+                if path == "fast"
+                else [0] + (slot_of.diff().nonzero().flatten() + 1).tolist() + [new - old]
+            )
             for a, e in zip(cuts, cuts[1:]):
                 ref = before.select([b])
                 model.cached_hidden(toks[None, a:e], pos[None, a:e], ref)
                 for layer in range(len(cache.k)):
                     got_k = cache.k[layer][b, :, old + a : old + e]
                     got_v = cache.v[layer][b, :, old + a : old + e]
-                    torch.testing.assert_close(got_k, ref.k[layer][0, :, old : old + e - a], rtol=1e-4, atol=1e-5)
-                    torch.testing.assert_close(got_v, ref.v[layer][0, :, old : old + e - a], rtol=1e-4, atol=1e-5)
+                    torch.testing.assert_close(
+                        got_k, ref.k[layer][0, :, old : old + e - a], rtol=1e-4, atol=1e-5
+                    )
+                    torch.testing.assert_close(
+                        got_v, ref.v[layer][0, :, old : old + e - a], rtol=1e-4, atol=1e-5
+                    )
                 CheckingEngine.checks += 1
 
     def _verify(self):
@@ -138,8 +151,12 @@ def test_fast_path_cache_equals_full_recompute(tiny):
             fresh = tiny.new_cache(1, n)
             tiny.cached_hidden(toks[None], pos[None], fresh)  # the committed sequence in one forward
             for layer in range(len(cache.k)):
-                torch.testing.assert_close(cache.k[layer][0, :, : len(toks)], fresh.k[layer][0, :, : len(toks)], rtol=1e-4, atol=1e-5)
-                torch.testing.assert_close(cache.v[layer][0, :, : len(toks)], fresh.v[layer][0, :, : len(toks)], rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(
+                    cache.k[layer][0, :, : len(toks)], fresh.k[layer][0, :, : len(toks)], rtol=1e-4, atol=1e-5
+                )
+                torch.testing.assert_close(
+                    cache.v[layer][0, :, : len(toks)], fresh.v[layer][0, :, : len(toks)], rtol=1e-4, atol=1e-5
+                )
 
 
 def test_committed_cache_holds_output_in_generation_order(tiny):

@@ -14,13 +14,50 @@ EOS = 298
 # lengths all differ; two sample with seeds (one ar, one refusion)
 MIXED = [
     DecodeConfig(method="ar", gen_length=40),
-    DecodeConfig(method="refusion", gen_length=64, slot_size=8, serial_blocks=2, slot_threshold=0.5, token_threshold=0.2),
-    DecodeConfig(method="refusion", gen_length=48, slot_size=4, serial_blocks=3, slot_threshold=0.7, token_threshold=0.3),
+    DecodeConfig(
+        method="refusion",
+        gen_length=64,
+        slot_size=8,
+        serial_blocks=2,
+        slot_threshold=0.5,
+        token_threshold=0.2,
+    ),
+    DecodeConfig(
+        method="refusion",
+        gen_length=48,
+        slot_size=4,
+        serial_blocks=3,
+        slot_threshold=0.7,
+        token_threshold=0.3,
+    ),
     DecodeConfig(method="ar", gen_length=24, temperature=1.0, top_k=20, seed=3),
-    DecodeConfig(method="refusion", gen_length=32, slot_size=16, serial_blocks=1, slot_threshold=0.9, token_threshold=0.1),
-    DecodeConfig(method="refusion", gen_length=40, slot_size=4, serial_blocks=5, slot_threshold=0.6, token_threshold=0.4,
-                 temperature=0.8, top_p=0.9, seed=11),
-    DecodeConfig(method="refusion", gen_length=64, slot_size=8, serial_blocks=4, slot_threshold=0.3, token_threshold=0.5),
+    DecodeConfig(
+        method="refusion",
+        gen_length=32,
+        slot_size=16,
+        serial_blocks=1,
+        slot_threshold=0.9,
+        token_threshold=0.1,
+    ),
+    DecodeConfig(
+        method="refusion",
+        gen_length=40,
+        slot_size=4,
+        serial_blocks=5,
+        slot_threshold=0.6,
+        token_threshold=0.4,
+        temperature=0.8,
+        top_p=0.9,
+        seed=11,
+    ),
+    DecodeConfig(
+        method="refusion",
+        gen_length=64,
+        slot_size=8,
+        serial_blocks=4,
+        slot_threshold=0.3,
+        token_threshold=0.5,
+    ),
     DecodeConfig(method="ar", gen_length=56, stop_token_ids=(250,)),
 ]
 
@@ -71,15 +108,22 @@ def test_outputs_stream_the_final_prefix_and_text(tiny, tiny_tokenizer):
     """Each step reports the requests whose final prefix grew: the prefix only grows, the
     deltas add up to the text, and the last output is finished."""
     engine = Engine(tiny, tiny_tokenizer)
-    engine.add_request([5, 6, 7], DecodeConfig(gen_length=32, slot_size=4, slot_threshold=0.5, token_threshold=0.2),
-                       request_id="a")
+    engine.add_request(
+        [5, 6, 7],
+        DecodeConfig(gen_length=32, slot_size=4, slot_threshold=0.5, token_threshold=0.2),
+        request_id="a",
+    )
     seen = []
     with torch.inference_mode():
         while engine.has_unfinished():
             seen += engine.step()
     assert [o.finished for o in seen] == [False] * (len(seen) - 1) + [True]
     for a, b in zip(seen, seen[1:]):
-        assert b.token_ids[: len(a.token_ids)] == a.token_ids and len(b.token_ids) > len(a.token_ids) or b.finished
+        assert (
+            b.token_ids[: len(a.token_ids)] == a.token_ids
+            and len(b.token_ids) > len(a.token_ids)
+            or b.finished
+        )
     assert "".join(o.delta for o in seen) == seen[-1].text
 
 
@@ -171,7 +215,10 @@ def test_a_request_with_other_settings_joining_late_fits_the_cache(tiny):
     to feed) joins: the cache must hold the longest growth plus the widest feed of any
     row, not of one row. Both decode what they decode alone."""
     prompt = [2 + i % 200 for i in range(100)]
-    ar, rf = DecodeConfig(method="ar", gen_length=50, stop_token_ids=()), DecodeConfig(gen_length=8, slot_size=8, stop_token_ids=())
+    ar, rf = (
+        DecodeConfig(method="ar", gen_length=50, stop_token_ids=()),
+        DecodeConfig(gen_length=8, slot_size=8, stop_token_ids=()),
+    )
     engine = Engine(tiny)
     engine.add_request(prompt, ar, request_id="ar")
     done = {}
@@ -189,7 +236,9 @@ def test_the_cache_reserves_no_more_rows_than_the_budget_holds(tiny):
     cfg = DecodeConfig(method="ar", gen_length=16, stop_token_ids=())
     from refusion.model.sizing import cache_bytes, entry_bytes, request_need
 
-    budget = cache_bytes([request_need(cfg, 10)] * 2, entry_bytes(tiny.config, tiny.dtype), joining=True) / 2**30
+    budget = (
+        cache_bytes([request_need(cfg, 10)] * 2, entry_bytes(tiny.config, tiny.dtype), joining=True) / 2**30
+    )
     engine = Engine(tiny, None, EngineConfig(max_batch_size=16, memory_budget_gb=budget))
     for i in range(16):
         engine.add_request(CASES[i]["prompt_ids"][:10] + [1] * (10 - len(CASES[i]["prompt_ids"][:10])), cfg)
@@ -219,7 +268,10 @@ def test_a_failed_step_loses_no_request(tiny, monkeypatch):
     monkeypatch.undo()
     done = drain(engine)
     assert done["b"].finish_reason == "cancelled"
-    assert done["a"].token_ids == generate(tiny, None, [[5, 6, 7]], DecodeConfig(method="ar", gen_length=8))[0].token_ids
+    assert (
+        done["a"].token_ids
+        == generate(tiny, None, [[5, 6, 7]], DecodeConfig(method="ar", gen_length=8))[0].token_ids
+    )
 
 
 def test_mdm_fixes_its_whole_block_past_an_eos(tiny):
@@ -230,7 +282,9 @@ def test_mdm_fixes_its_whole_block_past_an_eos(tiny):
         cfg = DecodeConfig(method="mdm", gen_length=32, mdm_block_length=16, stop_token_ids=(c["eos_id"],))
         out = generate(tiny, None, [c["prompt_ids"]], cfg, trace=True)[0]
         blocks = -(-len(out.token_ids) // 16)
-        assert sum(n for ev in out.trace for _, n in ev.spans) == blocks * 16  # every position of the last block
+        assert (
+            sum(n for ev in out.trace for _, n in ev.spans) == blocks * 16
+        )  # every position of the last block
         assert out.stats.nfe == blocks * 16  # one position a step (mdm_steps defaults to the region)
         stops += out.finish_reason == "stop" and len(out.token_ids) % 16 > 0
     assert stops >= 5  # EOS inside a block: where stopping early would show

@@ -18,9 +18,18 @@ from refusion.evaluate.lm_eval_plugin import ReFusionLM
 
 @pytest.fixture
 def lm_parts(tiny_tokenizer):
-    config = ModelConfig(model_type="qwen3", vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=True,
-                         max_position_embeddings=256)
+    config = ModelConfig(
+        model_type="qwen3",
+        vocab_size=len(tiny_tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        qk_norm=True,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     model = Transformer(config)
     with torch.no_grad():
@@ -53,8 +62,12 @@ def test_registered_under_the_name_refusion():
 
 def test_loglikelihood_batched_equals_one_sequence_at_a_time(lm_parts):
     model, tok = lm_parts
-    pairs = [("The cat sat on the", " mat"), ("Two plus three is", " five; five plus five is ten."),
-             ("Hello", " world!"), ("A slot is a run of tokens decoded", " together")]
+    pairs = [
+        ("The cat sat on the", " mat"),
+        ("Two plus three is", " five; five plus five is ten."),
+        ("Hello", " world!"),
+        ("A slot is a run of tokens decoded", " together"),
+    ]
     lm = ReFusionLM(model=model, tokenizer=tok, batch_size=3)
     got = lm.loglikelihood([request(c, x) for c, x in pairs])
     for (context, continuation), (ll, greedy) in zip(pairs, got):
@@ -102,7 +115,9 @@ def test_generate_until_gives_each_request_its_config_in_one_batch(lm_parts):
     out = lm.generate_until([request("p1", kwargs_a), request("p2", kwargs_b), request("p3", kwargs_a)])
     assert out == ["answer to p1", "answer to p2", "answer to p3"]
     ((prompts, cfgs, engine, chat),) = calls  # one engine batch for every request, whatever its settings
-    assert prompts == ["p1", "p2", "p3"] and not chat  # lm-eval formats (and chat-templates) the context itself
+    assert (
+        prompts == ["p1", "p2", "p3"] and not chat
+    )  # lm-eval formats (and chat-templates) the context itself
     assert engine.max_batch_size == 2
     cfg_a, cfg_b = cfgs[0], cfgs[1]
     # the preset's length wins over the task's max_gen_toks, as the authors generated 512 tokens for every task
@@ -142,8 +157,10 @@ def test_paper_protocol_generates_in_full_then_cuts_as_the_authors_did(lm_parts)
     lm = ReFusionLM(model=model, tokenizer=tok, preset="gsm8k", protocol="paper", generate_fn=fake_generate)
     (out,) = lm.generate_until([request("p", {"until": ["Q:", "<|im_end|>"], "max_gen_toks": 64})])
     assert out == "The answer is 5.\n" and seen[0].stop == () and seen[0].gen_length == 512
-    rendered = lm.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "```python\n"}],
-                                      add_generation_prompt=False)
+    rendered = lm.apply_chat_template(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "```python\n"}],
+        add_generation_prompt=False,
+    )
     assert rendered.endswith("<|im_start|>assistant\n```python\n")
 
 
@@ -151,8 +168,12 @@ def test_generate_until_caps_outputs_at_max_gen_toks_and_stops(lm_parts):
     """Through the real engine: max_gen_toks caps the tokens, `until` cuts the text."""
     model, tok = lm_parts
     lm = ReFusionLM(model=model, tokenizer=tok, method="ar")
-    free, capped = lm.generate_until([request("The cat", {"until": [], "max_gen_toks": 12}),
-                                      request("The cat", {"until": [], "max_gen_toks": 3})])
+    free, capped = lm.generate_until(
+        [
+            request("The cat", {"until": [], "max_gen_toks": 12}),
+            request("The cat", {"until": [], "max_gen_toks": 3}),
+        ]
+    )
     assert len(tok.encode(capped, add_special_tokens=False)) <= 3 and free.startswith(capped)
     stop = free[len(capped) :][:2] if len(free) > len(capped) + 2 else None
     if stop:
@@ -178,28 +199,43 @@ def test_lm_eval_runs_a_tiny_local_task(lm_parts, tmp_path, monkeypatch):
 
     monkeypatch.setattr(refusion, "DecodeConfig", DecodeConfig, raising=False)
     model, tok = lm_parts
-    docs = [{"question": f"What is {i} plus {i}?", "choices": [str(2 * i), str(2 * i + 1)], "label": 0,
-             "answer": str(2 * i)} for i in range(1, 5)]
+    docs = [
+        {
+            "question": f"What is {i} plus {i}?",
+            "choices": [str(2 * i), str(2 * i + 1)],
+            "label": 0,
+            "answer": str(2 * i),
+        }
+        for i in range(1, 5)
+    ]
     data = tmp_path / "tiny.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in docs))
     common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
     (tmp_path / "tiny_mc.yaml").write_text(
-        "task: tiny_mc\n" + common + "output_type: multiple_choice\ndoc_to_text: \"{{question}}\"\n"
-        "doc_to_choice: \"{{choices}}\"\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n"
+        "task: tiny_mc\n" + common + 'output_type: multiple_choice\ndoc_to_text: "{{question}}"\n'
+        'doc_to_choice: "{{choices}}"\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n'
     )
     (tmp_path / "tiny_gen.yaml").write_text(
-        "task: tiny_gen\n" + common + "output_type: generate_until\ndoc_to_text: \"{{question}}\"\n"
-        "doc_to_target: answer\ngeneration_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 16\n"
+        "task: tiny_gen\n" + common + 'output_type: generate_until\ndoc_to_text: "{{question}}"\n'
+        'doc_to_target: answer\ngeneration_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 16\n'
         "metric_list:\n  - metric: exact_match\n"
     )
 
-    def oracle(model_, tokenizer, prompts, cfgs, engine_config=None, chat=True, on_output=None):  # answers every question right
+    def oracle(
+        model_, tokenizer, prompts, cfgs, engine_config=None, chat=True, on_output=None
+    ):  # answers every question right
         texts = [str(2 * int(p.split("What is ")[1].split(" ")[0])) + "\nand more" for p in prompts]
-        return [SimpleNamespace(text=t.split(c.stop[0])[0]) for t, c in zip(texts, cfgs)]  # the engine cuts at stop strings
+        return [
+            SimpleNamespace(text=t.split(c.stop[0])[0]) for t, c in zip(texts, cfgs)
+        ]  # the engine cuts at stop strings
 
     lm = ReFusionLM(model=model, tokenizer=tok, batch_size=4, generate_fn=oracle)
-    results = lm_eval.simple_evaluate(model=lm, tasks=["tiny_mc", "tiny_gen"],
-                                      task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
-                                      bootstrap_iters=0, log_samples=False)
+    results = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=["tiny_mc", "tiny_gen"],
+        task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
+        bootstrap_iters=0,
+        log_samples=False,
+    )
     assert results["results"]["tiny_gen"]["exact_match,none"] == 1.0
     assert 0.0 <= results["results"]["tiny_mc"]["acc,none"] <= 1.0

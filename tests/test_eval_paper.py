@@ -66,7 +66,9 @@ def test_stops_cut_one_after_the_other_then_special_tokens_go_then_the_python_bl
     assert cut_at_stops("a.b\n\nc", ["\n\n", "."]) == "a"
     raw = "Let me see.\n```python\ndef f():\n    return 1\n```\nDone.<|im_end|><|endoftext|>"
     assert finish(raw, (), qwen3_tok) == "def f():\n    return 1"
-    assert finish("The answer is 18.<|im_end|>Q: more", ("Q:", "<|im_end|>"), qwen3_tok) == "The answer is 18."
+    assert (
+        finish("The answer is 18.<|im_end|>Q: more", ("Q:", "<|im_end|>"), qwen3_tok) == "The answer is 18."
+    )
     assert finish("x<|im_end|>y", (), qwen3_tok) == "xy"  # no stop: only the special token goes
     assert finish("```py\ncode\n```", ()) == "```py\ncode\n```"  # only a python block counts
 
@@ -87,20 +89,32 @@ def test_gsm8k_prompt_has_their_literal_backslash_n(qwen3_tok):
     assert s.request.text(qwen3_tok) == (
         "<|im_start|>user\nSolve the following math problem. You need to think step-by-step, show your detailed "
         'reasoning, and end with "The answer is [result]," where [result] is the answer you get.\\nQ: Janet has 3 '
-        "apples and buys 15 more. How many apples?\nA:<|im_end|>\n" + OPEN)
+        "apples and buys 15 more. How many apples?\nA:<|im_end|>\n" + OPEN
+    )
     assert s.request.until == ("Q:", "</s>", "<|im_end|>") and s.gold == "18"
 
 
-@pytest.mark.parametrize("output, strict, flexible", [
-    ("3 + 15 = 18.\nThe answer is 18.", True, True),
-    ("The answer is $18.", False, True),  # strict wants digits right after "is "
-    ("The answer is 18.00.", False, False),  # exact match: 18.00 is not 18
-    ("The answer is 18, which is 3 + 15.", True, False),  # flexible takes the last number
-    ("The answer is 1,8.", True, True),  # commas are ignored on both sides
-    ("```python\nprint(3 + 15)\n```", False, False),  # the python block replaces it, the last number is 15
-    ("She buys 15, so 3 + 15 = 18 apples", False, True),
-    ("The answer is 18\nQ: and now", False, True),  # at the end of a line strict takes "1": its "." cannot match "\n"
-])
+@pytest.mark.parametrize(
+    "output, strict, flexible",
+    [
+        ("3 + 15 = 18.\nThe answer is 18.", True, True),
+        ("The answer is $18.", False, True),  # strict wants digits right after "is "
+        ("The answer is 18.00.", False, False),  # exact match: 18.00 is not 18
+        ("The answer is 18, which is 3 + 15.", True, False),  # flexible takes the last number
+        ("The answer is 1,8.", True, True),  # commas are ignored on both sides
+        (
+            "```python\nprint(3 + 15)\n```",
+            False,
+            False,
+        ),  # the python block replaces it, the last number is 15
+        ("She buys 15, so 3 + 15 = 18 apples", False, True),
+        (
+            "The answer is 18\nQ: and now",
+            False,
+            True,
+        ),  # at the end of a line strict takes "1": its "." cannot match "\n"
+    ],
+)
 def test_gsm8k_strict_and_flexible(output, strict, flexible):
     bench, s = one("gsm8k", GSM)
     got = metrics(bench, s, finish(output, s.request.until))
@@ -108,13 +122,20 @@ def test_gsm8k_strict_and_flexible(output, strict, flexible):
 
 
 # ------------------------------------------------------------------------------ MATH
-MATH_DOC = {"problem": "What is $\\frac{4}{6}$ in lowest terms?", "solution": "Divide: $\\boxed{\\frac{2}{3}}$.",
-            "level": "Level 1", "type": "Algebra"}
+MATH_DOC = {
+    "problem": "What is $\\frac{4}{6}$ in lowest terms?",
+    "solution": "Divide: $\\boxed{\\frac{2}{3}}$.",
+    "level": "Level 1",
+    "type": "Algebra",
+}
 
 
 def test_math_prompt_has_no_boxed_instruction_and_the_gold_is_minerva_normalised(qwen3_tok):
     _, s = one("math", MATH_DOC)
-    assert s.request.text(qwen3_tok) == f"<|im_start|>user\nProblem:\n{MATH_DOC['problem']}\n\nSolution:<|im_end|>\n{OPEN}"
+    assert (
+        s.request.text(qwen3_tok)
+        == f"<|im_start|>user\nProblem:\n{MATH_DOC['problem']}\n\nSolution:<|im_end|>\n{OPEN}"
+    )
     assert s.gold == "\\frac{2}{3}" and s.request.until == ("Problem:",)
     assert normalize_final_answer("x = \\$1,000 dollars") == "1000"
     assert normalize_final_answer("\\text{(C)}") == "(C)"
@@ -122,13 +143,20 @@ def test_math_prompt_has_no_boxed_instruction_and_the_gold_is_minerva_normalised
     assert minerva_answer("so 5") == "[invalidanswer]"
 
 
-@pytest.mark.parametrize("output, verify, exact", [
-    ("So the answer is $\\boxed{\\frac{2}{3}}$.", True, False),  # no Minerva sentence: exact_match fails
-    ("Final Answer: The final answer is $\\frac{2}{3}$. I hope it is correct.", True, True),
-    ("Final Answer: The final answer is $\\frac{4}{6}$. I hope it is correct.", True, True),  # equal by sympy
-    ("It is 0.5, or $\\boxed{\\frac{1}{2}}$", False, False),
-    ("```python\nprint(2/3)\n```", False, False),  # the block replaced the output
-])
+@pytest.mark.parametrize(
+    "output, verify, exact",
+    [
+        ("So the answer is $\\boxed{\\frac{2}{3}}$.", True, False),  # no Minerva sentence: exact_match fails
+        ("Final Answer: The final answer is $\\frac{2}{3}$. I hope it is correct.", True, True),
+        (
+            "Final Answer: The final answer is $\\frac{4}{6}$. I hope it is correct.",
+            True,
+            True,
+        ),  # equal by sympy
+        ("It is 0.5, or $\\boxed{\\frac{1}{2}}$", False, False),
+        ("```python\nprint(2/3)\n```", False, False),  # the block replaced the output
+    ],
+)
 def test_math_verify_and_minerva_exact_match(output, verify, exact):
     bench, s = one("math", MATH_DOC)
     assert metrics(bench, s, finish(output, s.request.until)) == {"math_verify": verify, "exact_match": exact}
@@ -136,10 +164,18 @@ def test_math_verify_and_minerva_exact_match(output, verify, exact):
 
 # ------------------------------------------------------------------------------- ARC
 ARC = [
-    {"id": "arc-1", "question": "  Which gas do plants take in? ",
-     "choices": {"text": ["Oxygen", "Carbon dioxide", "Helium", "Neon"], "label": ["A", "B", "C", "D"]}, "answerKey": "B"},
-    {"id": "arc-5", "question": "Which is fifth?",
-     "choices": {"text": ["one", "two", "three", "four", "five"], "label": ["1", "2", "3", "4", "5"]}, "answerKey": "2"},
+    {
+        "id": "arc-1",
+        "question": "  Which gas do plants take in? ",
+        "choices": {"text": ["Oxygen", "Carbon dioxide", "Helium", "Neon"], "label": ["A", "B", "C", "D"]},
+        "answerKey": "B",
+    },
+    {
+        "id": "arc-5",
+        "question": "Which is fifth?",
+        "choices": {"text": ["one", "two", "three", "four", "five"], "label": ["1", "2", "3", "4", "5"]},
+        "answerKey": "2",
+    },
 ]
 
 
@@ -148,18 +184,22 @@ def test_arc_prompt_shows_four_options_with_literal_backslash_n(qwen3_tok):
     user = s.request.messages[0]["content"]
     assert user == (
         "Given the following question and four candidate answers (A, B, C and D), choose the best answer.\\nQuestion: "
-        "Which is fifth?\\nA. one\\nB. two\\nC. three\\nD. four\\nYour response should end with \"The best answer is "
-        "[the_answer_letter]\" where the [the_answer_letter] is one of A, B, C or D.")
+        'Which is fifth?\\nA. one\\nB. two\\nC. three\\nD. four\\nYour response should end with "The best answer is '
+        '[the_answer_letter]" where the [the_answer_letter] is one of A, B, C or D.'
+    )
     assert s.gold == "B" and s.request.until == ("\n\n", ".")
 
 
-@pytest.mark.parametrize("output, correct", [
-    (" B. Plants take in carbon dioxide.", True),  # cut at "."
-    (" (B)\n\nBecause plants breathe it.", True),  # cut at the blank line, punctuation ignored
-    (" b", True),  # case ignored
-    (" B because plants breathe it", False),  # an explanation before any stop: not the letter
-    ("\nB\nCarbon dioxide", False),
-])
+@pytest.mark.parametrize(
+    "output, correct",
+    [
+        (" B. Plants take in carbon dioxide.", True),  # cut at "."
+        (" (B)\n\nBecause plants breathe it.", True),  # cut at the blank line, punctuation ignored
+        (" b", True),  # case ignored
+        (" B because plants breathe it", False),  # an explanation before any stop: not the letter
+        ("\nB\nCarbon dioxide", False),
+    ],
+)
 def test_arc_exact_letter_after_the_prefill(output, correct):
     bench, s = one("arc_challenge", ARC[0])
     assert metrics(bench, s, finish(output, s.request.until)) == {"exact_match": correct}
@@ -167,9 +207,14 @@ def test_arc_exact_letter_after_the_prefill(output, correct):
 
 # ------------------------------------------------------------------------------ GPQA
 def gpqa_record(i: int) -> dict:
-    return {"Record ID": f"rec{i}", "Question": f"Question {i}: which one? ",
-            "Correct Answer": f"right [see note] answer {i}", "Incorrect Answer 1": f"wrong a{i}",
-            "Incorrect Answer 2": f"wrong  [1] b{i}", "Incorrect Answer 3": f"wrong c{i} [title]Sub"}
+    return {
+        "Record ID": f"rec{i}",
+        "Question": f"Question {i}: which one? ",
+        "Correct Answer": f"right [see note] answer {i}",
+        "Incorrect Answer 1": f"wrong a{i}",
+        "Incorrect Answer 2": f"wrong  [1] b{i}",
+        "Incorrect Answer 3": f"wrong c{i} [title]Sub",
+    }
 
 
 def test_gpqa_system_turn_cleaned_options_and_one_seeded_shuffle_in_dataset_order(qwen3_tok, tmp_path):
@@ -178,7 +223,12 @@ def test_gpqa_system_turn_cleaned_options_and_one_seeded_shuffle_in_dataset_orde
     samples = paper("gpqa").load(str(data))
     rng = random.Random(0)
     for i, s in enumerate(samples):
-        options = [f"wrong a{i}", f"wrong  b{i}", f"wrong c{i}. Sub", f"right answer {i}"]  # one pass of "  " -> " "
+        options = [
+            f"wrong a{i}",
+            f"wrong  b{i}",
+            f"wrong c{i}. Sub",
+            f"right answer {i}",
+        ]  # one pass of "  " -> " "
         rng.shuffle(options)
         assert s.data["options"] == options
         assert s.gold == f"({'ABCD'[options.index(f'right answer {i}')]})"
@@ -187,7 +237,8 @@ def test_gpqa_system_turn_cleaned_options_and_one_seeded_shuffle_in_dataset_orde
     assert s.request.text(qwen3_tok) == (
         "<|im_start|>system\nAnswer the following multiple-choice question. Your response should be the letter of the "
         "correct option, enclosed in parentheses ((A), (B), (C), or (D)).\n<|im_end|>\n<|im_start|>user\n"
-        f"Question: Question 0: which one? \nChoices:\n{listed}Answer:<|im_end|>\n{OPEN}")
+        f"Question: Question 0: which one? \nChoices:\n{listed}Answer:<|im_end|>\n{OPEN}"
+    )
     assert paper("gpqa").load(str(data), limit=2)[1].data == samples[1].data  # a limit keeps the order
 
 
@@ -198,15 +249,29 @@ def test_gpqa_strict_and_flexible():
     wrong = next(x for x in "ABCD" if x != right)
     assert metrics(bench, s, f"The answer is ({right}).") == {"strict-match": True, "flexible-extract": True}
     assert metrics(bench, s, f"The answer is {right}.") == {"strict-match": True, "flexible-extract": False}
-    assert metrics(bench, s, f"The answer is {right}") == {"strict-match": False, "flexible-extract": False}  # strict drops the last character
+    assert metrics(bench, s, f"The answer is {right}") == {
+        "strict-match": False,
+        "flexible-extract": False,
+    }  # strict drops the last character
     assert metrics(bench, s, f"({wrong}) looks good, but the answer is ({right})") == {
-        "strict-match": False, "flexible-extract": True}  # strict is case-sensitive, flexible takes the last
-    assert metrics(bench, s, "I pick Right answer 0, clearly") == {"strict-match": False, "flexible-extract": True}
+        "strict-match": False,
+        "flexible-extract": True,
+    }  # strict is case-sensitive, flexible takes the last
+    assert metrics(bench, s, "I pick Right answer 0, clearly") == {
+        "strict-match": False,
+        "flexible-extract": True,
+    }
 
 
 # -------------------------------------------------------------------------- MMLU-Pro
-MMLU = {"question_id": 7, "question": "2 + 2?", "options": ["3", "4", "5"], "answer": "B", "answer_index": 1,
-        "category": "computer science"}
+MMLU = {
+    "question_id": 7,
+    "question": "2 + 2?",
+    "options": ["3", "4", "5"],
+    "answer": "B",
+    "answer_index": 1,
+    "category": "computer science",
+}
 
 
 def test_mmlu_pro_subject_in_a_system_turn(qwen3_tok):
@@ -215,15 +280,19 @@ def test_mmlu_pro_subject_in_a_system_turn(qwen3_tok):
         "<|im_start|>system\nThe following are multiple choice questions (with answers) about computer science. Think "
         'step by step and then finish your answer with "the answer is (X)" where X is the correct letter choice.\n'
         "<|im_end|>\n<|im_start|>user\nQuestion:\n2 + 2?\nOptions:\nA. 3\nB. 4\nC. 5\nAnswer: Let's think step by "
-        f"step.<|im_end|>\n{OPEN}")
+        f"step.<|im_end|>\n{OPEN}"
+    )
 
 
-@pytest.mark.parametrize("output, correct", [
-    ("2 + 2 = 4, so the answer is (B).", True),
-    ("the answer is (A). Wait: 2 + 2 = 4, so the answer is (B).", False),  # the first match counts
-    ("The answer is B", True),
-    ("Answer: B", False),  # no fallback
-])
+@pytest.mark.parametrize(
+    "output, correct",
+    [
+        ("2 + 2 = 4, so the answer is (B).", True),
+        ("the answer is (A). Wait: 2 + 2 = 4, so the answer is (B).", False),  # the first match counts
+        ("The answer is B", True),
+        ("Answer: B", False),  # no fallback
+    ],
+)
 def test_mmlu_pro_first_answer_no_fallback(output, correct):
     bench, s = one("mmlu_pro", MMLU)
     assert metrics(bench, s, output) == {"custom-extract": correct}
@@ -236,27 +305,39 @@ def test_robust_takes_the_last_answer_where_paper_takes_the_first():
 
 
 # --------------------------------------------------------------------------- code
-HE = {"task_id": "T/0", "entry_point": "inc",
-      "prompt": "def helper(x):\n    return x\n\n\ndef inc(x):\n    \"\"\"x + 1\"\"\"\n",
-      "test": "def check(candidate):\n    assert candidate(1) == 2\n    assert candidate(-1) == 0\n",
-      "canonical_solution": "    return x + 1\n"}
+HE = {
+    "task_id": "T/0",
+    "entry_point": "inc",
+    "prompt": 'def helper(x):\n    return x\n\n\ndef inc(x):\n    """x + 1"""\n',
+    "test": "def check(candidate):\n    assert candidate(1) == 2\n    assert candidate(-1) == 0\n",
+    "canonical_solution": "    return x + 1\n",
+}
 
 
 def test_humaneval_prompt_plain_fence_and_prefill(qwen3_tok):
     _, s = one("humaneval", HE)
     assert s.request.text(qwen3_tok) == (
         "<|im_start|>user\nWrite a solution to the following problem and make sure that it passes the tests:\n```"
-        f"{HE['prompt']}```<|im_end|>\n{OPEN}<think>\n\n</think>\n\n```python\n")
+        f"{HE['prompt']}```<|im_end|>\n{OPEN}<think>\n\n</think>\n\n```python\n"
+    )
     assert s.request.until == ("\nassert", "\n# Test")
 
 
 def test_humaneval_sanitiser_keeps_what_the_entry_point_reaches():
     bench, s = one("humaneval", HE)
-    output = finish("def inc(x):\n    return step(x)\n\ndef step(x):\n    return x + 1\n\nprint(inc(1))\n```\n"
-                    "This works because\nassert inc(1) == 2", s.request.until)
+    output = finish(
+        "def inc(x):\n    return step(x)\n\ndef step(x):\n    return x + 1\n\nprint(inc(1))\n```\n"
+        "This works because\nassert inc(1) == 2",
+        s.request.until,
+    )
     program = bench.extract(s, output)
-    assert program == "def inc(x):\n    return step(x)\ndef step(x):\n    return x + 1"  # helper and print dropped
-    assert sanitize_reachable("import os\nx = 1\ndef f():\n    return 2\n") == "import os\nx = 1\ndef f():\n    return 2"
+    assert (
+        program == "def inc(x):\n    return step(x)\ndef step(x):\n    return x + 1"
+    )  # helper and print dropped
+    assert (
+        sanitize_reachable("import os\nx = 1\ndef f():\n    return 2\n")
+        == "import os\nx = 1\ndef f():\n    return 2"
+    )
     assert longest_parseable_span("Here:\ndef f():\n    return 1\nDone it") == "def f():\n    return 1"
     results = bench.score([s, s], [output, "def inc(x):\n    return x\n"], limits=Limits(timeout=10))
     assert [r.correct for r in results] == [True, False]
@@ -274,56 +355,97 @@ def test_humaneval_canonical_solutions_pass_their_rules_but_one():
     assert [s.id for s, r in zip(samples, scored) if not r.correct] == ["HumanEval/50"]
 
 
-MB = {"task_id": 11, "text": "Write a function to add one.", "code": "def add_one(x):\n    return x + 1",
-      "test_list": ["assert add_one(1) == 2", "assert add_one(2) == 3", "assert math.floor(add_one(0.5)) == 1"],
-      "test_setup_code": "", "challenge_test_list": []}
+MB = {
+    "task_id": 11,
+    "text": "Write a function to add one.",
+    "code": "def add_one(x):\n    return x + 1",
+    "test_list": ["assert add_one(1) == 2", "assert add_one(2) == 3", "assert math.floor(add_one(0.5)) == 1"],
+    "test_setup_code": "",
+    "challenge_test_list": [],
+}
 
 
 def test_mbpp_runs_the_raw_output_with_the_three_asserts():
     bench, s = one("mbpp", MB)
     assert s.request.until == ("[DONE]",)
-    assert s.request.messages == ({"role": "user", "content": (
-        "You are an expert Python programmer. Your task is to write a single Python function to solve the problem "
-        "described below, and here is your task: Write a function to add one.\n\nDirectly after the '[BEGIN]' marker, "
-        "you must write only the Python code for the function. Do not provide any explanations, comments, or "
-        "introductory text. The function must include the 'def' line, its arguments, the function body, and a "
-        "'return' statement. Your code should pass these tests:\n\nassert add_one(1) == 2\nassert add_one(2) == 3\n"
-        "assert math.floor(add_one(0.5)) == 1\n[BEGIN]\n")},)
-    outputs = [finish("```python\nimport math\ndef add_one(x):\n    return x + 1\n```\nIt adds one.", s.request.until),
-               "import math\ndef add_one(x):\n    return x + 1\n[DONE] trailing prose",
-               "def add_one(x):\n    return x + 1\n",  # the test's `math` is not imported: no setup code here
-               "Here is the function:\ndef add_one(x):\n    return x + 1\n"]
+    assert s.request.messages == (
+        {
+            "role": "user",
+            "content": (
+                "You are an expert Python programmer. Your task is to write a single Python function to solve the problem "
+                "described below, and here is your task: Write a function to add one.\n\nDirectly after the '[BEGIN]' marker, "
+                "you must write only the Python code for the function. Do not provide any explanations, comments, or "
+                "introductory text. The function must include the 'def' line, its arguments, the function body, and a "
+                "'return' statement. Your code should pass these tests:\n\nassert add_one(1) == 2\nassert add_one(2) == 3\n"
+                "assert math.floor(add_one(0.5)) == 1\n[BEGIN]\n"
+            ),
+        },
+    )
+    outputs = [
+        finish(
+            "```python\nimport math\ndef add_one(x):\n    return x + 1\n```\nIt adds one.", s.request.until
+        ),
+        "import math\ndef add_one(x):\n    return x + 1\n[DONE] trailing prose",
+        "def add_one(x):\n    return x + 1\n",  # the test's `math` is not imported: no setup code here
+        "Here is the function:\ndef add_one(x):\n    return x + 1\n",
+    ]
     outputs[1] = finish(outputs[1], s.request.until)
     results = bench.score([s] * 4, outputs, limits=Limits(timeout=10))
     assert [r.correct for r in results] == [True, True, False, False]
 
 
 # -------------------------------------------------------------- lm-eval as reference
-OUTPUTS = ["The answer is 18.", "The answer is 18\nok", "The answer is 18", "The answer is $1,234.50 total.", "no number", "(B) or (C)? The answer is (C).",
-           "I choose carbon dioxide.", "Answer: D", "answer is (J) and answer is E", ""]
+OUTPUTS = [
+    "The answer is 18.",
+    "The answer is 18\nok",
+    "The answer is 18",
+    "The answer is $1,234.50 total.",
+    "no number",
+    "(B) or (C)? The answer is (C).",
+    "I choose carbon dioxide.",
+    "Answer: D",
+    "answer is (J) and answer is E",
+    "",
+]
 
 
 def test_filters_and_metric_agree_with_lm_eval():
     extraction = pytest.importorskip("lm_eval.filters.extraction")
     from lm_eval.api.metrics import exact_match_hf_evaluate
 
-    for pattern, group in [(r"The answer is (\-?[0-9\.\,]+).", 0), (r"(-?[$0-9.,]{2,})|(-?[0-9]+)", -1),
-                           (r"answer is \(?([ABCDEFGHIJ])\)?", 0), (r"(?<=The answer is )(.*)(?=.)", 0)]:
-        theirs = extraction.RegexFilter(regex_pattern=pattern, group_select=group).apply([[o] for o in OUTPUTS], [])
+    for pattern, group in [
+        (r"The answer is (\-?[0-9\.\,]+).", 0),
+        (r"(-?[$0-9.,]{2,})|(-?[0-9]+)", -1),
+        (r"answer is \(?([ABCDEFGHIJ])\)?", 0),
+        (r"(?<=The answer is )(.*)(?=.)", 0),
+    ]:
+        theirs = extraction.RegexFilter(regex_pattern=pattern, group_select=group).apply(
+            [[o] for o in OUTPUTS], []
+        )
         assert [r[0] for r in theirs] == [regex_extract(o, pattern, group) for o in OUTPUTS]
     choices = ["Oxygen", "Carbon dioxide", "Helium", "Neon"]
-    theirs = extraction.MultiChoiceRegexFilter(regex_pattern=r"(\([A-Z]\))", group_select=-1, ignore_case=True,
-                                               ignore_punctuation=True).apply([[o] for o in OUTPUTS],
-                                                                              [{"choices": choices}] * len(OUTPUTS))
+    theirs = extraction.MultiChoiceRegexFilter(
+        regex_pattern=r"(\([A-Z]\))", group_select=-1, ignore_case=True, ignore_punctuation=True
+    ).apply([[o] for o in OUTPUTS], [{"choices": choices}] * len(OUTPUTS))
     assert [r[0] for r in theirs] == [multi_choice_extract(o, choices) for o in OUTPUTS]
     refs = ["18", "1234.50", "(C)", "c", "18.00"]
     for p in OUTPUTS + ["18.", "$18", "(c)"]:
         for r in refs:
-            for kwargs in ({"regexes_to_ignore": [",", "\\$", "(?s).*#### ", "\\.$"], "ignore_case": True},
-                           {"ignore_case": True, "ignore_punctuation": True}):
+            for kwargs in (
+                {"regexes_to_ignore": [",", "\\$", "(?s).*#### ", "\\.$"], "ignore_case": True},
+                {"ignore_case": True, "ignore_punctuation": True},
+            ):
                 want = exact_match_hf_evaluate([p], [r], **kwargs)["exact_match"] == 1.0
-                assert exact_match(p, r, kwargs.get("regexes_to_ignore", ()), kwargs["ignore_case"],
-                                   kwargs.get("ignore_punctuation", False)) == want, (p, r, kwargs)
+                assert (
+                    exact_match(
+                        p,
+                        r,
+                        kwargs.get("regexes_to_ignore", ()),
+                        kwargs["ignore_case"],
+                        kwargs.get("ignore_punctuation", False),
+                    )
+                    == want
+                ), (p, r, kwargs)
 
 
 # ------------------------------------------------------------------- end to end
@@ -338,9 +460,15 @@ def test_predictions_are_scored_with_every_metric_named(tmp_path):
     data = tmp_path / "gsm8k.jsonl"
     data.write_text(json.dumps(GSM) + "\n" + json.dumps({**GSM, "answer": "#### 19"}) + "\n")
     preds = tmp_path / "preds.jsonl"
-    preds.write_text(json.dumps({"index": 0, "output": "The answer is $18."}) + "\n"
-                     + json.dumps({"index": 1, "output": "The answer is 19."}) + "\n")
-    summary = evaluate(paper("gsm8k"), predictions=preds, data=str(data), out_dir=tmp_path / "out", progress=False)
+    preds.write_text(
+        json.dumps({"index": 0, "output": "The answer is $18."})
+        + "\n"
+        + json.dumps({"index": 1, "output": "The answer is 19."})
+        + "\n"
+    )
+    summary = evaluate(
+        paper("gsm8k"), predictions=preds, data=str(data), out_dir=tmp_path / "out", progress=False
+    )
     assert summary["protocol"] == "paper" and summary["accuracy"] == 1.0
     assert summary["metrics"] == {"flexible-extract": 1.0, "strict-match": 0.5}
     assert "strict-match 50.00%" in summary["line"]
@@ -375,8 +503,13 @@ def test_generate_gets_the_conversation_and_the_record_keeps_it(tmp_path):
 
 
 DOCS = {
-    "gsm8k": [GSM], "math": [MATH_DOC], "arc_challenge": ARC[:1], "gpqa": [gpqa_record(0)], "mmlu_pro": [MMLU],
-    "humaneval": [HE], "mbpp": [MB],
+    "gsm8k": [GSM],
+    "math": [MATH_DOC],
+    "arc_challenge": ARC[:1],
+    "gpqa": [gpqa_record(0)],
+    "mmlu_pro": [MMLU],
+    "humaneval": [HE],
+    "mbpp": [MB],
 }
 
 
@@ -386,11 +519,32 @@ def test_paper_protocol_runs_end_to_end_offline_on_the_bundled_model(task, tmp_p
     data.write_text("".join(json.dumps(d) + "\n" for d in DOCS[task]))
     out = tmp_path / "out"
     # one serial block: ARC's preset (8 x 64) decodes in 512-token units, the bundled model's whole context
-    code = main(["eval", "--task", task, "--protocol", "paper", "--data", str(data), "--gen-length", "16",
-                 "--serial-blocks", "1", "--out", str(out), "--no-progress", "--json"])
+    code = main(
+        [
+            "eval",
+            "--task",
+            task,
+            "--protocol",
+            "paper",
+            "--data",
+            str(data),
+            "--gen-length",
+            "16",
+            "--serial-blocks",
+            "1",
+            "--out",
+            str(out),
+            "--no-progress",
+            "--json",
+        ]
+    )
     assert code == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["protocol"] == "paper" and summary["n"] == 1 and set(summary["metrics"]) == set(paper(task).metrics)
+    assert (
+        summary["protocol"] == "paper"
+        and summary["n"] == 1
+        and set(summary["metrics"]) == set(paper(task).metrics)
+    )
     assert summary["config"]["stop"] == []  # cut afterwards, as theirs
     record = json.loads((out / "samples.jsonl").read_text())
     assert record["messages"][-1]["role"] == ("assistant" if paper(task).prefill else "user")
@@ -399,10 +553,29 @@ def test_paper_protocol_runs_end_to_end_offline_on_the_bundled_model(task, tmp_p
 def test_show_prompt_prints_the_exact_text_and_reads_no_weights(tmp_path, capsys):
     data = tmp_path / "arc.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in ARC))
-    assert main(["eval", "--task", "arc_challenge", "--protocol", "paper", "--data", str(data), "--show-prompt", "1"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--task",
+                "arc_challenge",
+                "--protocol",
+                "paper",
+                "--data",
+                str(data),
+                "--show-prompt",
+                "1",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
-    assert captured.out.startswith("<|im_start|>user\nGiven the following question and four candidate answers")
-    assert captured.out.endswith("<|im_start|>assistant\nThe best answer is")  # the bundled template: no think block
+    assert captured.out.startswith(
+        "<|im_start|>user\nGiven the following question and four candidate answers"
+    )
+    assert captured.out.endswith(
+        "<|im_start|>assistant\nThe best answer is"
+    )  # the bundled template: no think block
     assert "document 1 (arc-5)" in captured.err and "'\\n\\n', '.'" in captured.err
     assert main(["eval", "--task", "arc_challenge", "--data", str(data), "--show-prompt", "5"]) == 2
     assert "has 2 documents" in capsys.readouterr().err

@@ -17,7 +17,9 @@ from refusion.evaluate import (
     get_benchmark,
 )
 
-GSM8K = [{"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i:,}"} for i in range(1, 7)]
+GSM8K = [
+    {"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i:,}"} for i in range(1, 7)
+]
 
 
 @dataclass
@@ -50,7 +52,12 @@ class FakeGenerate:
             self.prompts.append(p)
             i = int(p.split("What is ")[1].split(" ")[0])
             answer = 2 * i if i % 2 == 0 else 2 * i + 1
-            outs.append(FakeOutput(f"{i} plus {i} makes {answer}. The answer is ${answer:,}.", FakeStats(10, 2.0, 20, 0.5, 40.0)))
+            outs.append(
+                FakeOutput(
+                    f"{i} plus {i} makes {answer}. The answer is ${answer:,}.",
+                    FakeStats(10, 2.0, 20, 0.5, 40.0),
+                )
+            )
         return outs
 
 
@@ -70,8 +77,16 @@ def lines(path: Path) -> list[dict]:
 
 def test_results_summary_and_per_sample_lines(tmp_path, gsm8k_file):
     out = tmp_path / "out"
-    summary = evaluate("gsm8k", FakeGenerate(), data=str(gsm8k_file), out_dir=out, batch_size=4, progress=False,
-                       config={"method": "fake"}, model="m")
+    summary = evaluate(
+        "gsm8k",
+        FakeGenerate(),
+        data=str(gsm8k_file),
+        out_dir=out,
+        batch_size=4,
+        progress=False,
+        config={"method": "fake"},
+        model="m",
+    )
     assert summary["n"] == 6 and summary["correct"] == 3 and summary["accuracy"] == 0.5
     lo, hi = summary["ci95"]
     assert 0.18 < lo < 0.2 and 0.8 < hi < 0.82  # Wilson for 3/6
@@ -81,7 +96,11 @@ def test_results_summary_and_per_sample_lines(tmp_path, gsm8k_file):
     assert on_disk["accuracy"] == 0.5 and on_disk["config"] == {"method": "fake"}
     records = lines(out / "samples.jsonl")
     assert [r["correct"] for r in records] == [False, True, False, True, False, True]
-    assert records[1]["gold"] == "4" and records[1]["extracted"] == "4" and "What is 2 + 2?" in records[1]["prompt"]
+    assert (
+        records[1]["gold"] == "4"
+        and records[1]["extracted"] == "4"
+        and "What is 2 + 2?" in records[1]["prompt"]
+    )
     assert records[0]["stats"]["nfe"] == 10 and records[0]["output"].startswith("1 plus 1")
 
 
@@ -105,11 +124,33 @@ def test_interrupted_run_resumes_and_skips_done_samples(tmp_path, gsm8k_file):
 
 def test_resume_with_other_settings_is_refused(tmp_path, gsm8k_file):
     out = tmp_path / "out"
-    evaluate("gsm8k", FakeGenerate(), data=str(gsm8k_file), out_dir=out, config={"gen_length": 256}, progress=False, limit=2)
+    evaluate(
+        "gsm8k",
+        FakeGenerate(),
+        data=str(gsm8k_file),
+        out_dir=out,
+        config={"gen_length": 256},
+        progress=False,
+        limit=2,
+    )
     with pytest.raises(ResumeMismatchError, match="config"):
-        evaluate("gsm8k", FakeGenerate(), data=str(gsm8k_file), out_dir=out, config={"gen_length": 512}, progress=False)
-    summary = evaluate("gsm8k", FakeGenerate(), data=str(gsm8k_file), out_dir=out, config={"gen_length": 512},
-                       progress=False, overwrite=True)
+        evaluate(
+            "gsm8k",
+            FakeGenerate(),
+            data=str(gsm8k_file),
+            out_dir=out,
+            config={"gen_length": 512},
+            progress=False,
+        )
+    summary = evaluate(
+        "gsm8k",
+        FakeGenerate(),
+        data=str(gsm8k_file),
+        out_dir=out,
+        config={"gen_length": 512},
+        progress=False,
+        overwrite=True,
+    )
     assert summary["n"] == 6 and summary["resumed"] == 0
 
 
@@ -158,7 +199,10 @@ def test_offline_without_data_is_a_typed_error_naming_dataset_and_flag(offline, 
 
 def test_cli_offline_without_data_exits_2_with_one_line(offline, tmp_path, capsys):
     predictions = write_jsonl(tmp_path / "p.jsonl", [{"index": 0, "completion": "The answer is 2"}])
-    assert main(["eval", "--task", "gsm8k", "--predictions", str(predictions), "--out", str(tmp_path / "o")]) == 2
+    assert (
+        main(["eval", "--task", "gsm8k", "--predictions", str(predictions), "--out", str(tmp_path / "o")])
+        == 2
+    )
     err = capsys.readouterr().err
     assert "error" in err and "openai/gsm8k" in err and "--data" in err
 
@@ -179,21 +223,41 @@ def test_cli_scores_predictions_without_a_model(tmp_path, capsys):
     rows += [{"index": 4, "completion": "I don't know."}]
     predictions = write_jsonl(tmp_path / "humaneval.jsonl", rows)
     out = tmp_path / "out"
-    code = main(["eval", "--task", "humaneval", "--limit", "5", "--predictions", str(predictions), "--out", str(out),
-                 "--no-progress"])
+    code = main(
+        [
+            "eval",
+            "--task",
+            "humaneval",
+            "--limit",
+            "5",
+            "--predictions",
+            str(predictions),
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     assert "accuracy 60.00% (3/5" in capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
     assert summary["n"] == 5 and summary["correct"] == 3 and summary["tps"] is None and "sandbox" in summary
     records = lines(out / "samples.jsonl")
-    assert [r["correct"] for r in sorted(records, key=lambda r: r["index"])] == [True, True, True, False, False]
+    assert [r["correct"] for r in sorted(records, key=lambda r: r["index"])] == [
+        True,
+        True,
+        True,
+        False,
+        False,
+    ]
     assert all(r["detail"]["status"] in ("passed", "failed") for r in records)
 
 
 def test_predictions_that_match_nothing_are_an_error(tmp_path, gsm8k_file):
     predictions = write_jsonl(tmp_path / "p.jsonl", [{"task_id": "nope", "completion": "1"}])
     with pytest.raises(PredictionsError, match="no prediction matches"):
-        evaluate("gsm8k", predictions=predictions, data=str(gsm8k_file), out_dir=tmp_path / "o", progress=False)
+        evaluate(
+            "gsm8k", predictions=predictions, data=str(gsm8k_file), out_dir=tmp_path / "o", progress=False
+        )
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"task_id": 1}\n')
     with pytest.raises(PredictionsError, match="completion"):
@@ -201,11 +265,20 @@ def test_predictions_that_match_nothing_are_an_error(tmp_path, gsm8k_file):
 
 
 def test_mbpp_full_and_sanitized_records_run_their_tests(tmp_path):
-    full = {"task_id": 11, "text": "Write a function to add two numbers.", "code": "def add(a, b):\n    return a + b",
-            "test_list": ["assert add(1, 2) == 3", "assert add(0, 0) == 0", "assert add(-1, 1) == 0"],
-            "test_setup_code": ""}
-    sanitized = {"task_id": 12, "prompt": "Write a function that sorts a list with heapq.", "code": "",
-                 "test_list": ["assert hsort([3, 1, 2]) == [1, 2, 3]"], "test_imports": ["import heapq"]}
+    full = {
+        "task_id": 11,
+        "text": "Write a function to add two numbers.",
+        "code": "def add(a, b):\n    return a + b",
+        "test_list": ["assert add(1, 2) == 3", "assert add(0, 0) == 0", "assert add(-1, 1) == 0"],
+        "test_setup_code": "",
+    }
+    sanitized = {
+        "task_id": 12,
+        "prompt": "Write a function that sorts a list with heapq.",
+        "code": "",
+        "test_list": ["assert hsort([3, 1, 2]) == [1, 2, 3]"],
+        "test_imports": ["import heapq"],
+    }
     data = write_jsonl(tmp_path / "mbpp.jsonl", [full, sanitized])
     answers = {
         "11": "[BEGIN]\ndef add(a, b):\n    return a + b\n[DONE]",
@@ -220,8 +293,13 @@ def test_mbpp_full_and_sanitized_records_run_their_tests(tmp_path):
 
     summary = evaluate("mbpp", generate, data=str(data), out_dir=tmp_path / "o", progress=False)
     assert summary["correct"] == 2
-    wrong = evaluate("mbpp", lambda ps: ["def add(a, b):\n    return a - b"] * len(ps), data=str(data),
-                     out_dir=tmp_path / "o2", progress=False)
+    wrong = evaluate(
+        "mbpp",
+        lambda ps: ["def add(a, b):\n    return a - b"] * len(ps),
+        data=str(data),
+        out_dir=tmp_path / "o2",
+        progress=False,
+    )
     assert wrong["correct"] == 0
 
 
@@ -232,10 +310,16 @@ def test_suite_task_uses_the_bundled_tasks(tmp_path):
     bench = get_benchmark("suite")
     samples = [s for s in bench.load() if s.prompt in responses][:6]
     assert len(samples) == 6
-    right = evaluate(bench, lambda ps: [responses[p] for p in ps], samples=samples, out_dir=tmp_path / "a",
-                     progress=False)
-    wrong = evaluate(bench, lambda ps: ["Answer: nonsense"] * len(ps), samples=samples, out_dir=tmp_path / "b",
-                     progress=False)
+    right = evaluate(
+        bench, lambda ps: [responses[p] for p in ps], samples=samples, out_dir=tmp_path / "a", progress=False
+    )
+    wrong = evaluate(
+        bench,
+        lambda ps: ["Answer: nonsense"] * len(ps),
+        samples=samples,
+        out_dir=tmp_path / "b",
+        progress=False,
+    )
     assert right["accuracy"] == 1.0 and wrong["accuracy"] == 0.0
 
 
@@ -256,12 +340,33 @@ def test_cli_runs_a_model_with_the_task_preset(tmp_path, gsm8k_file, monkeypatch
     monkeypatch.setattr(refusion.io, "load", fake_load, raising=False)
     monkeypatch.setattr(refusion.decode.api, "generate", fake_generate)
     out = tmp_path / "out"
-    code = main(["eval", "--task", "gsm8k", "--data", str(gsm8k_file), "--limit", "4", "--gen-length", "256",
-                 "--out", str(out), "--no-progress", "--json"])
+    code = main(
+        [
+            "eval",
+            "--task",
+            "gsm8k",
+            "--data",
+            str(gsm8k_file),
+            "--limit",
+            "4",
+            "--gen-length",
+            "256",
+            "--out",
+            str(out),
+            "--no-progress",
+            "--json",
+        ]
+    )
     assert code == 0
     assert seen["load"] == (None, "cpu", None)
     cfg = seen["cfg"]
-    assert (cfg.method, cfg.slot_size, cfg.serial_blocks, cfg.slot_threshold, cfg.token_threshold) == ("refusion", 32, 4, 0.9, 0.4)
+    assert (cfg.method, cfg.slot_size, cfg.serial_blocks, cfg.slot_threshold, cfg.token_threshold) == (
+        "refusion",
+        32,
+        4,
+        0.9,
+        0.4,
+    )
     assert cfg.gen_length == 256
     printed = json.loads(capsys.readouterr().out)
     assert printed["n"] == 4 and printed["config"]["slot_size"] == 32 and printed["model"] == "bundled"
@@ -277,10 +382,16 @@ def test_a_prompt_too_long_for_the_model_is_recorded_and_the_run_goes_on(tmp_pat
             raise ContextLengthError("prompt (900 tokens) + generation (512) exceeds the model's context")
         return inner(prompts)
 
-    summary = evaluate("gsm8k", generate, data=str(gsm8k_file), out_dir=tmp_path / "o", batch_size=4, progress=False)
+    summary = evaluate(
+        "gsm8k", generate, data=str(gsm8k_file), out_dir=tmp_path / "o", batch_size=4, progress=False
+    )
     assert summary["n"] == 6 and summary["generation_errors"] == 1 and summary["correct"] == 3
     assert "exceeds" in summary["first_generation_error"] and "1 failed to generate" in summary["line"]
     records = {r["index"]: r for r in lines(tmp_path / "o" / "samples.jsonl")}
-    assert "exceeds" in records[2]["detail"]["error"] and records[2]["output"] == "" and not records[2]["correct"]
+    assert (
+        "exceeds" in records[2]["detail"]["error"]
+        and records[2]["output"] == ""
+        and not records[2]["correct"]
+    )
     assert records[2]["detail"]["reason"] == "generation_error"
     assert len(inner.prompts) == 5  # the rest of the failed batch was retried one by one

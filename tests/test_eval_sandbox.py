@@ -30,7 +30,7 @@ F = "\ndef f(n):\n    return n + 1\n"
 TEST = "assert f(1) == 2\n"
 
 
-def run(program: str, limits: Limits = FAST, test: str = TEST) -> "checks.ExecResult":
+def run(program: str, limits: Limits = FAST, test: str = TEST) -> checks.ExecResult:
     """The program (top-level code + `f`), judged by a test that calls f."""
     return run_check(Check(program=program + F, test=test, calls=("f",)), limits)
 
@@ -48,7 +48,12 @@ def test_passing_failing_and_crashing_programs():
 
 
 def test_exit_before_the_tests_is_not_a_pass():
-    for early_exit in ("import sys\nsys.exit(0)\n", "exit()\n", "import os\nos._exit(0)\n", "raise SystemExit\n"):
+    for early_exit in (
+        "import sys\nsys.exit(0)\n",
+        "exit()\n",
+        "import os\nos._exit(0)\n",
+        "raise SystemExit\n",
+    ):
         result = run(early_exit)
         assert result.status == "failed", early_exit
     inside = run_check(Check("import os\ndef f(n):\n    os._exit(0)\n", TEST, ("f",)), FAST)
@@ -147,8 +152,12 @@ def test_output_flood_is_capped():
 
 
 def test_parallel_runs_keep_order_and_one_crash_does_not_stop_the_rest():
-    checks = [Check(F, f"assert {i} % 3 != 0 and f({i}) == {i + 1}\n", ("f",)) if i != 5
-              else Check("import ctypes\nctypes.string_at(0)\n" + F, TEST, ("f",)) for i in range(12)]
+    checks = [
+        Check(F, f"assert {i} % 3 != 0 and f({i}) == {i + 1}\n", ("f",))
+        if i != 5
+        else Check("import ctypes\nctypes.string_at(0)\n" + F, TEST, ("f",))
+        for i in range(12)
+    ]
     results = run_checks(checks, FAST, workers=4)
     assert [r.passed for r in results] == [i % 3 != 0 and i != 5 for i in range(12)]
 
@@ -157,7 +166,9 @@ def test_parallel_runs_keep_order_and_one_crash_does_not_stop_the_rest():
 def guards_only(monkeypatch):
     """The weakest walls (no namespaces, no own uid), as on a machine that allows nothing
     else: the in-process guards and rlimits must still contain the usual accidents."""
-    monkeypatch.setattr(checks, "isolation", lambda: Isolation(sys.executable, namespaces=False, own_uid=False))
+    monkeypatch.setattr(
+        checks, "isolation", lambda: Isolation(sys.executable, namespaces=False, own_uid=False)
+    )
     assert not checks.isolation().mounts
 
 
@@ -165,8 +176,12 @@ def test_guards_alone_block_deletes_processes_and_network(guards_only, tmp_path)
     target = tmp_path / "precious"
     target.mkdir()
     (target / "keep.txt").write_text("keep")
-    for attack in ("import os\nos.system('rm -rf {t}')\n", "import shutil\nshutil.rmtree('{t}')\n",
-                   "import subprocess\nsubprocess.run(['rm', '-rf', '{t}'])\n", "import os\nos.fork()\n"):
+    for attack in (
+        "import os\nos.system('rm -rf {t}')\n",
+        "import shutil\nshutil.rmtree('{t}')\n",
+        "import subprocess\nsubprocess.run(['rm', '-rf', '{t}'])\n",
+        "import os\nos.fork()\n",
+    ):
         result = run(attack.format(t=target))
         assert result.status == "failed" and "PermissionError" in result.reason
     assert (target / "keep.txt").read_text() == "keep"

@@ -9,8 +9,9 @@ import pytest
 from refusion.evaluate import answers, get_benchmark, programs
 from refusion.evaluate.report import percentile, wilson_interval
 
-needs_math_verify = pytest.mark.skipif(importlib.util.find_spec("math_verify") is None,
-                                       reason="math-verify is not installed")
+needs_math_verify = pytest.mark.skipif(
+    importlib.util.find_spec("math_verify") is None, reason="math-verify is not installed"
+)
 
 LONG_REASONING = (
     "Let me think. First she buys 3 boxes of 12 eggs, that is 36 eggs. She uses 4 a day for 7 days, "
@@ -118,7 +119,13 @@ def test_extract_choice(output, expected):
 
 def test_mmlu_pro_ten_options_and_answer_index():
     bench = get_benchmark("mmlu_pro")
-    record = {"question_id": 7, "question": "q", "options": [f"o{i}" for i in range(10)], "answer_index": 9, "category": "law"}
+    record = {
+        "question_id": 7,
+        "question": "q",
+        "options": [f"o{i}" for i in range(10)],
+        "answer_index": 9,
+        "category": "law",
+    }
     sample = bench.sample(record, 0)
     assert sample.gold == "J" and sample.id == "7" and "J. o9" in sample.prompt
     assert bench.score_one(sample, "... so the answer is (J)").correct
@@ -127,8 +134,12 @@ def test_mmlu_pro_ten_options_and_answer_index():
 
 def test_arc_numeric_labels_map_to_letters():
     bench = get_benchmark("arc_challenge")
-    record = {"id": "x1", "question": "Which?", "choices": {"text": ["a", "b", "c", "d"], "label": ["1", "2", "3", "4"]},
-              "answerKey": "3"}
+    record = {
+        "id": "x1",
+        "question": "Which?",
+        "choices": {"text": ["a", "b", "c", "d"], "label": ["1", "2", "3", "4"]},
+        "answerKey": "3",
+    }
     sample = bench.sample(record, 0)
     assert sample.gold == "C"
     assert bench.score_one(sample, "The best answer is C").correct
@@ -136,8 +147,13 @@ def test_arc_numeric_labels_map_to_letters():
 
 def test_gpqa_shuffle_is_seeded_by_question_not_order():
     bench = get_benchmark("gpqa")
-    rec = {"Question": "What is 2+2?", "Correct Answer": "4", "Incorrect Answer 1": "3",
-           "Incorrect Answer 2": "5", "Incorrect Answer 3": "22"}
+    rec = {
+        "Question": "What is 2+2?",
+        "Correct Answer": "4",
+        "Incorrect Answer 1": "3",
+        "Incorrect Answer 2": "5",
+        "Incorrect Answer 3": "22",
+    }
     a, b = bench.sample(rec, 0), bench.sample(rec, 99)
     assert a.data["options"] == b.data["options"] and sorted(a.data["options"]) == ["22", "3", "4", "5"]
     assert a.data["options"]["ABCD".index(a.gold)] == "4"
@@ -155,7 +171,10 @@ def test_extract_code_prefers_the_block_defining_the_entry_point():
 
 def test_extract_code_unclosed_fence_and_mbpp_markers():
     assert programs.extract_code("```python\ndef g():\n    return 1\n").startswith("def g")
-    assert programs.extract_code("[BEGIN]\ndef h():\n    return 2\n[DONE] trailing").strip() == "def h():\n    return 2"
+    assert (
+        programs.extract_code("[BEGIN]\ndef h():\n    return 2\n[DONE] trailing").strip()
+        == "def h():\n    return 2"
+    )
 
 
 def test_sanitize_drops_top_level_calls_and_trailing_prose():
@@ -166,24 +185,45 @@ def test_sanitize_drops_top_level_calls_and_trailing_prose():
 
 
 def test_humaneval_program_from_body_and_from_full_function():
-    problem = {"prompt": "def add(a, b):\n    \"\"\"Add.\"\"\"\n", "test": "def check(c):\n    assert c(2, 3) == 5\n",
-               "entry_point": "add"}
+    problem = {
+        "prompt": 'def add(a, b):\n    """Add."""\n',
+        "test": "def check(c):\n    assert c(2, 3) == 5\n",
+        "entry_point": "add",
+    }
     body = programs.humaneval_program(problem, "    return a + b\n")
-    full = programs.humaneval_program(problem, "Sure!\n```python\ndef add(a, b):\n    return a + b\n\nprint(add(1, 2))\n```")
+    full = programs.humaneval_program(
+        problem, "Sure!\n```python\ndef add(a, b):\n    return a + b\n\nprint(add(1, 2))\n```"
+    )
     for check in (body, full):
         ns: dict = {}
         exec(compile(check.program, "p", "exec"), ns)  # the program defines the entry point
         assert ns["add"](2, 3) == 5
-        assert check.calls == ("add",) and check.test.endswith("check(add)\n") and check.setup == problem["prompt"]
+        assert (
+            check.calls == ("add",)
+            and check.test.endswith("check(add)\n")
+            and check.setup == problem["prompt"]
+        )
     assert "print(add" not in full.program
 
 
 def test_mbpp_check_proxies_the_functions_its_asserts_call():
-    record = {"test_list": ["assert remove_Occ('hello', 'l') == 'heo'", "assert math.isclose(area(2), 12.56, rel_tol=0.01)"],
-              "test_imports": ["import math"], "test_setup_code": "root = Node(1)\n"}
-    check = programs.mbpp_program(record, "def remove_Occ(s, c):\n    return s\ndef area(r):\n    return 3.14 * r * r\n")
+    record = {
+        "test_list": [
+            "assert remove_Occ('hello', 'l') == 'heo'",
+            "assert math.isclose(area(2), 12.56, rel_tol=0.01)",
+        ],
+        "test_imports": ["import math"],
+        "test_setup_code": "root = Node(1)\n",
+    }
+    check = programs.mbpp_program(
+        record, "def remove_Occ(s, c):\n    return s\ndef area(r):\n    return 3.14 * r * r\n"
+    )
     assert check.calls == ("remove_Occ", "area")  # not math, not builtins
-    assert "import math" in check.program and "root = Node(1)" in check.program and check.setup.strip() == "import math"
+    assert (
+        "import math" in check.program
+        and "root = Node(1)" in check.program
+        and check.setup.strip() == "import math"
+    )
     # asserts that call builtin names only: the function under test is the program's `sum`
     assert programs.called_names("assert sum(10, 15) == 6\nassert sum(4, 6) == 3\n") == ("sum",)
     # ... but never a builtin beside the program's own function: `abs` stays the checker's

@@ -18,8 +18,12 @@ from refusion.io import describe, save_pretrained
 
 # ------------------------------------------------------------------ decode_config.json
 def test_recommended_settings_round_trip_through_save_and_load(model_dir, tmp_path):
-    rec = Recommended(decode={"slot_size": 4, "serial_blocks": 2, "gen_length": 16}, about="a test model",
-                      single_turn=True, examples={"greeting": "hello there"})
+    rec = Recommended(
+        decode={"slot_size": 4, "serial_blocks": 2, "gen_length": 16},
+        about="a test model",
+        single_turn=True,
+        examples={"greeting": "hello there"},
+    )
     rec.write(model_dir)
     model, tok = refusion.load(model_dir)
     assert recommended_of(model) == rec
@@ -34,13 +38,16 @@ def test_a_model_without_the_file_gets_the_defaults(model_dir):
     assert not (model_dir / FILE).exists()
 
 
-@pytest.mark.parametrize("text, words", [
-    ("{not json", "cannot read"),
-    ('{"decode": {"slot_size": 0}}', "not a valid DecodeConfig"),
-    ('{"decode": {"no_such_field": 1}}', "not a valid DecodeConfig"),
-    ('{"colour": "blue"}', "expected an object with keys"),
-    ('{"examples": {"a": ""}}', "non-empty prompt"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("{not json", "cannot read"),
+        ('{"decode": {"slot_size": 0}}', "not a valid DecodeConfig"),
+        ('{"decode": {"no_such_field": 1}}', "not a valid DecodeConfig"),
+        ('{"colour": "blue"}', "expected an object with keys"),
+        ('{"examples": {"a": ""}}', "non-empty prompt"),
+    ],
+)
 def test_a_malformed_file_is_one_clear_error(model_dir, text, words, capsys):
     (model_dir / FILE).write_text(text)
     with pytest.raises(CheckpointError, match=words):
@@ -59,9 +66,15 @@ def test_every_driver_starts_from_the_checkpoint_s_settings(model_dir, capsys):
     assert main(["generate", str(model_dir), "hello", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["config"]["method"] == "ar" and printed["config"]["gen_length"] == 8
-    assert main(["generate", str(model_dir), "hello", "--json", "--method", "refusion", "--slot-size", "4"]) == 0
+    assert (
+        main(["generate", str(model_dir), "hello", "--json", "--method", "refusion", "--slot-size", "4"]) == 0
+    )
     printed = json.loads(capsys.readouterr().out)  # flags go on top
-    assert (printed["config"]["method"], printed["config"]["slot_size"], printed["config"]["gen_length"]) == ("refusion", 4, 8)
+    assert (printed["config"]["method"], printed["config"]["slot_size"], printed["config"]["gen_length"]) == (
+        "refusion",
+        4,
+        8,
+    )
     assert main(["info", str(model_dir)]) == 0
     assert "method=ar, gen_length=8" in capsys.readouterr().out
 
@@ -69,11 +82,22 @@ def test_every_driver_starts_from_the_checkpoint_s_settings(model_dir, capsys):
 def test_the_bundled_model_ships_its_settings(capsys):
     model, _ = refusion.load()
     cfg = recommended_of(model).decode_config()
-    assert (cfg.slot_size, cfg.serial_blocks, cfg.slot_threshold, cfg.token_threshold, cfg.gen_length) == (32, 4, 0.7, 0.5, 128)
+    assert (cfg.slot_size, cfg.serial_blocks, cfg.slot_threshold, cfg.token_threshold, cfg.gen_length) == (
+        32,
+        4,
+        0.7,
+        0.5,
+        128,
+    )
     assert cfg.ar_correction and cfg.first_token_check and cfg.infill_window == 12
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    assert "slot_threshold=0.7" in out and "ar_correction=True" in out and "infill_window=12" in out and "single turns only" in out
+    assert (
+        "slot_threshold=0.7" in out
+        and "ar_correction=True" in out
+        and "infill_window=12" in out
+        and "single turns only" in out
+    )
 
 
 # ------------------------------------------------------------------ presets fit the model
@@ -128,7 +152,12 @@ def test_nan_weights_warn_once_in_one_line(model_dir, tmp_path, capsys):
     assert main(["generate", str(tmp_path / "nan"), "hello", "--gen-length", "8", "--slot-size", "4"]) == 0
     err = capsys.readouterr().err.splitlines()
     assert [line for line in err if "not finite" in line] == [
-        next(line for line in err if line.startswith("refusion generate: warning: the model's logits are not finite"))]
+        next(
+            line
+            for line in err
+            if line.startswith("refusion generate: warning: the model's logits are not finite")
+        )
+    ]
 
 
 def test_finite_logits_do_not_warn(model_dir, recwarn):
@@ -186,7 +215,20 @@ def test_eval_exits_non_zero_when_every_sample_fails(monkeypatch, tmp_path, caps
         raise ContextLengthError("prompt (900 tokens) leaves no room in the model's context of 512 positions")
 
     monkeypatch.setattr("refusion.decode.api.generate", failing)  # what `refusion eval` calls
-    code = main(["eval", "--task", "suite", "--limit", "3", "--out", str(tmp_path / "e"), "--no-progress", "--gen-length", "32"])
+    code = main(
+        [
+            "eval",
+            "--task",
+            "suite",
+            "--limit",
+            "3",
+            "--out",
+            str(tmp_path / "e"),
+            "--no-progress",
+            "--gen-length",
+            "32",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 1
     assert "3 of 3 samples failed to generate" in err and "leaves no room" in err
@@ -205,7 +247,9 @@ def test_serve_without_its_extra_names_the_extra(monkeypatch, capsys):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a)
+    )
     assert main(["serve", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert "needs uvicorn (the serve extra)" in err and "setup.sh serve" in err and "Traceback" not in err

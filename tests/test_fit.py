@@ -19,7 +19,9 @@ LOWER = re.compile(r"lower (\w+) to (?:at most )?(\d+)((?: and \w+ to \d+)*)")
 SHORTER = re.compile(r"shorten the prompt to at most (\d+) tokens")
 
 
-def refusal(cfg: DecodeConfig, prompt: int, length: int | None = None, name: str = "gen_length") -> NoRoomError:
+def refusal(
+    cfg: DecodeConfig, prompt: int, length: int | None = None, name: str = "gen_length"
+) -> NoRoomError:
     with pytest.raises(NoRoomError) as e:
         fit_to_room(cfg, prompt, CONTEXT, length, name=name)
     return e.value
@@ -27,15 +29,19 @@ def refusal(cfg: DecodeConfig, prompt: int, length: int | None = None, name: str
 
 def changes(message: str) -> list[dict[str, int]]:
     """The settings each "lower ..." of an advice changes, in order."""
-    return [{knob: int(value)} | {k: int(v) for k, v in re.findall(r" and (\w+) to (\d+)", rest)}
-            for knob, value, rest in LOWER.findall(message)]
+    return [
+        {knob: int(value)} | {k: int(v) for k, v in re.findall(r" and (\w+) to (\d+)", rest)}
+        for knob, value, rest in LOWER.findall(message)
+    ]
 
 
 def test_a_request_that_fits_is_kept_as_it_is():
     cfg = DecodeConfig(gen_length=64, slot_size=8, serial_blocks=2)
     assert fit_to_room(cfg, 10, CONTEXT) is cfg
     assert fit_to_room(cfg, 10, CONTEXT, 64) is cfg
-    fitted = fit_to_room(cfg, 10, CONTEXT, 10, name="max_tokens")  # a length asked for: the region is rounded up
+    fitted = fit_to_room(
+        cfg, 10, CONTEXT, 10, name="max_tokens"
+    )  # a length asked for: the region is rounded up
     assert (fitted.gen_length, fitted.region_length) == (10, 16)
     assert fits(cfg, CONTEXT - 64, CONTEXT) and not fits(cfg, CONTEXT - 63, CONTEXT)
 
@@ -54,7 +60,9 @@ def test_a_length_asked_for_is_refused_with_one_that_fits():
     assert "shorten the prompt to at most 448 tokens" in str(err)
     assert fit_to_room(cfg, 470, CONTEXT, 32).gen_length == 32 and fit_to_room(cfg, 448, CONTEXT, 64) is cfg
     err = refusal(cfg, 470, 64, name="max_tokens")  # the server's name for it
-    assert err.setting == "max_tokens" and "lower max_tokens to 32" in str(err) and "gen_length" not in str(err)
+    assert (
+        err.setting == "max_tokens" and "lower max_tokens to 32" in str(err) and "gen_length" not in str(err)
+    )
 
 
 def test_a_unit_too_large_for_the_length_asks_for_fewer_serial_blocks():
@@ -85,13 +93,21 @@ def test_a_prompt_that_fills_the_context_fits_nothing(length):
 
 
 @settings(max_examples=500, deadline=None)
-@given(method=st.sampled_from(["refusion", "mdm", "ar"]), size=st.integers(1, 600), blocks=st.integers(1, 64),
-       mdm_block=st.integers(1, 600), prompt=st.integers(1, 600), length=st.one_of(st.none(), st.integers(1, 700)))
+@given(
+    method=st.sampled_from(["refusion", "mdm", "ar"]),
+    size=st.integers(1, 600),
+    blocks=st.integers(1, 64),
+    mdm_block=st.integers(1, 600),
+    prompt=st.integers(1, 600),
+    length=st.one_of(st.none(), st.integers(1, 700)),
+)
 def test_every_refusal_names_changes_that_fit(method, size, blocks, mdm_block, prompt, length):
     """Whatever the request, it fits, or each change the refusal offers makes it fit: each
     "lower ..." (with the length it names, if any), and the shorter prompt; the error's
     setting is the one the first of them changes."""
-    cfg = DecodeConfig(method=method, slot_size=size, serial_blocks=blocks, mdm_block_length=mdm_block, gen_length=256)
+    cfg = DecodeConfig(
+        method=method, slot_size=size, serial_blocks=blocks, mdm_block_length=mdm_block, gen_length=256
+    )
     try:
         fitted = fit_to_room(cfg, prompt, CONTEXT, length)
     except NoRoomError as e:

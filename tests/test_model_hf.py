@@ -75,7 +75,9 @@ def test_permuted_physical_order_matches_transformers(make_hf_model, name):
     expected = hf_logits(hf, tokens, positions)
     torch.testing.assert_close(ours(tokens, positions), expected)
     in_order = hf_logits(hf, tokens, positions.sort(dim=1).values)
-    assert not torch.allclose(in_order, expected, atol=1e-3), "positions must matter for this test to mean anything"
+    assert not torch.allclose(in_order, expected, atol=1e-3), (
+        "positions must matter for this test to mean anything"
+    )
 
 
 def test_tied_embeddings_share_storage(make_hf_model):
@@ -158,10 +160,14 @@ def test_smollm2_saved_copy_loads_in_transformers(smollm, chat_prompt, tmp_path)
     assert "quantization_config" not in config
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "smollm2").eval()
     positions = torch.arange(chat_prompt.shape[1])[None]
-    torch.testing.assert_close(hf_logits(reloaded, chat_prompt, positions), hf_logits(theirs, chat_prompt, positions))
+    torch.testing.assert_close(
+        hf_logits(reloaded, chat_prompt, positions), hf_logits(theirs, chat_prompt, positions)
+    )
     again = AutoTokenizer.from_pretrained(tmp_path / "smollm2")
     chat = [{"role": "user", "content": "hi"}]
-    assert again.apply_chat_template(chat, tokenize=False) == tokenizer.apply_chat_template(chat, tokenize=False)
+    assert again.apply_chat_template(chat, tokenize=False) == tokenizer.apply_chat_template(
+        chat, tokenize=False
+    )
 
 
 @pytest.mark.slow
@@ -182,8 +188,16 @@ def test_smollm2_ar_decoding_matches_transformers_generate(smollm):
     cfg = refusion.DecodeConfig(method="ar", gen_length=64)
     outs = refusion.generate(ours, tokenizer, questions, cfg)
     for q, out in zip(questions, outs):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
         prompt = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
-        ref = theirs.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=64, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        ref = theirs.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=64,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         assert out.token_ids == ref[0, prompt.shape[1] :].tolist()
     assert max(len(o.token_ids) for o in outs) >= 32

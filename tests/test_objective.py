@@ -40,17 +40,27 @@ def hybrid_loss(logits: torch.Tensor, batch, ar_reduction: str = "token"):
 
 
 # ------------------------------------------------------------------ the naive reference
-def naive_example(prompt: list[int], response: list[int], draws: SlotDraws, b: int, mask_id: int = MASK,
-                  boundary: bool = False) -> dict:
+def naive_example(
+    prompt: list[int],
+    response: list[int],
+    draws: SlotDraws,
+    b: int,
+    mask_id: int = MASK,
+    boundary: bool = False,
+) -> dict:
     """One example's training sequence from draws row b, written out as docs/algorithm.md#slot-reorganisation says; with
     `boundary`, a clean token's label is the next response token even across a slot's end,
     and the prompt's last token is labelled with the first response token."""
     s = int(draws.slot_size[b])
     p = float(draws.p[b])
     boundary = boundary or bool(draws.plain[b])  # a plain next-token example: every slot clean, in order
-    slots = [list(range(i, min(i + s, len(response)))) for i in range(0, len(response), s)]  # response offsets
+    slots = [
+        list(range(i, min(i + s, len(response)))) for i in range(0, len(response), s)
+    ]  # response offsets
     masked = [bool(draws.masked[b, k]) for k in range(len(slots))]
-    clean = sorted((k for k in range(len(slots)) if not masked[k]), key=lambda k: (float(draws.order_key[b, k]), k))
+    clean = sorted(
+        (k for k in range(len(slots)) if not masked[k]), key=lambda k: (float(draws.order_key[b, k]), k)
+    )
     seq = {"input_ids": [], "position_ids": [], "ar_labels": [], "mdm_labels": [], "mdm_weights": []}
 
     def put(token, position, ar=IGNORE, mdm=IGNORE, weight=0.0):
@@ -97,19 +107,28 @@ def padded(examples: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, t
 
 token_ids = st.integers(min_value=10, max_value=500)
 examples_st = st.lists(
-    st.tuples(st.lists(token_ids, max_size=12), st.lists(token_ids, min_size=1, max_size=80)), min_size=1, max_size=4
+    st.tuples(st.lists(token_ids, max_size=12), st.lists(token_ids, min_size=1, max_size=80)),
+    min_size=1,
+    max_size=4,
 )
 slot_sets = st.lists(st.sampled_from([1, 2, 3, 4, 5, 8, 16, 32]), min_size=1, max_size=4, unique=True)
 
 
 # ------------------------------------------------------------------ the transform
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(examples=examples_st, sizes=slot_sets, seed=st.integers(0, 2**31 - 1), boundary=st.booleans(),
-       ar_mix=st.sampled_from([0.0, 0.5, 1.0]))
+@given(
+    examples=examples_st,
+    sizes=slot_sets,
+    seed=st.integers(0, 2**31 - 1),
+    boundary=st.booleans(),
+    ar_mix=st.sampled_from([0.0, 0.5, 1.0]),
+)
 def test_transform_equals_the_naive_reading_of_the_spec(examples, sizes, seed, boundary, ar_mix):
     cfg = ObjectiveConfig(slot_sizes=tuple(sizes), boundary_labels=boundary, ar_mix=ar_mix)
     tokens, prompt_lens, lengths = padded(examples)
-    draws = draw_slots(len(examples), cfg.max_slots(tokens.shape[1]), cfg, torch.Generator().manual_seed(seed))
+    draws = draw_slots(
+        len(examples), cfg.max_slots(tokens.shape[1]), cfg, torch.Generator().manual_seed(seed)
+    )
     batch = refusion_batch(tokens, prompt_lens, lengths, MASK, cfg, draws=draws)
     for b, (prompt, response) in enumerate(examples):
         want = naive_example(prompt, response, draws, b, boundary=boundary)
@@ -133,7 +152,9 @@ def test_transform_properties(examples, sizes, seed):
     the draws (slot size s and mask ratio p of each row)."""
     cfg = ObjectiveConfig(slot_sizes=tuple(sizes))
     tokens, prompt_lens, lengths = padded(examples)
-    draws = draw_slots(len(examples), cfg.max_slots(tokens.shape[1]), cfg, torch.Generator().manual_seed(seed))
+    draws = draw_slots(
+        len(examples), cfg.max_slots(tokens.shape[1]), cfg, torch.Generator().manual_seed(seed)
+    )
     batch = refusion_batch(tokens, prompt_lens, lengths, MASK, cfg, draws=draws)
     for b, (prompt, response) in enumerate(examples):
         m, L, n = len(prompt), len(prompt) + len(response), len(response)
@@ -170,7 +191,9 @@ def test_transform_properties(examples, sizes, seed):
             start = pos[t] - m
             assert start % s == 0, "a clean slot starts at a slot boundary"
             size = min(s, n - start)
-            assert pos[t : t + size] == list(range(m + start, m + start + size)), "a clean slot is contiguous, in order"
+            assert pos[t : t + size] == list(range(m + start, m + start + size)), (
+                "a clean slot is contiguous, in order"
+            )
             assert ar[t : t + size] == response[start + 1 : start + size] + [IGNORE]
             seen.append(start // s)
             t += size
@@ -178,10 +201,14 @@ def test_transform_properties(examples, sizes, seed):
 
 
 def test_same_seed_same_batch_other_seed_other_batch():
-    tokens, prompt_lens, lengths = padded([([11, 12, 13], list(range(20, 90))), ([14], list(range(100, 140)))])
+    tokens, prompt_lens, lengths = padded(
+        [([11, 12, 13], list(range(20, 90))), ([14], list(range(100, 140)))]
+    )
 
     def make(seed):
-        return refusion_batch(tokens, prompt_lens, lengths, MASK, generator=torch.Generator().manual_seed(seed))
+        return refusion_batch(
+            tokens, prompt_lens, lengths, MASK, generator=torch.Generator().manual_seed(seed)
+        )
 
     a, b, c = make(5), make(5), make(6)
     for key in ("input_ids", "position_ids", "ar_labels", "mdm_labels", "mdm_weights"):
@@ -227,7 +254,11 @@ def test_ar_objective_labels_the_response_only():
 def test_ar_mix_examples_are_the_plain_next_token_ones(seed):
     """With ar_mix 1 every example is the AR objective's, token for token; with ar_mix 0.5
     about half are, the others keep the ReFusion reorganisation."""
-    examples = [([11, 12, 13], list(range(20, 57))), ([14], list(range(100, 111))), ([], list(range(300, 305)))]
+    examples = [
+        ([11, 12, 13], list(range(20, 57))),
+        ([14], list(range(100, 111))),
+        ([], list(range(300, 305))),
+    ]
     tokens, prompt_lens, lengths = padded(examples)
     plain = ar_batch(tokens, prompt_lens, lengths)
     cfg = ObjectiveConfig(slot_sizes=(2, 4, 8), ar_mix=1.0)
@@ -245,8 +276,15 @@ def test_ar_mix_examples_are_the_plain_next_token_ones(seed):
 @pytest.fixture(scope="module")
 def tiny_model() -> Transformer:
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, mask_token_id=MASK)
+    config = ModelConfig(
+        vocab_size=1000,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mask_token_id=MASK,
+    )
     return Transformer(config).eval()
 
 
@@ -262,7 +300,9 @@ EXAMPLES = [
 def test_loss_equals_the_spec_formula_and_the_mean_of_per_example_losses(tiny_model, seed):
     cfg = ObjectiveConfig(slot_sizes=(2, 4, 8))
     tokens, prompt_lens, lengths = padded(EXAMPLES)
-    draws = draw_slots(len(EXAMPLES), cfg.max_slots(tokens.shape[1]), cfg, torch.Generator().manual_seed(seed))
+    draws = draw_slots(
+        len(EXAMPLES), cfg.max_slots(tokens.shape[1]), cfg, torch.Generator().manual_seed(seed)
+    )
     batch = refusion_batch(tokens, prompt_lens, lengths, MASK, cfg, draws=draws)
     with torch.no_grad():
         logits = tiny_model(batch.input_ids, batch.position_ids)
@@ -283,7 +323,9 @@ def test_loss_equals_the_spec_formula_and_the_mean_of_per_example_losses(tiny_mo
     ar_sums, mdms, n_ars = zip(*(naive for _, naive in singles))
     assert float(token_loss.ar) == pytest.approx(sum(ar_sums) / sum(n_ars), rel=1e-5)
     assert float(token_loss.mdm) == pytest.approx(sum(mdms) / B, rel=1e-5)
-    assert float(example_loss.ar) == pytest.approx(sum(a / max(n, 1) for a, n in zip(ar_sums, n_ars)) / B, rel=1e-5)
+    assert float(example_loss.ar) == pytest.approx(
+        sum(a / max(n, 1) for a, n in zip(ar_sums, n_ars)) / B, rel=1e-5
+    )
     assert float(token_loss.total) == pytest.approx(float(token_loss.ar + token_loss.mdm), rel=1e-6)
     assert float(token_loss.ar) > 0 and float(token_loss.mdm) > 0
 

@@ -19,12 +19,26 @@ KEYS = ("id", "index", "prompt", "output", "extracted", "gold", "correct")
 
 
 def records(out: Path) -> list[dict]:
-    return [{k: r[k] for k in KEYS} for r in map(json.loads, (out / "samples.jsonl").read_text().splitlines())]
+    return [
+        {k: r[k] for k in KEYS} for r in map(json.loads, (out / "samples.jsonl").read_text().splitlines())
+    ]
 
 
 def run_eval(out: Path, dp: int, limit: int = 12) -> int:
-    return main(["eval", "--task", "suite", "--limit", str(limit), "--out", str(out), "--no-progress",
-                 "--data-parallel-size", str(dp)])
+    return main(
+        [
+            "eval",
+            "--task",
+            "suite",
+            "--limit",
+            str(limit),
+            "--out",
+            str(out),
+            "--no-progress",
+            "--data-parallel-size",
+            str(dp),
+        ]
+    )
 
 
 def test_two_replicas_write_the_records_of_one(tmp_path):
@@ -38,8 +52,21 @@ def test_two_replicas_write_the_records_of_one(tmp_path):
 def test_a_killed_two_replica_run_resumes(tmp_path):
     assert run_eval(tmp_path / "dp1", 1, limit=16) == 0
     out = tmp_path / "dp2"
-    cmd = [sys.executable, "-m", "refusion.cli", "eval", "--task", "suite", "--limit", "16", "--out", str(out),
-           "--no-progress", "--data-parallel-size", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "refusion.cli",
+        "eval",
+        "--task",
+        "suite",
+        "--limit",
+        "16",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--data-parallel-size",
+        "2",
+    ]
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     samples = out / "samples.jsonl"
     deadline = time.time() + 300
@@ -74,9 +101,14 @@ def test_predictions_are_not_split(tmp_path, capsys):
 
 
 def _suite_records(out: Path, *flags: str) -> list:
-    assert main(["bench", "suite", "--limit", "8", "--chunk", "2", "--no-sweep", "--out", str(out), *flags]) == 0
+    assert (
+        main(["bench", "suite", "--limit", "8", "--chunk", "2", "--no-sweep", "--out", str(out), *flags]) == 0
+    )
     table = json.loads((out / "suite.json").read_text())["table"]
-    return [(row["key"], [(r["index"], r["correct"], r["tokens"], r["nfe"]) for r in row["records"]]) for row in table]
+    return [
+        (row["key"], [(r["index"], r["correct"], r["tokens"], r["nfe"]) for r in row["records"]])
+        for row in table
+    ]
 
 
 def test_bench_suite_over_two_replicas_or_split_decodes_as_one_process(tmp_path, capfd):

@@ -20,13 +20,22 @@ openai = pytest.importorskip("openai")
 
 from test_serve_hostile import Process  # noqa: E402  (a served process, its log collected)
 
-PROMPTS = ["Sort these numbers from smallest to largest: 55, 25, 75, 93", "Reverse the words: red green blue",
-           "Write a Python function run(n) that returns n * 3."]
+PROMPTS = [
+    "Sort these numbers from smallest to largest: 55, 25, 75, 93",
+    "Reverse the words: red green blue",
+    "Write a Python function run(n) that returns n * 3.",
+]
 
 
 def _chat(*flags: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "refusion.cli", "chat", *flags], input="\n".join(PROMPTS) + "\n\n",
-                         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = subprocess.run(
+        [sys.executable, "-m", "refusion.cli", "chat", *flags],
+        input="\n".join(PROMPTS) + "\n\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -51,7 +60,9 @@ def test_serve_split_over_two_ranks_answers_aborts_and_shuts_down():
         got: dict[int, str] = {}
 
         def ask(i: int) -> None:
-            r = client.chat.completions.create(model="refusion-tiny", messages=[{"role": "user", "content": PROMPTS[i]}])
+            r = client.chat.completions.create(
+                model="refusion-tiny", messages=[{"role": "user", "content": PROMPTS[i]}]
+            )
             got[i] = r.choices[0].message.content
 
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]  # they share steps
@@ -61,9 +72,17 @@ def test_serve_split_over_two_ranks_answers_aborts_and_shuts_down():
             t.join(180)
         assert [got[i] for i in range(len(PROMPTS))] == want
         # a stream abandoned after its first chunk is aborted on both ranks; the next request still runs
-        with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60,
-                          json={"model": "refusion-tiny", "stream": True, "max_tokens": 64,
-                                "messages": [{"role": "user", "content": PROMPTS[2]}]}) as r:
+        with httpx.stream(
+            "POST",
+            server.url + "/v1/chat/completions",
+            timeout=60,
+            json={
+                "model": "refusion-tiny",
+                "stream": True,
+                "max_tokens": 64,
+                "messages": [{"role": "user", "content": PROMPTS[2]}],
+            },
+        ) as r:
             next(r.iter_lines())
         ask(0)
         assert got[0] == want[0]

@@ -33,16 +33,24 @@ def _decode(path: str | None, prompts: list[str], cfgs: list[DecodeConfig], size
 
 
 def test_rank_shards_put_together_are_the_weights():
-    config = ModelConfig(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2, head_dim=8)
+    config = ModelConfig(
+        hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2, head_dim=8
+    )
     for world in (2, 4, 8):
         check_divisible(config, world)
         local = local_config(config, world)
         assert local.num_attention_heads * world == 8 and local.intermediate_size * world == 96
-        q = [slice_of("model.layers.0.self_attn.q_proj.weight", config, Shard(r, world)) for r in range(world)]
+        q = [
+            slice_of("model.layers.0.self_attn.q_proj.weight", config, Shard(r, world)) for r in range(world)
+        ]
         assert [(a, b) for _, a, b in q] == [(r * 64 // world, (r + 1) * 64 // world) for r in range(world)]
-        down = {slice_of("model.layers.1.mlp.down_proj.weight", config, Shard(r, world))[0] for r in range(world)}
+        down = {
+            slice_of("model.layers.1.mlp.down_proj.weight", config, Shard(r, world))[0] for r in range(world)
+        }
         assert down == {1}  # row-parallel: split along its input
-        k = [slice_of("model.layers.0.self_attn.k_proj.weight", config, Shard(r, world)) for r in range(world)]
+        k = [
+            slice_of("model.layers.0.self_attn.k_proj.weight", config, Shard(r, world)) for r in range(world)
+        ]
         # 2 KV heads: split over 2 ranks; over 4 or 8, each rank holds the one its query heads share
         heads = [a // 8 for _, a, _ in k]
         assert heads == [r * 2 // world for r in range(world)]
@@ -62,12 +70,23 @@ def test_tp2_logits_match_tp1(family, make_hf_dir):
 
 
 def test_tp2_greedy_decoding_is_identical_on_the_bundled_model():
-    prompts = ["Sort these numbers: 75, 25, 93, 55", "Write a Python function run(n) that returns n * 3.",
-               "Reverse the words: red green blue"]
-    cfgs = [DecodeConfig(method="ar", gen_length=48), DecodeConfig(method="refusion", gen_length=64, slot_size=8,
-                                                                   serial_blocks=2, slot_threshold=0.7,
-                                                                   token_threshold=0.3),
-            DecodeConfig(method="mdm", gen_length=32, mdm_block_length=16)]
+    prompts = [
+        "Sort these numbers: 75, 25, 93, 55",
+        "Write a Python function run(n) that returns n * 3.",
+        "Reverse the words: red green blue",
+    ]
+    cfgs = [
+        DecodeConfig(method="ar", gen_length=48),
+        DecodeConfig(
+            method="refusion",
+            gen_length=64,
+            slot_size=8,
+            serial_blocks=2,
+            slot_threshold=0.7,
+            token_threshold=0.3,
+        ),
+        DecodeConfig(method="mdm", gen_length=32, mdm_block_length=16),
+    ]
     model, tok = refusion.load()
     queries = [p for p in prompts for _ in cfgs]
     configs = [c for _ in prompts for c in cfgs]
@@ -103,19 +122,52 @@ def test_cli_generate_and_eval_split_over_two_processes(tmp_path, capfd):
     records = {}
     for size in (1, 2):
         out = tmp_path / f"tp{size}"
-        assert main(["eval", "--task", "suite", "--limit", "6", "--out", str(out), "--no-progress",
-                     "--tensor-parallel-size", str(size)]) == 0
-        records[size] = [{k: r[k] for k in ("id", "output", "correct")}
-                         for r in map(json.loads, (out / "samples.jsonl").read_text().splitlines())]
+        assert (
+            main(
+                [
+                    "eval",
+                    "--task",
+                    "suite",
+                    "--limit",
+                    "6",
+                    "--out",
+                    str(out),
+                    "--no-progress",
+                    "--tensor-parallel-size",
+                    str(size),
+                ]
+            )
+            == 0
+        )
+        records[size] = [
+            {k: r[k] for k in ("id", "output", "correct")}
+            for r in map(json.loads, (out / "samples.jsonl").read_text().splitlines())
+        ]
     assert records[2] == records[1] and len(records[1]) == 6
-    quick = ["--prompts", "2", "--rounds", "1", "--batch-sizes", "1,2", "--gen-length", "16", "--methods", "ar,refusion"]
-    assert main(["bench", "decode", *quick, "--tensor-parallel-size", "2", "--json", str(tmp_path / "d.json")]) == 0
+    quick = [
+        "--prompts",
+        "2",
+        "--rounds",
+        "1",
+        "--batch-sizes",
+        "1,2",
+        "--gen-length",
+        "16",
+        "--methods",
+        "ar,refusion",
+    ]
+    assert (
+        main(["bench", "decode", *quick, "--tensor-parallel-size", "2", "--json", str(tmp_path / "d.json")])
+        == 0
+    )
     printed = capfd.readouterr().out
     assert printed.count("batch-size sweep") == 1  # rank 0 reports
     decoded = json.loads((tmp_path / "d.json").read_text())["table"]
     assert main(["bench", "decode", *quick, "--json", str(tmp_path / "d1.json")]) == 0
     alone = json.loads((tmp_path / "d1.json").read_text())["table"]
-    assert {m: (r["tokens"], r["nfe"]) for m, r in decoded.items()} == {m: (r["tokens"], r["nfe"]) for m, r in alone.items()}
+    assert {m: (r["tokens"], r["nfe"]) for m, r in decoded.items()} == {
+        m: (r["tokens"], r["nfe"]) for m, r in alone.items()
+    }
     assert main(["bench", "speed", "--tensor-parallel-size", "2"]) == 2
     assert "`refusion bench speed` runs in one process" in capfd.readouterr().err
 
@@ -150,7 +202,22 @@ def test_info_sizes_what_the_ranks_hold(make_hf_dir, capsys):
     plan = memory_plan(config, torch.float32, 3, 40, DecodeConfig(method="ar"), tensor_parallel_size=2)
     assert (plan["weights_bytes"], plan["kv_cache_bytes"]) == (weights, kv)
     capsys.readouterr()  # what writing the checkpoint printed
-    assert main(["info", str(path), "--batch-size", "3", "--context", "40", "--tensor-parallel-size", "2", "--json"]) == 0
+    assert (
+        main(
+            [
+                "info",
+                str(path),
+                "--batch-size",
+                "3",
+                "--context",
+                "40",
+                "--tensor-parallel-size",
+                "2",
+                "--json",
+            ]
+        )
+        == 0
+    )
     (ar, _) = json.loads(capsys.readouterr().out)["memory"]
     assert ar["weights_bytes"] == weights and ar["kv_cache_bytes"] == kv
 
@@ -170,8 +237,11 @@ def test_smollm2_converted_decodes_identically_over_three_ranks(tmp_path):
     convert(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf", out)
     with pytest.raises(ConfigError, match="sizes that do: 1, 3$"):
         check_divisible(load_metadata(out)[0], 2)
-    cfgs = [DecodeConfig(method="ar", gen_length=16), DecodeConfig(method="refusion", gen_length=16, slot_size=8),
-            DecodeConfig(method="mdm", gen_length=16, mdm_block_length=8)]
+    cfgs = [
+        DecodeConfig(method="ar", gen_length=16),
+        DecodeConfig(method="refusion", gen_length=16, slot_size=8),
+        DecodeConfig(method="mdm", gen_length=16, mdm_block_length=8),
+    ]
     prompts = ["What is the capital of France?"] * 3
     model, tok = refusion.load(out)
     want = [list(o.token_ids) for o in refusion.generate(model, tok, prompts, cfgs)]

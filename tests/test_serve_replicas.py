@@ -49,7 +49,9 @@ def _gone(pid: int) -> bool:
 
 
 def test_least_loaded_takes_the_request_and_a_tie_goes_to_the_first():
-    reps = ReplicaPool([SimpleNamespace(index=i, in_flight=n, alive=True) for i, n in enumerate((2, 1, 1))], "/nonexistent")
+    reps = ReplicaPool(
+        [SimpleNamespace(index=i, in_flight=n, alive=True) for i, n in enumerate((2, 1, 1))], "/nonexistent"
+    )
     assert reps.pick().index == 1
     reps.all[1].in_flight = 3
     assert reps.pick().index == 2
@@ -61,17 +63,23 @@ def test_least_loaded_takes_the_request_and_a_tie_goes_to_the_first():
 
 
 def test_metrics_of_the_replicas_merge_under_one_header_each():
-    one = ("# HELP refusion_requests_total HTTP requests\n# TYPE refusion_requests_total counter\n"
-           'refusion_requests_total{route="/health",status="200"} 3\n'
-           "# HELP refusion_queue_length waiting\n# TYPE refusion_queue_length gauge\nrefusion_queue_length 0\n")
+    one = (
+        "# HELP refusion_requests_total HTTP requests\n# TYPE refusion_requests_total counter\n"
+        'refusion_requests_total{route="/health",status="200"} 3\n'
+        "# HELP refusion_queue_length waiting\n# TYPE refusion_queue_length gauge\nrefusion_queue_length 0\n"
+    )
     two = one.replace(" 3\n", " 5\n").replace("length 0", "length 2")
     merged = merge_metrics([("0", one), ("1", two)]).splitlines()
     assert merged == [
-        "# HELP refusion_requests_total HTTP requests", "# TYPE refusion_requests_total counter",
+        "# HELP refusion_requests_total HTTP requests",
+        "# TYPE refusion_requests_total counter",
         'refusion_requests_total{replica="0",route="/health",status="200"} 3',
         'refusion_requests_total{replica="1",route="/health",status="200"} 5',
-        "# HELP refusion_queue_length waiting", "# TYPE refusion_queue_length gauge",
-        'refusion_queue_length{replica="0"} 0', 'refusion_queue_length{replica="1"} 2']
+        "# HELP refusion_queue_length waiting",
+        "# TYPE refusion_queue_length gauge",
+        'refusion_queue_length{replica="0"} 0',
+        'refusion_queue_length{replica="1"} 2',
+    ]
 
 
 def test_two_replicas_share_requests_report_each_and_outlive_one_of_them():
@@ -97,11 +105,19 @@ def test_two_replicas_share_requests_report_each_and_outlive_one_of_them():
         sent = {i: _sample(metrics, f'refusion_replica_requests_total{{replica="{i}"}}') for i in (0, 1)}
         assert sent[0] + sent[1] == 16 and sent[0] > 0 and sent[1] > 0, sent  # concurrent requests spread
         for i in (0, 1):  # each replica's own counters, labelled
-            assert _sample(metrics, f'refusion_requests_total{{replica="{i}",route="/v1/chat/completions",status="200"}}') == sent[i]
+            assert (
+                _sample(
+                    metrics,
+                    f'refusion_requests_total{{replica="{i}",route="/v1/chat/completions",status="200"}}',
+                )
+                == sent[i]
+            )
             assert _sample(metrics, f'refusion_replica_up{{replica="{i}"}}') == 1
         # a client that leaves, streamed or plain, cancels its row in the replica that ran it
         long = {"messages": CHAT, "max_tokens": 480, "method": "ar", "stop_token_ids": []}
-        with httpx.stream("POST", server.url + "/v1/chat/completions", json={**long, "stream": True}, timeout=60) as r:
+        with httpx.stream(
+            "POST", server.url + "/v1/chat/completions", json={**long, "stream": True}, timeout=60
+        ) as r:
             next(r.iter_lines())
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(server.url + "/v1/chat/completions", json=long, timeout=httpx.Timeout(60, read=0.3))
@@ -111,18 +127,25 @@ def test_two_replicas_share_requests_report_each_and_outlive_one_of_them():
         assert _cancelled(server) == 2
         # a replica that dies mid-stream: the stream ends with an error event; /health says so, and the
         # other replica takes every request
-        with httpx.stream("POST", server.url + "/v1/chat/completions", json={**long, "stream": True}, timeout=60) as r:
+        with httpx.stream(
+            "POST", server.url + "/v1/chat/completions", json={**long, "stream": True}, timeout=60
+        ) as r:
             it = r.iter_lines()
             lines = [next(it)]  # both idle: the first replica runs it
             os.kill(_by_index(server.proc.pid, 0), signal.SIGKILL)
             lines += [x for x in it if x]
-        assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][len("data: "):])["error"]["code"] == "replica_failed"
+        assert (
+            lines[-1] == "data: [DONE]"
+            and json.loads(lines[-2][len("data: ") :])["error"]["code"] == "replica_failed"
+        )
         deadline = time.monotonic() + 30
         while httpx.get(server.url + "/health").status_code == 200 and time.monotonic() < deadline:
             time.sleep(0.1)
         health = httpx.get(server.url + "/health")
         assert health.status_code == 503 and health.json()["replicas"][0]["status"] == "exited"
-        before = _sample(httpx.get(server.url + "/metrics").text, 'refusion_replica_requests_total{replica="1"}')
+        before = _sample(
+            httpx.get(server.url + "/metrics").text, 'refusion_replica_requests_total{replica="1"}'
+        )
         r = client.chat.completions.create(model="refusion-tiny", messages=CHAT, max_tokens=64)
         assert r.choices[0].message.content == texts[0]
         metrics = httpx.get(server.url + "/metrics").text
@@ -134,8 +157,11 @@ def test_two_replicas_share_requests_report_each_and_outlive_one_of_them():
 
 def _cancelled(server: Process) -> float:
     text = httpx.get(server.url + "/metrics").text
-    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
-               if x.startswith("refusion_completions_total{") and 'reason="cancelled"' in x)
+    return sum(
+        float(x.rsplit(" ", 1)[1])
+        for x in text.splitlines()
+        if x.startswith("refusion_completions_total{") and 'reason="cancelled"' in x
+    )
 
 
 def _stop(server: Process) -> None:
@@ -171,8 +197,12 @@ def test_sigterm_on_the_front_drains_the_replicas_and_ends_them():
         replicas = _replica_pids(server.proc.pid)
         assert len(replicas) == 2
         lines: list[str] = []
-        with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60,
-                          json={"messages": CHAT, "max_tokens": 256, "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            server.url + "/v1/chat/completions",
+            timeout=60,
+            json={"messages": CHAT, "max_tokens": 256, "stream": True},
+        ) as r:
             it = r.iter_lines()
             lines.append(next(it))  # the stream has begun
             server.proc.send_signal(signal.SIGTERM)
@@ -188,8 +218,22 @@ def test_sigterm_on_the_front_drains_the_replicas_and_ends_them():
 
 
 def test_a_replica_that_cannot_start_ends_the_front_with_its_error(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "refusion.cli", "serve", str(tmp_path / "none"), "--data-parallel-size", "2",
-                          "--port", "1"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "refusion.cli",
+            "serve",
+            str(tmp_path / "none"),
+            "--data-parallel-size",
+            "2",
+            "--port",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
     assert "replica" in out.stderr and "before it was ready" in out.stderr
     assert str(tmp_path / "none") in out.stderr  # the replica's own error, above the front's
@@ -203,9 +247,15 @@ def test_a_taken_port_fails_before_any_replica_starts():
         taken.listen()
         port = taken.getsockname()[1]
         t0 = time.monotonic()
-        out = subprocess.run([sys.executable, "-m", "refusion.cli", "serve", "--data-parallel-size", "2", "--port", str(port)],
-                             capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr and "--port" in out.stderr
+        out = subprocess.run(
+            [sys.executable, "-m", "refusion.cli", "serve", "--data-parallel-size", "2", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert (
+        out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr and "--port" in out.stderr
+    )
     assert "starting 2 replicas" not in out.stderr and time.monotonic() - t0 < 60
 
 
@@ -213,19 +263,33 @@ def test_the_front_checks_the_key_first_and_stops_when_every_replica_is_gone():
     server = Process(BUNDLED_DIR, "--data-parallel-size", "2", "--api-key", "k", "--log-level", "warning")
     try:
         big = b"x" * (17 * 2**20)  # over the body limit: a wrong key is still what the answer says
-        r = httpx.post(server.url + "/v1/completions", content=big, headers={"content-type": "application/json"}, timeout=60)
+        r = httpx.post(
+            server.url + "/v1/completions",
+            content=big,
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(server.url + "/metrics").status_code == 401
         assert httpx.get(server.url + "/health").status_code == 200  # never needs the key
-        ok = httpx.post(server.url + "/v1/completions", json={"prompt": "Sort: 3, 1, 2", "max_tokens": 8},
-                        headers={"authorization": "Bearer k"}, timeout=60)
+        ok = httpx.post(
+            server.url + "/v1/completions",
+            json={"prompt": "Sort: 3, 1, 2", "max_tokens": 8},
+            headers={"authorization": "Bearer k"},
+            timeout=60,
+        )
         assert ok.status_code == 200 and "date" in ok.headers and len(ok.headers.get_list("date")) == 1
-        assert 'refusion_replica_up{replica="1"} 1' in httpx.get(server.url + "/metrics", headers={"authorization": "Bearer k"}).text
+        assert (
+            'refusion_replica_up{replica="1"} 1'
+            in httpx.get(server.url + "/metrics", headers={"authorization": "Bearer k"}).text
+        )
         for i in (0, 1):
             os.killpg(_by_index(server.proc.pid, i), signal.SIGKILL)
         assert server.proc.wait(30) == 2  # a supervisor sees the front go, and can start it again
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and not any("every replica exited" in x for x in server.log_after(0)):
+        while time.monotonic() < deadline and not any(
+            "every replica exited" in x for x in server.log_after(0)
+        ):
             time.sleep(0.1)
         assert any("every replica exited" in x for x in server.log_after(0))
     finally:

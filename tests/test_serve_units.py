@@ -68,24 +68,62 @@ def test_stop_text_holds_back_a_possible_stop():
 # ---------------------------------------------------------------------------- requests
 def test_parse_accepts_neutral_and_null_fields():
     req = parse_request(
-        {"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}, {"role": "user", "content": "q", "name": "me"}],
-         "n": 1, "presence_penalty": 0, "logprobs": False, "user": "u", "temperature": None, "max_completion_tokens": 9,
-         "stop": "x", "stream": True, "stream_options": {"include_usage": True}, "slot_size": 4, "preset": "gsm8k"},
+        {
+            "messages": [
+                {
+                    "role": "developer",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+                {"role": "user", "content": "q", "name": "me"},
+            ],
+            "n": 1,
+            "presence_penalty": 0,
+            "logprobs": False,
+            "user": "u",
+            "temperature": None,
+            "max_completion_tokens": 9,
+            "stop": "x",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "slot_size": 4,
+            "preset": "gsm8k",
+        },
         "chat",
     )
-    assert req.messages == [{"role": "system", "content": "ab"}, {"role": "user", "content": "q", "name": "me"}]
-    assert (req.max_tokens, req.stop, req.stream, req.include_usage, req.preset) == (9, ["x"], True, True, "gsm8k")
+    assert req.messages == [
+        {"role": "system", "content": "ab"},
+        {"role": "user", "content": "q", "name": "me"},
+    ]
+    assert (req.max_tokens, req.stop, req.stream, req.include_usage, req.preset) == (
+        9,
+        ["x"],
+        True,
+        True,
+        "gsm8k",
+    )
     assert req.overrides == {"slot_size": 4}
 
 
-@pytest.mark.parametrize("prompt,want", [("a", ["a"]), (["a", "b"], ["a", "b"]), ([1, 2], [[1, 2]]), ([[1], [2, 3]], [[1], [2, 3]])])
+@pytest.mark.parametrize(
+    "prompt,want",
+    [("a", ["a"]), (["a", "b"], ["a", "b"]), ([1, 2], [[1, 2]]), ([[1], [2, 3]], [[1], [2, 3]])],
+)
 def test_prompt_forms(prompt, want):
     assert parse_request({"prompt": prompt}, "completion").prompts == want
 
 
-@pytest.mark.parametrize("body,param", [({"prompt": ["a", 1]}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": "a", "stop": ["", "x"]}, "stop"),
-                                        ({"prompt": "a", "seed": 1.5}, "seed"), ({"prompt": "a", "messages": []}, "messages"),
-                                        ({"prompt": "a", "best_of": 3}, "best_of"), ({"prompt": "a", "stream_options": {"x": 1}}, "stream_options")])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": ["a", 1]}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": "a", "stop": ["", "x"]}, "stop"),
+        ({"prompt": "a", "seed": 1.5}, "seed"),
+        ({"prompt": "a", "messages": []}, "messages"),
+        ({"prompt": "a", "best_of": 3}, "best_of"),
+        ({"prompt": "a", "stream_options": {"x": 1}}, "stream_options"),
+    ],
+)
 def test_parse_rejects(body, param):
     with pytest.raises(APIError) as e:
         parse_request(body, "completion")
@@ -94,26 +132,60 @@ def test_parse_rejects(body, param):
 
 def test_request_fields_are_derived_from_decode_config():
     """The request's decode knobs are DecodeConfig's fields, with its bounds: no second list."""
-    assert set(DECODE_FIELDS) == {"method", "slot_size", "serial_blocks", "slot_threshold", "token_threshold", "mdm_block_length",
-                                  "mdm_steps", "mdm_threshold", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
-                                  "ar_correction", "first_token_check", "infill_window"}
-    for body, param in [({"slot_size": 5000}, "slot_size"), ({"temperature": 101}, "temperature"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
-                        ({"stop_token_ids": 3}, "stop_token_ids"), ({"top_k": 1.5}, "top_k"), ({"ar_correction": 1}, "ar_correction"),
-                        ({"infill_window": 0}, "infill_window")]:
+    assert set(DECODE_FIELDS) == {
+        "method",
+        "slot_size",
+        "serial_blocks",
+        "slot_threshold",
+        "token_threshold",
+        "mdm_block_length",
+        "mdm_steps",
+        "mdm_threshold",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop_token_ids",
+        "ar_correction",
+        "first_token_check",
+        "infill_window",
+    }
+    for body, param in [
+        ({"slot_size": 5000}, "slot_size"),
+        ({"temperature": 101}, "temperature"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": 3}, "stop_token_ids"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"ar_correction": 1}, "ar_correction"),
+        ({"infill_window": 0}, "infill_window"),
+    ]:
         with pytest.raises(APIError) as e:
             parse_request({"prompt": "a", **body}, "completion")
         assert e.value.param == param
-    assert parse_request({"prompt": "a", "stop_token_ids": [3, 4], "temperature": 1}, "completion").overrides == {
-        "stop_token_ids": (3, 4), "temperature": 1.0}
-    assert parse_request({"prompt": "a", "ar_correction": True}, "completion").overrides == {"ar_correction": True}
+    assert parse_request(
+        {"prompt": "a", "stop_token_ids": [3, 4], "temperature": 1}, "completion"
+    ).overrides == {"stop_token_ids": (3, 4), "temperature": 1.0}
+    assert parse_request({"prompt": "a", "ar_correction": True}, "completion").overrides == {
+        "ar_correction": True
+    }
 
 
-@pytest.mark.parametrize("field,value,code", [
-    ("slot_size", 5000, "invalid_value"), ("temperature", -1, "invalid_value"), ("method", "beam", "invalid_value"),
-    ("infill_window", 0, "invalid_value"), ("top_p", "high", "invalid_type"), ("seed", 1.5, "invalid_type"),
-    ("ar_correction", 1, "invalid_type"), ("mdm_threshold", float("nan"), "invalid_type"),
-    ("stop_token_ids", [3, -1], "invalid_value"), ("stop", ["x"] * 17, "invalid_value"), ("stop", 5, "invalid_type"),
-])
+@pytest.mark.parametrize(
+    "field,value,code",
+    [
+        ("slot_size", 5000, "invalid_value"),
+        ("temperature", -1, "invalid_value"),
+        ("method", "beam", "invalid_value"),
+        ("infill_window", 0, "invalid_value"),
+        ("top_p", "high", "invalid_type"),
+        ("seed", 1.5, "invalid_type"),
+        ("ar_correction", 1, "invalid_type"),
+        ("mdm_threshold", float("nan"), "invalid_type"),
+        ("stop_token_ids", [3, -1], "invalid_value"),
+        ("stop", ["x"] * 17, "invalid_value"),
+        ("stop", 5, "invalid_type"),
+    ],
+)
 def test_a_bad_decoding_field_is_decode_configs_own_error(field, value, code):
     """The HTTP request's decoding fields are checked by DecodeConfig: the 400 carries the
     error DecodeConfig raises for that value, with the field as param."""
@@ -138,7 +210,11 @@ def test_config_errors_map_to_the_request_field():
     assert (e.value.param, e.value.code) == ("top_k", "invalid_value")
     with pytest.raises(APIError) as e, as_request_error():
         raise ConfigError("these settings do not go together")
-    assert (e.value.param, e.value.code, e.value.message) == (None, "invalid_config", "these settings do not go together")
+    assert (e.value.param, e.value.code, e.value.message) == (
+        None,
+        "invalid_config",
+        "these settings do not go together",
+    )
 
 
 def test_max_tokens_is_checked_like_a_decoding_field():
@@ -148,16 +224,23 @@ def test_max_tokens_is_checked_like_a_decoding_field():
         with pytest.raises(FieldError) as own:
             DecodeConfig(gen_length=value)
         assert (e.value.param, e.value.code) == ("max_tokens", code)
-        assert e.value.message.split(", got")[1] == str(own.value).split(", got")[1]  # the same words about the value
+        assert (
+            e.value.message.split(", got")[1] == str(own.value).split(", got")[1]
+        )  # the same words about the value
 
 
 def test_request_config_preset_keeps_the_servers_sampling():
     base = DecodeConfig(temperature=0.7, seed=9, top_p=0.8)
-    cfg = request_config(base, CompletionRequest("completion", None, preset="gpqa", overrides={"top_k": 5}, stop=["##"]))
+    cfg = request_config(
+        base, CompletionRequest("completion", None, preset="gpqa", overrides={"top_k": 5}, stop=["##"])
+    )
     assert (cfg.slot_size, cfg.serial_blocks, cfg.slot_threshold, cfg.method) == (8, 32, 0.8, "refusion")
     assert (cfg.temperature, cfg.seed, cfg.top_p, cfg.top_k, cfg.stop) == (0.7, 9, 0.8, 5, ("##",))
     # any slot layout is valid: the region rounds up to whole slots in equal blocks
-    cfg = request_config(DecodeConfig(gen_length=32), CompletionRequest("completion", None, overrides={"slot_size": 4, "serial_blocks": 3}))
+    cfg = request_config(
+        DecodeConfig(gen_length=32),
+        CompletionRequest("completion", None, overrides={"slot_size": 4, "serial_blocks": 3}),
+    )
     assert (cfg.gen_length, cfg.region_length) == (32, 36)
 
 
@@ -167,7 +250,11 @@ def test_fit_length():
     assert (c.gen_length, c.region_length) == (10, 16)  # whole slots in equal blocks; the output is cut to 10
     c = fit_length(cfg, 480, None, 512, "prompt")
     assert (c.gen_length, c.region_length) == (32, 32)  # the default is capped to the room left
-    for args, param in [((512, None), "prompt"), ((500, 13), "max_tokens"), ((500, 10), "slot_size")]:  # 10 rounds to 16 > 12
+    for args, param in [
+        ((512, None), "prompt"),
+        ((500, 13), "max_tokens"),
+        ((500, 10), "slot_size"),
+    ]:  # 10 rounds to 16 > 12
         with pytest.raises(APIError) as e:
             fit_length(cfg, *args, 512, "prompt")
         assert (e.value.param, e.value.code) == (param, "context_length_exceeded")
@@ -197,7 +284,7 @@ def test_metrics_text_format():
     for v in (1, 3, 3, 1000):
         m.rows_per_step.observe(v)
     text = m.render()
-    assert '# TYPE refusion_rows_per_step histogram' in text
+    assert "# TYPE refusion_rows_per_step histogram" in text
     assert 'refusion_requests_total{route="/v1/completions",status="200"} 3' in text
     assert 'refusion_errors_total{type="weird\\"type"} 1' in text
     for le, n in [("1", 1), ("2", 1), ("4", 3), ("128", 3), ("+Inf", 4)]:
@@ -263,8 +350,16 @@ class ScriptedEngine:
     @staticmethod
     def _out(rid, r, reason):
         toks = r.toks[: r.n]
-        return RequestOutput(rid, toks, "".join(f"t{t}" for t in toks), f"t{toks[-1]}" if toks and reason != "cancelled" else "",
-                             reason is not None, reason, DecodeStats(len(toks), len(toks)), 1)
+        return RequestOutput(
+            rid,
+            toks,
+            "".join(f"t{t}" for t in toks),
+            f"t{toks[-1]}" if toks and reason != "cancelled" else "",
+            reason is not None,
+            reason,
+            DecodeStats(len(toks), len(toks)),
+            1,
+        )
 
 
 def job(first: int) -> tuple[Job, list]:
@@ -283,7 +378,9 @@ def test_engine_loop_streams_outputs_and_isolates_a_bad_request():
     loop.submit([a, b, bad, c])
     loop.start()
     end = time.monotonic() + 10
-    while not all(j.finished for j in (a, b, bad, c)) and time.monotonic() < end:  # c waits for room: shutdown would refuse it
+    while (
+        not all(j.finished for j in (a, b, bad, c)) and time.monotonic() < end
+    ):  # c waits for room: shutdown would refuse it
         time.sleep(0.01)
     loop.shutdown(10)
     assert text_of(ea) == "t5t6t7" and ea[-1] == ("done", "length", 3)
@@ -328,9 +425,13 @@ def test_library_errors_map_to_statuses():
     from refusion.errors import CompileError, ContextLengthError
     from refusion.serve.app import library_error
 
-    cases = [(ContextLengthError("too long"), 400, "context_length_exceeded"), (ConfigError("bad"), 400, "invalid_config"),
-             (CompileError("no C++ compiler"), 500, "compile_failed"), (RuntimeError("boom"), 500, "internal_error"),
-             (ShuttingDown("bye"), 503, "shutting_down")]
+    cases = [
+        (ContextLengthError("too long"), 400, "context_length_exceeded"),
+        (ConfigError("bad"), 400, "invalid_config"),
+        (CompileError("no C++ compiler"), 500, "compile_failed"),
+        (RuntimeError("boom"), 500, "internal_error"),
+        (ShuttingDown("bye"), 503, "shutting_down"),
+    ]
     for err, status, code in cases:
         e = library_error(err)
         assert (e.status, e.code) == (status, code)

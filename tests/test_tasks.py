@@ -46,6 +46,7 @@ def _by_family(items, family, n=None):
 
 # --- splits -----------------------------------------------------------------
 
+
 def test_families_registered():
     assert set(FAMILIES) == {"arithmetic", "lists", "strings", "code"}
     for name, family in FAMILIES.items():
@@ -110,6 +111,7 @@ def test_jsonl_round_trip(tmp_path, test_items):
 
 # --- the items themselves --------------------------------------------------
 
+
 def test_arithmetic_numbers_stay_small(test_items):
     for it in _by_family(test_items, "arithmetic"):
         assert all(0 <= int(n) <= 99 for n in re.findall(r"\d+", it.prompt + it.response))
@@ -146,6 +148,7 @@ def test_every_operation_appears(test_items):
 
 # --- checkers accept the reference ----------------------------------------
 
+
 def test_checkers_accept_reference_responses(test_items):
     for it in test_items:
         if it.family == "code":
@@ -178,6 +181,7 @@ def test_checked_items_survive_json(tmp_path, test_items):
 
 # --- checkers reject wrong answers -----------------------------------------
 
+
 def _replace_answer(response: str, new_answer: str) -> str:
     head, _ = response.rsplit("Answer:", 1)
     return f"{head}Answer: {new_answer}"
@@ -205,7 +209,7 @@ def test_lists_reject_wrong_order_missing_or_extra_items(test_items):
         swapped = next(((i, i + 1) for i in range(len(ans) - 1) if ans[i] != ans[i + 1]), None)
         if swapped:
             i, j = swapped
-            wrong = ans[:i] + [ans[j], ans[i]] + ans[j + 1:]
+            wrong = ans[:i] + [ans[j], ans[i]] + ans[j + 1 :]
             assert not check(it, _replace_answer(r, ", ".join(map(str, wrong))))
             n_order += 1
         assert not check(it, _replace_answer(r, ", ".join(map(str, ans[:-1]))))  # missing item
@@ -256,15 +260,18 @@ def test_code_infinite_loop_fails_without_hanging(test_items):
     assert time.monotonic() - start < 10
 
 
-@pytest.mark.parametrize("source", [
-    "import os\ndef f(xs):\n    return 6",
-    "def f(xs):\n    return xs.__class__",
-    "def f(xs):\n    return __import__('os').getpid()",
-    "def f(xs):\n    return open('/etc/passwd').read()",
-    "class A:\n    pass\ndef f(xs):\n    return 6",
-    "def f(xs):\n    return [0] * 10**10",
-    "def f(xs):\n    return 2 ** 10 ** 10",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import os\ndef f(xs):\n    return 6",
+        "def f(xs):\n    return xs.__class__",
+        "def f(xs):\n    return __import__('os').getpid()",
+        "def f(xs):\n    return open('/etc/passwd').read()",
+        "class A:\n    pass\ndef f(xs):\n    return 6",
+        "def f(xs):\n    return [0] * 10**10",
+        "def f(xs):\n    return 2 ** 10 ** 10",
+    ],
+)
 def test_sandbox_refuses_or_contains_hostile_code(source):
     assert not run_tests(source, "f", [[[[1, 2, 3]], 6]], timeout=1.0)
 

@@ -45,8 +45,17 @@ def workdir(tmp_path_factory, tokenizer_dir) -> Path:
 
     d = tmp_path_factory.mktemp("train")
     vocab = len(AutoTokenizer.from_pretrained(tokenizer_dir)) + 4
-    config = dict(model_type="qwen3", vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    config = dict(
+        model_type="qwen3",
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
     (d / "config.json").write_text(json.dumps(config))
     rng = random.Random(0)
     for name, n in (("copy.jsonl", 600), ("copy_eval.jsonl", 24)):
@@ -58,9 +67,20 @@ def workdir(tmp_path_factory, tokenizer_dir) -> Path:
 
 
 def scratch_cfg(workdir: Path, tokenizer_dir: Path, out: Path, **kw) -> TrainConfig:
-    base = dict(init_config=str(workdir / "config.json"), tokenizer=str(tokenizer_dir), add_mask_token=True,
-                data=str(workdir / "copy.jsonl"), out=str(out), batch_size=8, lr=3e-3, log_every=1, eval_every=0,
-                save_every=0, progress=False, tensorboard=False)
+    base = dict(
+        init_config=str(workdir / "config.json"),
+        tokenizer=str(tokenizer_dir),
+        add_mask_token=True,
+        data=str(workdir / "copy.jsonl"),
+        out=str(out),
+        batch_size=8,
+        lr=3e-3,
+        log_every=1,
+        eval_every=0,
+        save_every=0,
+        progress=False,
+        tensorboard=False,
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -75,7 +95,9 @@ def naive_token_losses(model, ds, mask_id: int, repeats: int = 4) -> tuple[float
             ids = ids.tolist()
             seq = naive_example(ids[:m], ids[m:], draw_slots(1, len(ids), cfg, gen), 0, mask_id)
             with torch.no_grad():
-                logp = model(torch.tensor([seq["input_ids"]]), torch.tensor([seq["position_ids"]]))[0].log_softmax(-1)
+                logp = model(torch.tensor([seq["input_ids"]]), torch.tensor([seq["position_ids"]]))[
+                    0
+                ].log_softmax(-1)
             for t, (a, b) in enumerate(zip(seq["ar_labels"], seq["mdm_labels"])):
                 if a != IGNORE:
                     ar, n_ar = ar - float(logp[t, a]), n_ar + 1
@@ -90,8 +112,18 @@ def test_training_lowers_both_loss_parts(workdir, tokenizer_dir, tmp_path):
     objective gets AR ~0.66 and MASK ~1.23 nats; feeding physical instead of true positions
     gets ~1.0 and ~1.52, forgetting to replace masked tokens by MASK ~3.7 on the MASK part,
     labelling clean tokens with themselves ~9 on the AR part."""
-    cfg = scratch_cfg(workdir, tokenizer_dir, tmp_path / "run", max_steps=300, batch_size=16, lr=1e-2,
-                      warmup_steps=10, log_every=50, eval_data=str(workdir / "copy_eval.jsonl"), eval_every=150)
+    cfg = scratch_cfg(
+        workdir,
+        tokenizer_dir,
+        tmp_path / "run",
+        max_steps=300,
+        batch_size=16,
+        lr=1e-2,
+        warmup_steps=10,
+        log_every=50,
+        eval_data=str(workdir / "copy_eval.jsonl"),
+        eval_every=150,
+    )
     result = train(cfg)
     model, tokenizer = load(tmp_path / "run")
     ds, _ = load_dataset(workdir / "copy_eval.jsonl", tokenizer, 512)
@@ -133,7 +165,9 @@ def test_a_run_killed_and_resumed_matches_an_uninterrupted_run_bitwise(workdir, 
     cfg = scratch_cfg(workdir, tokenizer_dir, out, **common)
     script = KILL_SCRIPT.format(cfg=vars(cfg), kill_at=7)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert [p.name for p in list_checkpoints(out)] == ["step-00000005"]
     assert not (out / "config.json").exists()  # no final model
@@ -158,8 +192,16 @@ def test_a_run_killed_and_resumed_matches_an_uninterrupted_run_bitwise(workdir, 
 
 def test_base_model_without_mask_is_refused_unless_asked_to_add_it(make_hf_dir, workdir, tmp_path):
     base = make_hf_dir("qwen3")
-    cfg = dict(model=str(base), data=str(workdir / "copy.jsonl"), max_steps=2, batch_size=4, progress=False,
-               tensorboard=False, eval_every=0, save_every=0)
+    cfg = dict(
+        model=str(base),
+        data=str(workdir / "copy.jsonl"),
+        max_steps=2,
+        batch_size=4,
+        progress=False,
+        tensorboard=False,
+        eval_every=0,
+        save_every=0,
+    )
     with pytest.raises(MissingMaskTokenError, match=r"refusion convert.*--add-mask-token"):
         train(TrainConfig(out=str(tmp_path / "a"), **cfg))
     result = train(TrainConfig(out=str(tmp_path / "b"), add_mask_token=True, **cfg))
@@ -177,9 +219,22 @@ def test_base_model_without_mask_is_refused_unless_asked_to_add_it(make_hf_dir, 
 
 def test_ar_objective_needs_no_mask_and_has_no_mdm_part(make_hf_dir, workdir, tmp_path):
     base = make_hf_dir("llama")
-    result = train(TrainConfig(model=str(base), data=str(workdir / "copy.jsonl"), out=str(tmp_path / "ar"),
-                               objective="ar", max_steps=6, batch_size=8, lr=3e-3, log_every=1, progress=False,
-                               tensorboard=False, eval_every=0, save_every=0))
+    result = train(
+        TrainConfig(
+            model=str(base),
+            data=str(workdir / "copy.jsonl"),
+            out=str(tmp_path / "ar"),
+            objective="ar",
+            max_steps=6,
+            batch_size=8,
+            lr=3e-3,
+            log_every=1,
+            progress=False,
+            tensorboard=False,
+            eval_every=0,
+            save_every=0,
+        )
+    )
     logs = [r for r in result.history if "loss" in r]
     assert all(r["mdm_loss"] == 0 for r in logs)
     assert logs[-1]["ar_loss"] < logs[0]["ar_loss"]
@@ -188,10 +243,24 @@ def test_ar_objective_needs_no_mask_and_has_no_mdm_part(make_hf_dir, workdir, tm
 def test_lora_adapters_are_merged_into_the_saved_weights(make_hf_dir, workdir, tmp_path):
     pytest.importorskip("peft")
     base = make_hf_dir("qwen2")  # tied embeddings
-    result = train(TrainConfig(model=str(base), data=str(workdir / "copy.jsonl"), out=str(tmp_path / "lora"),
-                               add_mask_token=True, lora=True, lora_r=4, lora_targets=("q_proj", "v_proj", "down_proj"),
-                               max_steps=4, batch_size=4, lr=1e-2, progress=False, tensorboard=False, eval_every=0,
-                               save_every=0))
+    result = train(
+        TrainConfig(
+            model=str(base),
+            data=str(workdir / "copy.jsonl"),
+            out=str(tmp_path / "lora"),
+            add_mask_token=True,
+            lora=True,
+            lora_r=4,
+            lora_targets=("q_proj", "v_proj", "down_proj"),
+            max_steps=4,
+            batch_size=4,
+            lr=1e-2,
+            progress=False,
+            tensorboard=False,
+            eval_every=0,
+            save_every=0,
+        )
+    )
     trained = result.model.eval()
     trainable = [n for n, p in trained.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
@@ -203,8 +272,9 @@ def test_lora_adapters_are_merged_into_the_saved_weights(make_hf_dir, workdir, t
     assert torch.equal(before[k], after[k])  # no adapter
     ids = torch.tensor([[1, 5, 9, 3, merged.config.mask_token_id]])
     with torch.no_grad():
-        torch.testing.assert_close(merged(ids, torch.arange(5)[None]), trained(ids, torch.arange(5)[None]),
-                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            merged(ids, torch.arange(5)[None]), trained(ids, torch.arange(5)[None]), rtol=1e-4, atol=1e-5
+        )
 
 
 def test_gradient_checkpointing_changes_memory_not_results(workdir, tokenizer_dir, tmp_path):
@@ -212,7 +282,9 @@ def test_gradient_checkpointing_changes_memory_not_results(workdir, tokenizer_di
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=True)
-    ckpt = train(scratch_cfg(workdir, tokenizer_dir, tmp_path / "b", max_steps=2, gradient_checkpointing=True))
+    ckpt = train(
+        scratch_cfg(workdir, tokenizer_dir, tmp_path / "b", max_steps=2, gradient_checkpointing=True)
+    )
     for (name, p), q in zip(plain.model.named_parameters(), ckpt.model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
@@ -225,7 +297,16 @@ def test_logs_and_output_directory(workdir, tokenizer_dir, tmp_path):
     assert records[0]["event"] == "start" and records[-1]["event"] == "end"
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [2, 4]
-    for key in ("ar_loss", "mdm_loss", "lr", "grad_norm", "tokens_per_s", "objective_share", "eta_s", "epoch"):
+    for key in (
+        "ar_loss",
+        "mdm_loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "objective_share",
+        "eta_s",
+        "epoch",
+    ):
         assert key in steps[0], key
     assert 0 < steps[0]["objective_share"] < 1
     assert [r["step"] for r in records if "eval_loss" in r] == [2, 4]
@@ -262,25 +343,87 @@ def test_bad_configurations_and_inputs_get_their_errors(workdir, tokenizer_dir, 
 
 def test_cli_flags_mirror_the_config(workdir, tokenizer_dir, tmp_path, capsys):
     parser = cli.build_parser()
-    args = parser.parse_args(["train", "--data", "d.jsonl", "--out", "o", "--model", "m", "--slot-sizes", "4", "8",
-                              "--no-progress", "--lora", "--lr", "2e-4", "--objective", "ar", "--max-steps", "7"])
+    args = parser.parse_args(
+        [
+            "train",
+            "--data",
+            "d.jsonl",
+            "--out",
+            "o",
+            "--model",
+            "m",
+            "--slot-sizes",
+            "4",
+            "8",
+            "--no-progress",
+            "--lora",
+            "--lr",
+            "2e-4",
+            "--objective",
+            "ar",
+            "--max-steps",
+            "7",
+        ]
+    )
     from refusion.train import config_fields
 
     values = {f.name: getattr(args, f.name) for f in config_fields()}
     cfg = TrainConfig(**values)
-    want = TrainConfig(data="d.jsonl", out="o", model="m", slot_sizes=(4, 8), progress=False, lora=True, lr=2e-4,
-                       objective="ar", max_steps=7)
+    want = TrainConfig(
+        data="d.jsonl",
+        out="o",
+        model="m",
+        slot_sizes=(4, 8),
+        progress=False,
+        lora=True,
+        lr=2e-4,
+        objective="ar",
+        max_steps=7,
+    )
     assert vars(cfg) == vars(want)  # every other flag defaults to the field's default
     # an error is one line and exit code 2
-    code = cli.main(["train", "--init-config", str(workdir / "config.json"), "--tokenizer", str(tokenizer_dir),
-                     "--data", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o")])
+    code = cli.main(
+        [
+            "train",
+            "--init-config",
+            str(workdir / "config.json"),
+            "--tokenizer",
+            str(tokenizer_dir),
+            "--data",
+            str(tmp_path / "nope.jsonl"),
+            "--out",
+            str(tmp_path / "o"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "does not exist" in err
     # the command trains end to end
-    code = cli.main(["train", "--init-config", str(workdir / "config.json"), "--tokenizer", str(tokenizer_dir),
-                     "--add-mask-token", "--data", str(workdir / "copy.jsonl"), "--out", str(tmp_path / "cli"),
-                     "--max-steps", "2", "--batch-size", "2", "--no-progress", "--no-tensorboard"])
+    code = cli.main(
+        [
+            "train",
+            "--init-config",
+            str(workdir / "config.json"),
+            "--tokenizer",
+            str(tokenizer_dir),
+            "--add-mask-token",
+            "--data",
+            str(workdir / "copy.jsonl"),
+            "--out",
+            str(tmp_path / "cli"),
+            "--max-steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--no-progress",
+            "--no-tensorboard",
+        ]
+    )
     assert code == 0 and (tmp_path / "cli" / "model.safetensors").is_file()
-    assert "--add-mask-token" in textwrap.dedent(subprocess.run(
-        [sys.executable, "-m", "refusion.cli", "train", "--help"], capture_output=True, text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)}).stdout)
+    assert "--add-mask-token" in textwrap.dedent(
+        subprocess.run(
+            [sys.executable, "-m", "refusion.cli", "train", "--help"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        ).stdout
+    )

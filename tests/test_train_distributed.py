@@ -42,21 +42,50 @@ def torchrun(tmp_path: Path, tokenizer_dir: Path, worker: str, *args: str) -> su
     from transformers import AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(tokenizer_dir)) + 4
-    config = dict(model_type="qwen3", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = dict(
+        model_type="qwen3",
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     (tmp_path / "config.json").write_text(json.dumps(config))
     rng = random.Random(0)
     with (tmp_path / "data.jsonl").open("w") as f:
         for _ in range(64):
             q = " ".join(rng.choice("abcdefgh") for _ in range(6))
             f.write(json.dumps({"query": q, "response": q}) + "\n")
-    cfg = dict(init_config=str(tmp_path / "config.json"), tokenizer=str(tokenizer_dir), add_mask_token=True,
-               data=str(tmp_path / "data.jsonl"), out=str(tmp_path / "out"), max_steps=3, batch_size=4, lr=1e-2,
-               log_every=1, eval_every=0, save_every=2, progress=False, tensorboard=False)
+    cfg = dict(
+        init_config=str(tmp_path / "config.json"),
+        tokenizer=str(tokenizer_dir),
+        add_mask_token=True,
+        data=str(tmp_path / "data.jsonl"),
+        out=str(tmp_path / "out"),
+        max_steps=3,
+        batch_size=4,
+        lr=1e-2,
+        log_every=1,
+        eval_every=0,
+        save_every=2,
+        progress=False,
+        tensorboard=False,
+    )
     (tmp_path / "worker.py").write_text(worker)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(tmp_path / "worker.py"), json.dumps(cfg), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(tmp_path / "worker.py"),
+        json.dumps(cfg),
+        *args,
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
 
 

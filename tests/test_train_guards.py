@@ -37,9 +37,29 @@ def fresh_accelerate() -> None:
 
 
 def cli_train(workdir: Path, tokenizer_dir: Path, out: Path, *flags: str) -> int:
-    return cli.main(["train", "--init-config", str(workdir / "config.json"), "--tokenizer", str(tokenizer_dir),
-                     "--add-mask-token", "--data", str(workdir / "copy.jsonl"), "--out", str(out), "--batch-size", "4",
-                     "--eval-every", "0", "--save-every", "0", "--no-progress", "--no-tensorboard", *flags])
+    return cli.main(
+        [
+            "train",
+            "--init-config",
+            str(workdir / "config.json"),
+            "--tokenizer",
+            str(tokenizer_dir),
+            "--add-mask-token",
+            "--data",
+            str(workdir / "copy.jsonl"),
+            "--out",
+            str(out),
+            "--batch-size",
+            "4",
+            "--eval-every",
+            "0",
+            "--save-every",
+            "0",
+            "--no-progress",
+            "--no-tensorboard",
+            *flags,
+        ]
+    )
 
 
 # ------------------------------------------------------------------ resume with other settings
@@ -50,21 +70,42 @@ def test_resume_with_changed_settings_is_refused_unless_allowed(workdir, tokeniz
     fresh_accelerate()
     capsys.readouterr()
     # changed schedule, learning rate and batch: one line naming each, and the flag that accepts them
-    code = cli_train(workdir, tokenizer_dir, out, "--resume", "--max-steps", "5", "--lr", "1e-3", "--grad-accum", "2")
+    code = cli_train(
+        workdir, tokenizer_dir, out, "--resume", "--max-steps", "5", "--lr", "1e-3", "--grad-accum", "2"
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
-    for change in ("--max-steps 3 -> 5", "--lr 0.003 -> 0.001", "--grad-accum 1 -> 2", "pass --allow-config-change"):
+    for change in (
+        "--max-steps 3 -> 5",
+        "--lr 0.003 -> 0.001",
+        "--grad-accum 1 -> 2",
+        "pass --allow-config-change",
+    ):
         assert change in err, err
     fresh_accelerate()
     # how often the run logs, evaluates and saves may change freely (step 3 of 3: nothing to train)
-    again = train(scratch_cfg(workdir, tokenizer_dir, out, resume=True, log_every=7, eval_every=1, save_every=9,
-                              keep_checkpoints=5, **common))
+    again = train(
+        scratch_cfg(
+            workdir,
+            tokenizer_dir,
+            out,
+            resume=True,
+            log_every=7,
+            eval_every=1,
+            save_every=9,
+            keep_checkpoints=5,
+            **common,
+        )
+    )
     assert again.step == 3
     fresh_accelerate()
     # allowed: one line says what changed, and the run goes on with the new values
     changed = dict(max_steps=5, lr=1e-3, grad_accum=2, weight_decay=0.1)
-    resumed = train(scratch_cfg(workdir, tokenizer_dir, out, resume=True, allow_config_change=True,
-                                **{**common, **changed}))
+    resumed = train(
+        scratch_cfg(
+            workdir, tokenizer_dir, out, resume=True, allow_config_change=True, **{**common, **changed}
+        )
+    )
     said = [line for line in capsys.readouterr().err.splitlines() if "changed settings" in line]
     assert len(said) == 1 and "--max-steps 3 -> 5" in said[0] and "--weight-decay 0.0 -> 0.1" in said[0], said
     logs = [r for r in resumed.history if "loss" in r]
@@ -74,7 +115,9 @@ def test_resume_with_changed_settings_is_refused_unless_allowed(workdir, tokeniz
         assert r["lr"] == pytest.approx(1e-3 * lr_factor(r["step"], 5, warmup, 0.1), rel=1e-12)
         assert "grad_norm" in r  # gradients synced on the last of the 2 micro-batches, not before
     assert logs[-1]["samples"] == 3 * 4 + 2 * 2 * 4
-    opt = torch.load(out / "checkpoints" / "step-00000005" / "train_state" / "optimizer.bin", weights_only=False)
+    opt = torch.load(
+        out / "checkpoints" / "step-00000005" / "train_state" / "optimizer.bin", weights_only=False
+    )
     assert {float(s["step"]) for s in opt["state"].values()} == {5.0}  # one AdamW step per optimizer step
     assert [g["weight_decay"] for g in opt["param_groups"]] == [0.1, 0.0]
     assert opt["param_groups"][0]["lr"] == pytest.approx(logs[-1]["lr"], rel=1e-12)
@@ -91,10 +134,14 @@ time.sleep(600)
 """
 
 
-def test_a_second_trainer_on_the_same_out_is_refused_until_the_first_exits(workdir, tokenizer_dir, tmp_path, capsys):
+def test_a_second_trainer_on_the_same_out_is_refused_until_the_first_exits(
+    workdir, tokenizer_dir, tmp_path, capsys
+):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out)], env=env, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(out)], env=env, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         refusal = f"another trainer (pid {holder.pid}) is writing {out}"
@@ -135,20 +182,31 @@ def test_the_too_long_count_says_the_limit_the_lengths_and_the_flag(tmp_path, ca
     assert "70 too long (over the limit of 512 tokens: median " in at_context, at_context
     longest = int(re.search(r"longest (\d+)", at_context).group(1))
     assert longest > 512
-    assert "512 tokens is the model's context (max_position_embeddings), which --max-length cannot exceed" in at_context
-    assert "Token indices sequence length" not in at_context  # the tokenizer's warning: explained by the line above
+    assert (
+        "512 tokens is the model's context (max_position_embeddings), which --max-length cannot exceed"
+        in at_context
+    )
+    assert (
+        "Token indices sequence length" not in at_context
+    )  # the tokenizer's warning: explained by the line above
     below = summary(300)
     assert "over the limit of 300 tokens" in below
-    assert f"pass --max-length 512 (the model's context, the most it allows) to keep {kept(at_context) - kept(below)} of them" in below
+    assert (
+        f"pass --max-length 512 (the model's context, the most it allows) to keep {kept(at_context) - kept(below)} of them"
+        in below
+    )
     roomy = summary(512, context=longest)
     assert f"pass --max-length {longest} to keep them" in roomy
 
 
 # ------------------------------------------------------------------ quiet saves of tied embeddings
-def test_checkpoints_of_tied_embeddings_save_quietly_and_load_back(workdir, tokenizer_dir, tmp_path, capfd, caplog,
-                                                                     recwarn):
+def test_checkpoints_of_tied_embeddings_save_quietly_and_load_back(
+    workdir, tokenizer_dir, tmp_path, capfd, caplog, recwarn
+):
     tied = tmp_path / "tied.json"
-    tied.write_text(json.dumps({**json.loads((workdir / "config.json").read_text()), "tie_word_embeddings": True}))
+    tied.write_text(
+        json.dumps({**json.loads((workdir / "config.json").read_text()), "tie_word_embeddings": True})
+    )
     out = tmp_path / "run"
     cfg = dict(init_config=str(tied), max_steps=2, save_every=1)
     with caplog.at_level(logging.INFO):
@@ -169,7 +227,9 @@ def test_checkpoints_of_tied_embeddings_save_quietly_and_load_back(workdir, toke
     assert "lm.lm_head.weight" not in state
     assert torch.equal(state["lm.model.embed_tokens.weight"], trained["model.embed_tokens.weight"])
     fresh_accelerate()
-    resumed = train(scratch_cfg(workdir, tokenizer_dir, out, resume=True, **cfg))  # step 2 of 2: loads, trains nothing
+    resumed = train(
+        scratch_cfg(workdir, tokenizer_dir, out, resume=True, **cfg)
+    )  # step 2 of 2: loads, trains nothing
     assert resumed.model.lm_head.weight is resumed.model.model.embed_tokens.weight
     for name, value in resumed.model.state_dict().items():
         assert torch.equal(value, trained[name]), name
@@ -196,8 +256,20 @@ def test_a_fine_tune_keeps_the_base_model_s_decode_settings(model_dir, workdir, 
     rec = Recommended(decode={"slot_size": 4, "gen_length": 16}, about="a tuned tiny model")
     rec.write(model_dir)
     out = tmp_path / "ft"
-    train(TrainConfig(model=str(model_dir), data=str(workdir / "copy.jsonl"), out=str(out), max_steps=2, batch_size=4,
-                      log_every=1, progress=False, tensorboard=False, eval_every=0, save_every=1))
+    train(
+        TrainConfig(
+            model=str(model_dir),
+            data=str(workdir / "copy.jsonl"),
+            out=str(out),
+            max_steps=2,
+            batch_size=4,
+            log_every=1,
+            progress=False,
+            tensorboard=False,
+            eval_every=0,
+            save_every=1,
+        )
+    )
     assert Recommended.read(out) == rec
     assert Recommended.read(out / "checkpoints" / "step-00000002") == rec
     assert (out / FILE).is_file()

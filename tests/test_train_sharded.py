@@ -24,7 +24,9 @@ _one_thread_and_fresh_accelerate = test_train._one_thread_and_fresh_accelerate
 workdir = test_train.workdir
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
-needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (pip install --no-build-isolation deepspeed)")
+needs_deepspeed = pytest.mark.skipif(
+    not HAS_DEEPSPEED, reason="deepspeed is not installed (pip install --no-build-isolation deepspeed)"
+)
 
 # test_train_distributed's run (3 steps, checkpoints at 2 and 3) with accumulation, so that
 # the engines' no-sync micro-batches and their clipping (lr 1e-2: every step clips) are used
@@ -60,7 +62,9 @@ def launch_env(config: str) -> dict[str, str]:
     )
     from accelerate.utils import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
-    args = launch_command_parser().parse_args(["--config_file", str(REPO / config), "--num_processes", "2", "x.py"])
+    args = launch_command_parser().parse_args(
+        ["--config_file", str(REPO / config), "--num_processes", "2", "x.py"]
+    )
     args, defaults, _ = _validate_launch_command(args)
     if args.use_deepspeed:  # as launch_command fills it in before calling the DeepSpeed launcher
         args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config) if defaults else ""
@@ -101,8 +105,9 @@ def use_engine(config: str, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("config, sharded_state", ENGINES.values())
-def test_engine_follows_ddp_resumes_and_saves_a_plain_model(config, sharded_state, ddp_run, tmp_path, tokenizer_dir,
-                                                            monkeypatch):
+def test_engine_follows_ddp_resumes_and_saves_a_plain_model(
+    config, sharded_state, ddp_run, tmp_path, tokenizer_dir, monkeypatch
+):
     use_engine(config, monkeypatch)
     proc = run(tmp_path, tokenizer_dir, "full")
     assert proc.returncode == 0, ok(proc)
@@ -126,7 +131,9 @@ def test_engine_follows_ddp_resumes_and_saves_a_plain_model(config, sharded_stat
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(ours(ids, torch.arange(9).expand(2, 9)), hf(ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            ours(ids, torch.arange(9).expand(2, 9)), hf(ids).logits, rtol=1e-5, atol=1e-5
+        )
     # killed after step 3's update, before its checkpoint: resumed from step 2, the same run
     killed = run(tmp_path, tokenizer_dir, "cut", kill=3)
     assert killed.returncode != 0
@@ -154,8 +161,9 @@ def test_lora_under_fsdp_follows_ddp(tmp_path, tokenizer_dir, monkeypatch):
         torch.testing.assert_close(final[name], expected[name], rtol=0, atol=1e-5, msg=name)
 
 
-def test_a_deepspeed_config_without_deepspeed_is_refused_in_one_line(workdir, tokenizer_dir, tmp_path, monkeypatch,
-                                                                     capsys):
+def test_a_deepspeed_config_without_deepspeed_is_refused_in_one_line(
+    workdir, tokenizer_dir, tmp_path, monkeypatch, capsys
+):
     """Before accelerate builds its plugin (which would fail with an ImportError's stack
     trace): deepspeed is hidden here, so this runs whether or not it is installed."""
     monkeypatch.setitem(sys.modules, "deepspeed", None)
@@ -163,7 +171,10 @@ def test_a_deepspeed_config_without_deepspeed_is_refused_in_one_line(workdir, to
     code = cli_train(workdir, tokenizer_dir, tmp_path / "out", "--max-steps", "1")
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
-    assert "uses DeepSpeed, which is not installed: pip install --no-build-isolation deepspeed" in err and "configs/ddp.yaml" in err, err
+    assert (
+        "uses DeepSpeed, which is not installed: pip install --no-build-isolation deepspeed" in err
+        and "configs/ddp.yaml" in err
+    ), err
 
 
 def test_fsdp1_on_the_cpu_is_refused_in_one_line(workdir, tokenizer_dir, tmp_path, monkeypatch, capsys):
@@ -175,8 +186,9 @@ def test_fsdp1_on_the_cpu_is_refused_in_one_line(workdir, tokenizer_dir, tmp_pat
 
 
 @pytest.mark.parametrize("engine", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])
-def test_cpu_with_a_sharding_config_on_a_gpu_machine_is_refused_in_one_line(engine, workdir, tokenizer_dir, tmp_path,
-                                                                          monkeypatch, capsys):
+def test_cpu_with_a_sharding_config_on_a_gpu_machine_is_refused_in_one_line(
+    engine, workdir, tokenizer_dir, tmp_path, monkeypatch, capsys
+):
     import refusion.train.run
 
     monkeypatch.setattr(refusion.train.run, "has_accelerator", lambda: True)

@@ -32,7 +32,9 @@ def aup_weight(y: float, y_max: float, alpha: float = 3.0) -> float:
     return min(math.exp(-alpha * (1.0 - y / y_max)), 1.0)
 
 
-def aup(points: Sequence[tuple[float, float]], y_max: float, alpha: float = 3.0, y_min_offset: float = 5.0) -> float:
+def aup(
+    points: Sequence[tuple[float, float]], y_max: float, alpha: float = 3.0, y_min_offset: float = 5.0
+) -> float:
     """AUP of one method's (TPF, accuracy %) points; `y_max` is the best accuracy (%) of
     any method on the task. A single point (an AR decoder: TPF 1) scores TPF x accuracy."""
     if not points:
@@ -46,5 +48,9 @@ def aup(points: Sequence[tuple[float, float]], y_max: float, alpha: float = 3.0,
     kept = [(rho, y) for rho, y in ordered if y >= y_min]
     total = kept[0][0] * kept[0][1]
     for (rho_prev, y_prev), (rho, y) in zip(kept, kept[1:]):
-        total += 0.5 * (rho - rho_prev) * (y * aup_weight(y, y_max, alpha) + y_prev * aup_weight(y_prev, y_max, alpha))
+        total += (
+            0.5
+            * (rho - rho_prev)
+            * (y * aup_weight(y, y_max, alpha) + y_prev * aup_weight(y_prev, y_max, alpha))
+        )
     return total

@@ -29,9 +29,20 @@ from .suite import SUITE_DEFAULTS, decode_one, pyplot, select_items, summarise
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run", metavar="RUN", help="a `refusion train` output directory (its checkpoints/ and log.jsonl)")
-    parser.add_argument("--every", type=int, default=500, help="decode every checkpoint whose step is a multiple of this (default: 500)")
-    parser.add_argument("--base", default=None, help="the model step 0 is (default: the run's --model, from its trainer state)")
+    parser.add_argument(
+        "run", metavar="RUN", help="a `refusion train` output directory (its checkpoints/ and log.jsonl)"
+    )
+    parser.add_argument(
+        "--every",
+        type=int,
+        default=500,
+        help="decode every checkpoint whose step is a multiple of this (default: 500)",
+    )
+    parser.add_argument(
+        "--base",
+        default=None,
+        help="the model step 0 is (default: the run's --model, from its trainer state)",
+    )
     parser.add_argument("--limit", type=int, default=None, help="first N held-out items (default: all 600)")
     parser.add_argument("--families", default=None, help="comma-separated task families (default: all)")
     parser.add_argument("--device", default="cpu")
@@ -53,8 +64,10 @@ def checkpoints(run: Path, every: int) -> list[tuple[int, Path]]:
     if (run / "config.json").is_file() and final is not None and final not in found:
         found[final] = run
     if not found:
-        raise CheckpointError(f"{run} holds no checkpoints at multiples of {every} steps and no final model: "
-                              "point at a `refusion train --out` directory, or lower --every")
+        raise CheckpointError(
+            f"{run} holds no checkpoints at multiples of {every} steps and no final model: "
+            "point at a `refusion train --out` directory, or lower --every"
+        )
     return sorted(found.items())
 
 
@@ -81,7 +94,10 @@ def losses(run: Path) -> list[dict[str, float]]:
     """The held-out losses the trainer logged, by step (the last record of a step wins: a
     resumed run logs its steps again)."""
     by_step = {r["step"]: r for r in _log(run) if "eval_ar_loss" in r}
-    return [{"step": s, "ar": by_step[s]["eval_ar_loss"], "mdm": by_step[s]["eval_mdm_loss"]} for s in sorted(by_step)]
+    return [
+        {"step": s, "ar": by_step[s]["eval_ar_loss"], "mdm": by_step[s]["eval_mdm_loss"]}
+        for s in sorted(by_step)
+    ]
 
 
 def base_model(run: Path, given: str | None) -> str | None:
@@ -102,7 +118,10 @@ def base_model(run: Path, given: str | None) -> str | None:
     try:
         load_metadata(model)
     except Exception as e:  # a relative path from another directory, a hub id offline
-        print(f"note: no step 0: the run's base model {model!r} is not readable from here ({e}); pass --base", file=sys.stderr)
+        print(
+            f"note: no step 0: the run's base model {model!r} is not readable from here ({e}); pass --base",
+            file=sys.stderr,
+        )
         return None
     return model
 
@@ -122,8 +141,12 @@ def decode_all(path: str | Path, items, cfg, device: str, dtype: str | None, des
 
     model, tokenizer = load(path, device=device, dtype=dtype)
     engine = EngineConfig(max_batch_size=1)
-    records = [decode_one(model, tokenizer, it, i, cfg, engine)
-               for i, it in enumerate(tqdm(items, desc=desc, unit="item", file=sys.stderr, mininterval=1.0, leave=False))]
+    records = [
+        decode_one(model, tokenizer, it, i, cfg, engine)
+        for i, it in enumerate(
+            tqdm(items, desc=desc, unit="item", file=sys.stderr, mininterval=1.0, leave=False)
+        )
+    ]
     return summarise(records)
 
 
@@ -133,7 +156,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--every takes a positive number of steps, got {args.every}")
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be a positive integer, got {args.limit}")
-    cfg = decode_config_from_args(args, base=SUITE_DEFAULTS)  # bench suite's settings; --method: another decoding's curve
+    cfg = decode_config_from_args(
+        args, base=SUITE_DEFAULTS
+    )  # bench suite's settings; --method: another decoding's curve
     items = select_items(args.limit, args.families)
     points = checkpoints(run_dir, args.every)
     base = base_model(run_dir, args.base)
@@ -142,25 +167,48 @@ def run(args: argparse.Namespace) -> int:
     pyplot()  # a missing extra fails before the decoding
     out = Path(args.out) if args.out else run_dir / "curve.json"
     plot = Path(args.plot) if args.plot else run_dir / "curve.png"
-    settings = {"run": str(run_dir), "items": len(items), "families": args.families, "config": dataclasses.asdict(cfg),
-                "device": args.device, "dtype": args.dtype}
+    settings = {
+        "run": str(run_dir),
+        "items": len(items),
+        "families": args.families,
+        "config": dataclasses.asdict(cfg),
+        "device": args.device,
+        "dtype": args.dtype,
+    }
     known = _earlier(out, settings)
     reference = known.get(("ar", str(base)))
     if base is not None and reference is None:
-        reference = {"model": str(base), **decode_all(base, items, cfg.replace(method="ar"), args.device, args.dtype, "base, AR")}
-    rows = {p["step"]: p for p in known.values() if "step" in p}  # earlier points, whose checkpoints may be pruned since
+        reference = {
+            "model": str(base),
+            **decode_all(base, items, cfg.replace(method="ar"), args.device, args.dtype, "base, AR"),
+        }
+    rows = {
+        p["step"]: p for p in known.values() if "step" in p
+    }  # earlier points, whose checkpoints may be pruned since
     for step, path in tqdm(points, desc="checkpoints", unit="ckpt", file=sys.stderr):
         row = known.get((step, str(path)))
         if row is None or row.get("fingerprint") != _fingerprint(path):
             try:
-                row = {"step": step, "model": str(path), "fingerprint": _fingerprint(path),
-                       **decode_all(path, items, cfg, args.device, args.dtype, f"step {step}")}
+                row = {
+                    "step": step,
+                    "model": str(path),
+                    "fingerprint": _fingerprint(path),
+                    **decode_all(path, items, cfg, args.device, args.dtype, f"step {step}"),
+                }
             except (CheckpointError, OSError) as e:  # pruned by the trainer since it was listed
                 print(f"note: step {step} skipped: {e}", file=sys.stderr)
                 continue
         rows[step] = row
-        _write(out, {**settings, "ar_reference": reference, "points": [rows[k] for k in sorted(rows)], "losses": []})
-    curve = {**settings, "ar_reference": reference, "points": [rows[k] for k in sorted(rows)], "losses": losses(run_dir)}
+        _write(
+            out,
+            {**settings, "ar_reference": reference, "points": [rows[k] for k in sorted(rows)], "losses": []},
+        )
+    curve = {
+        **settings,
+        "ar_reference": reference,
+        "points": [rows[k] for k in sorted(rows)],
+        "losses": losses(run_dir),
+    }
     print_curve(curve)
     plot_curve(curve, plot)
     _write(out, curve)
@@ -195,17 +243,30 @@ def _earlier(out: Path, settings: dict[str, Any]) -> dict[Any, dict[str, Any]]:
 def print_curve(curve: dict[str, Any]) -> None:
     rows = curve["points"]
     families = list(rows[0]["per_family"])
-    print(f"held-out suite, {curve['items']} items, {curve['config']['method']} decoding (greedy, batch size 1) at each checkpoint")
-    print(f"{'step':>6} {'acc%':>6}" + "".join(f" {f[:6]:>6}" for f in families) + f" {'TPF':>5} {'tok/s':>7}")
+    print(
+        f"held-out suite, {curve['items']} items, {curve['config']['method']} decoding (greedy, batch size 1) at each checkpoint"
+    )
+    print(
+        f"{'step':>6} {'acc%':>6}" + "".join(f" {f[:6]:>6}" for f in families) + f" {'TPF':>5} {'tok/s':>7}"
+    )
     ref = curve["ar_reference"]
     if ref:
-        print(f"{'AR':>6} {100 * ref['accuracy']:6.1f}" + "".join(f" {100 * ref['per_family'][f]:6.1f}" for f in families)
-              + f" {ref['tpf']:5.2f} {ref['tokens_per_s']:7.1f}   (the base model, AR decoding)")
+        print(
+            f"{'AR':>6} {100 * ref['accuracy']:6.1f}"
+            + "".join(f" {100 * ref['per_family'][f]:6.1f}" for f in families)
+            + f" {ref['tpf']:5.2f} {ref['tokens_per_s']:7.1f}   (the base model, AR decoding)"
+        )
     for r in rows:
-        print(f"{r['step']:6d} {100 * r['accuracy']:6.1f}" + "".join(f" {100 * r['per_family'][f]:6.1f}" for f in families)
-              + f" {r['tpf']:5.2f} {r['tokens_per_s']:7.1f}")
+        print(
+            f"{r['step']:6d} {100 * r['accuracy']:6.1f}"
+            + "".join(f" {100 * r['per_family'][f]:6.1f}" for f in families)
+            + f" {r['tpf']:5.2f} {r['tokens_per_s']:7.1f}"
+        )
     if curve["losses"]:
-        print("held-out loss (the trainer's): " + ", ".join(f"{x['step']}: AR {x['ar']:.4f} MDM {x['mdm']:.4f}" for x in curve["losses"]))
+        print(
+            "held-out loss (the trainer's): "
+            + ", ".join(f"{x['step']}: AR {x['ar']:.4f} MDM {x['mdm']:.4f}" for x in curve["losses"])
+        )
 
 
 def plot_curve(curve: dict[str, Any], path: Path) -> None:
@@ -218,7 +279,12 @@ def plot_curve(curve: dict[str, Any], path: Path) -> None:
     for f in rows[0]["per_family"]:
         ax.plot(steps, [100 * r["per_family"][f] for r in rows], marker=".", alpha=0.7, label=f)
     if ref:
-        ax.axhline(100 * ref["accuracy"], color="black", linestyle="--", label=f"AR decoding of step 0 ({100 * ref['accuracy']:.1f}%)")
+        ax.axhline(
+            100 * ref["accuracy"],
+            color="black",
+            linestyle="--",
+            label=f"AR decoding of step 0 ({100 * ref['accuracy']:.1f}%)",
+        )
     ax.set_ylabel("held-out accuracy (%)")
     ax.legend(fontsize=8)
     axes[1].plot(steps, [r["tpf"] for r in rows], color="tab:red", marker="o")

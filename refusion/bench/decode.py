@@ -48,15 +48,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_pos", nargs="?", metavar="MODEL")
     add_model_arguments(parser)
     add_decode_arguments(parser)
-    parser.add_argument("--prompts", type=int, default=8, help="how many prompts (from the bundled suite if present; default: 8)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved repeats; the median is reported (default: 3)")
-    parser.add_argument("--methods", default="ar,refusion,mdm",
-                        help="comma-separated; a +c suffix (ar+c, refusion+c) runs that method with --compile, so "
-                             "compiled and eager decoding compare in one run")
+    parser.add_argument(
+        "--prompts",
+        type=int,
+        default=8,
+        help="how many prompts (from the bundled suite if present; default: 8)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="interleaved repeats; the median is reported (default: 3)"
+    )
+    parser.add_argument(
+        "--methods",
+        default="ar,refusion,mdm",
+        help="comma-separated; a +c suffix (ar+c, refusion+c) runs that method with --compile, so "
+        "compiled and eager decoding compare in one run",
+    )
     parser.add_argument("--batch-sizes", default="1,4,16")
-    parser.add_argument("--sweep-prompts", type=int, default=0,
-                        help="prompts in the batch-size sweep (default: 4 x the largest batch size)")
-    parser.add_argument("--json", dest="json_out", default=None, help="also write the figures to this JSON file")
+    parser.add_argument(
+        "--sweep-prompts",
+        type=int,
+        default=0,
+        help="prompts in the batch-size sweep (default: 4 x the largest batch size)",
+    )
+    parser.add_argument(
+        "--json", dest="json_out", default=None, help="also write the figures to this JSON file"
+    )
 
 
 def method_config(base: DecodeConfig, engine: EngineConfig, name: str) -> tuple[DecodeConfig, EngineConfig]:
@@ -67,7 +83,9 @@ def method_config(base: DecodeConfig, engine: EngineConfig, name: str) -> tuple[
     return base.replace(method=method), engine.replace(compile=engine.compile or bool(plus))
 
 
-def warm_up(model, tokenizer, base: DecodeConfig, engine: EngineConfig, methods: list[str], sizes: list[int]) -> None:
+def warm_up(
+    model, tokenizer, base: DecodeConfig, engine: EngineConfig, methods: list[str], sizes: list[int]
+) -> None:
     """Compile the graphs of the compiled methods before any timing (one row and several,
     one token and several): compile time is a one-off, not decoding speed."""
     for m in methods:
@@ -75,8 +93,13 @@ def warm_up(model, tokenizer, base: DecodeConfig, engine: EngineConfig, methods:
         if ecfg.compile and cfg.method != "mdm":
             print(f"warm-up: compiling {m}'s graphs (a minute or so at first use)", flush=True)
             for b in sorted({1, max(sizes)}):
-                generate(model, tokenizer, bench_prompts(min(b, 4)), cfg.for_max_tokens(min(cfg.gen_length, 32)),
-                         engine_config=ecfg.replace(max_batch_size=b))
+                generate(
+                    model,
+                    tokenizer,
+                    bench_prompts(min(b, 4)),
+                    cfg.for_max_tokens(min(cfg.gen_length, 32)),
+                    engine_config=ecfg.replace(max_batch_size=b),
+                )
 
 
 def bench_prompts(n: int) -> list[str]:
@@ -103,15 +126,26 @@ def timed(model, tokenizer, prompts, cfg: DecodeConfig, engine: EngineConfig) ->
     overhead = 1.0 - sum(o.stats.forward_time for o in outs) / wall
     fed, logit_rows = sum(o.stats.fed for o in outs), sum(o.stats.logit_rows for o in outs)
     flops = linear_flops(model, fed, logit_rows)
-    return {"tokens": tokens, "nfe": nfe, "tpf": tokens / max(nfe, 1), "wall": wall, "tps": tokens / wall, "overhead": overhead,
-            "fed_per_token": fed / max(tokens, 1), "logit_rows_per_token": logit_rows / max(tokens, 1),
-            "gflops": flops / wall / 1e9}
+    return {
+        "tokens": tokens,
+        "nfe": nfe,
+        "tpf": tokens / max(nfe, 1),
+        "wall": wall,
+        "tps": tokens / wall,
+        "overhead": overhead,
+        "fed_per_token": fed / max(tokens, 1),
+        "logit_rows_per_token": logit_rows / max(tokens, 1),
+        "gflops": flops / wall / 1e9,
+    }
 
 
 def linear_flops(model, fed: int, logit_rows: int) -> float:
     """FLOPs of the linear layers for `fed` tokens through the body and `logit_rows` through
     the vocabulary projection (attention left out: small next to them at these lengths)."""
-    return sum(2.0 * o * i * (body * fed + head * logit_rows) for (o, i), (body, head) in linear_shapes(model).items())
+    return sum(
+        2.0 * o * i * (body * fed + head * logit_rows)
+        for (o, i), (body, head) in linear_shapes(model).items()
+    )
 
 
 def linear_rate(model, out_f: int, in_f: int, rows: int, inner: int) -> float:
@@ -150,7 +184,9 @@ def shape_rates(model, rows: int = 512) -> dict[tuple[int, int], float]:
     return {(out_f, in_f): linear_rate(model, out_f, in_f, rows, 5) for out_f, in_f in linear_shapes(model)}
 
 
-def ceiling_tps(model, rates: dict[tuple[int, int], float], tokens: float, fed: float, logit_rows: float) -> float:
+def ceiling_tps(
+    model, rates: dict[tuple[int, int], float], tokens: float, fed: float, logit_rows: float
+) -> float:
     """Tokens/s if every linear layer ran at its shape's best rate and nothing else (attention,
     norms, sampling, bookkeeping) took any time: what no batch size can beat on this machine
     for this many fed tokens and logit rows per committed token."""
@@ -190,40 +226,76 @@ def _run(args: argparse.Namespace, report: bool) -> int:
     table = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in rows.items()}
     ar_tps = table.get("ar", {}).get("tps")
     threads = f", {torch.get_num_threads()} CPU threads" if model.device.type == "cpu" else ""
-    print(f"{len(prompts)} prompts, batch size 1, gen_length {base.gen_length}, median of {args.rounds} interleaved rounds{threads}")
+    print(
+        f"{len(prompts)} prompts, batch size 1, gen_length {base.gen_length}, median of {args.rounds} interleaved rounds{threads}"
+    )
     print(f"{'method':10} {'tokens':>7} {'NFE':>6} {'TPF':>6} {'tok/s':>8} {'vs AR':>6} {'overhead':>9}")
     for m, r in table.items():
         ratio = f"{r['tps'] / ar_tps:.2f}x" if ar_tps else "-"
-        print(f"{m:10} {r['tokens']:7.0f} {r['nfe']:6.0f} {r['tpf']:6.2f} {r['tps']:8.1f} {ratio:>6} {r['overhead']:8.1%}")
-    print("overhead: share of decode time spent outside forward passes (decoder logic, sampling, bookkeeping)")
-    full, n_sweep = batch_sweep(model, tokenizer, base, engine, methods, sizes, args.sweep_prompts or 4 * max(sizes), args.rounds)
+        print(
+            f"{m:10} {r['tokens']:7.0f} {r['nfe']:6.0f} {r['tpf']:6.2f} {r['tps']:8.1f} {ratio:>6} {r['overhead']:8.1%}"
+        )
+    print(
+        "overhead: share of decode time spent outside forward passes (decoder logic, sampling, bookkeeping)"
+    )
+    full, n_sweep = batch_sweep(
+        model, tokenizer, base, engine, methods, sizes, args.sweep_prompts or 4 * max(sizes), args.rounds
+    )
     sweep = {m: {b: r["tps"] for b, r in per.items()} for m, per in full.items()}
-    print(f"\nbatch-size sweep: {n_sweep} prompts, at most b rows in flight (refilled as rows finish), "
-          f"tokens/s of the whole set, median of {args.rounds} interleaved rounds")
+    print(
+        f"\nbatch-size sweep: {n_sweep} prompts, at most b rows in flight (refilled as rows finish), "
+        f"tokens/s of the whole set, median of {args.rounds} interleaved rounds"
+    )
     print(f"{'method':10} " + " ".join(f"{'b=' + str(b):>9}" for b in sizes) + f" {'max/b1':>7}")
     for m in methods:
-        print(f"{m:10} " + " ".join(f"{sweep[m][b]:9.1f}" for b in sizes) + f" {max(sweep[m].values()) / sweep[m][sizes[0]]:6.2f}x")
+        print(
+            f"{m:10} "
+            + " ".join(f"{sweep[m][b]:9.1f}" for b in sizes)
+            + f" {max(sweep[m].values()) / sweep[m][sizes[0]]:6.2f}x"
+        )
     peak = statistics.median(r["peak_gflops"] for per in full.values() for r in per.values())
-    print(f"\nwhat the sweep asks of the machine: tokens fed per token committed, and the linear layers' GFLOP/s; "
-          f"a matmul of the model's shapes reaches {peak:.1f} GFLOP/s in this run")
+    print(
+        f"\nwhat the sweep asks of the machine: tokens fed per token committed, and the linear layers' GFLOP/s; "
+        f"a matmul of the model's shapes reaches {peak:.1f} GFLOP/s in this run"
+    )
     for m in methods:
-        print(f"{m:10} fed/token {full[m][sizes[0]]['fed_per_token']:5.2f}   GFLOP/s " + " ".join(f"{full[m][b]['gflops']:9.1f}" for b in sizes))
+        print(
+            f"{m:10} fed/token {full[m][sizes[0]]['fed_per_token']:5.2f}   GFLOP/s "
+            + " ".join(f"{full[m][b]['gflops']:9.1f}" for b in sizes)
+        )
     ceilings = print_ceilings(model, full, methods, sizes)
     if args.json_out and report:
         with open(args.json_out, "w") as f:
-            json.dump({"config": dataclasses.asdict(base), "engine": dataclasses.asdict(engine), "prompts": len(prompts), "table": table, "sweep_prompts": n_sweep, "sweep": sweep,
-                       "sweep_detail": full, "matmul_peak_gflops": peak, "ceiling": ceilings}, f, indent=2)
+            json.dump(
+                {
+                    "config": dataclasses.asdict(base),
+                    "engine": dataclasses.asdict(engine),
+                    "prompts": len(prompts),
+                    "table": table,
+                    "sweep_prompts": n_sweep,
+                    "sweep": sweep,
+                    "sweep_detail": full,
+                    "matmul_peak_gflops": peak,
+                    "ceiling": ceilings,
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 
-def print_ceilings(model, full: dict[str, dict[int, dict[str, float]]], methods: list[str], sizes: list[int]) -> dict[str, Any]:
+def print_ceilings(
+    model, full: dict[str, dict[int, dict[str, float]]], methods: list[str], sizes: list[int]
+) -> dict[str, Any]:
     """The most any batch size could reach: each method's fed tokens and logit rows per
     committed token (at the largest batch) through linear layers at their shapes' best
     measured rates, everything else free. Printed next to the sweep's b=1 and best figures."""
     rates = shape_rates(model)
     out: dict[str, Any] = {"shape_gflops": {f"{o}x{i}": r for (o, i), r in rates.items()}}
-    print("\nceiling: tokens/s if every linear layer ran at its shape's best rate here (512 rows) and attention, norms,\n"
-          "sampling and bookkeeping took no time; no batch size can beat it for this many tokens fed per token committed")
+    print(
+        "\nceiling: tokens/s if every linear layer ran at its shape's best rate here (512 rows) and attention, norms,\n"
+        "sampling and bookkeeping took no time; no batch size can beat it for this many tokens fed per token committed"
+    )
     print(f"{'method':10} {'ceiling':>9} {'/ b=1':>7} {'best b':>7} {'share':>6}")
     for m in methods:
         big = full[m][sizes[-1]]
@@ -235,8 +307,16 @@ def print_ceilings(model, full: dict[str, dict[int, dict[str, float]]], methods:
     return out
 
 
-def batch_sweep(model, tokenizer, base: DecodeConfig, engine: EngineConfig, methods: list[str], sizes: list[int], n: int,
-                rounds: int) -> tuple[dict[str, dict[int, dict[str, float]]], int]:
+def batch_sweep(
+    model,
+    tokenizer,
+    base: DecodeConfig,
+    engine: EngineConfig,
+    methods: list[str],
+    sizes: list[int],
+    n: int,
+    rounds: int,
+) -> tuple[dict[str, dict[int, dict[str, float]]], int]:
     """Per (method, batch size), the figures of `timed` for n prompts (median over rounds of
     each), sizes and methods interleaved within each round; `peak_gflops` is the model-shape
     matmul rate measured next to each run."""

@@ -23,22 +23,56 @@ from pathlib import Path
 
 SHAPES = {
     # Qwen3-8B's config.json (the released model's shapes)
-    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                     qk_norm=True, tie_word_embeddings=False, max_position_embeddings=40960, rope_theta=1000000.0),
-    "tiny": dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, qk_norm=True, tie_word_embeddings=False,
-                 max_position_embeddings=256),
+    "qwen3-8b": dict(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        qk_norm=True,
+        tie_word_embeddings=False,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+    ),
+    "tiny": dict(
+        model_type="qwen3",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        qk_norm=True,
+        tie_word_embeddings=False,
+        max_position_embeddings=256,
+    ),
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", choices=list(SHAPES), default="qwen3-8b", help="model shapes (default qwen3-8b)")
-    parser.add_argument("--layers", type=int, default=None, help="fewer layers than the shape's (a quicker run)")
-    parser.add_argument("--tensor-parallel", default="1,2", dest="splits",
-                        help="comma-separated tensor-parallel sizes to load with (default 1,2)")
+    parser.add_argument(
+        "--shape", choices=list(SHAPES), default="qwen3-8b", help="model shapes (default qwen3-8b)"
+    )
+    parser.add_argument(
+        "--layers", type=int, default=None, help="fewer layers than the shape's (a quicker run)"
+    )
+    parser.add_argument(
+        "--tensor-parallel",
+        default="1,2",
+        dest="splits",
+        help="comma-separated tensor-parallel sizes to load with (default 1,2)",
+    )
     parser.add_argument("--tokens", type=int, default=4, help="tokens to decode after loading (default 4)")
-    parser.add_argument("--dir", type=Path, default=None, help="where to write the checkpoint (default: a temporary folder, removed)")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="where to write the checkpoint (default: a temporary folder, removed)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -62,8 +96,13 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if args.dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    report = {"shape": args.shape, "layers": _config(args).num_hidden_layers, "weight_bytes": weight_bytes,
-              "write_s": written, "runs": results}
+    report = {
+        "shape": args.shape,
+        "layers": _config(args).num_hidden_layers,
+        "weight_bytes": weight_bytes,
+        "write_s": written,
+        "runs": results,
+    }
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -99,7 +138,9 @@ def write_random_checkpoint(directory: Path, config, max_shard_bytes: int | None
         tensors = {}
         for name in names:
             norm = "norm" in name
-            tensors[name] = (torch.randn(shapes[name], generator=gen) * (1.0 if norm else 0.02) + float(norm)).to(torch.bfloat16)
+            tensors[name] = (
+                torch.randn(shapes[name], generator=gen) * (1.0 if norm else 0.02) + float(norm)
+            ).to(torch.bfloat16)
         save_file(tensors, directory / file, metadata={"format": "pt"})
         del tensors
     write_index(directory, shards, sizes)
@@ -109,10 +150,20 @@ def write_random_checkpoint(directory: Path, config, max_shard_bytes: int | None
 def measure(directory: Path, tensor_parallel_size: int, tokens: int) -> dict:
     """Load (and decode with) the checkpoint in a fresh process, or `tensor_parallel_size`
     of them; each rank's figures."""
-    cmd = [sys.executable, "-m", "refusion.bench.load", "--probe", str(directory), str(tensor_parallel_size), str(tokens)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "refusion.bench.load",
+        "--probe",
+        str(directory),
+        str(tensor_parallel_size),
+        str(tokens),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if out.returncode != 0:
-        raise RuntimeError(f"loading with tensor-parallel size {tensor_parallel_size} failed:\n{out.stderr[-2000:]}")
+        raise RuntimeError(
+            f"loading with tensor-parallel size {tensor_parallel_size} failed:\n{out.stderr[-2000:]}"
+        )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -132,7 +183,9 @@ def _probe_rank(directory: str, tensor_parallel_size: int, tokens: int) -> dict:
     from ..decode.config import DecodeConfig
     from ..io import load
 
-    torch.ones(8, 8, dtype=torch.bfloat16) @ torch.ones(8, 8, dtype=torch.bfloat16)  # the libraries' own memory
+    torch.ones(8, 8, dtype=torch.bfloat16) @ torch.ones(
+        8, 8, dtype=torch.bfloat16
+    )  # the libraries' own memory
     baseline = _rss_bytes("VmRSS")
     t0 = time.perf_counter()
     model, _ = load(directory, dtype="bfloat16", tensor_parallel_size=tensor_parallel_size)
@@ -140,11 +193,20 @@ def _probe_rank(directory: str, tensor_parallel_size: int, tokens: int) -> dict:
     loaded = _rss_bytes("VmHWM")
     held = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     t0 = time.perf_counter()
-    (out,) = generate(model, None, [[11, 12, 13, 14, 15, 16, 17, 18]], DecodeConfig(method="ar", gen_length=tokens))
+    (out,) = generate(
+        model, None, [[11, 12, 13, 14, 15, 16, 17, 18]], DecodeConfig(method="ar", gen_length=tokens)
+    )
     decode_s = time.perf_counter() - t0
-    return {"baseline_rss": baseline, "peak_rss": loaded, "load_peak_above_baseline": loaded - baseline,
-            "held_bytes": held, "load_s": load_s, "decode_s": decode_s, "tokens": len(out.token_ids),
-            "token_ids": list(out.token_ids)}
+    return {
+        "baseline_rss": baseline,
+        "peak_rss": loaded,
+        "load_peak_above_baseline": loaded - baseline,
+        "held_bytes": held,
+        "load_s": load_s,
+        "decode_s": decode_s,
+        "tokens": len(out.token_ids),
+        "token_ids": list(out.token_ids),
+    }
 
 
 def _gather(directory: str, tensor_parallel_size: int, tokens: int) -> list[dict]:
@@ -164,7 +226,9 @@ def _probe(directory: str, tensor_parallel_size: int, tokens: int) -> None:
 
         from ..parallel import spawn
 
-        here = importlib.import_module("refusion.bench.load")  # by its name: run as __main__ it would not pickle
+        here = importlib.import_module(
+            "refusion.bench.load"
+        )  # by its name: run as __main__ it would not pickle
         ranks = spawn(tensor_parallel_size, here._gather, directory, tensor_parallel_size, tokens)
     print(json.dumps({"tensor_parallel_size": tensor_parallel_size, "ranks": ranks}))
 
@@ -172,17 +236,25 @@ def _probe(directory: str, tensor_parallel_size: int, tokens: int) -> None:
 def format_report(report: dict) -> str:
     gb = report["weight_bytes"] / 1e9
     written = "reused" if report["write_s"] is None else f"written in {report['write_s']:.0f} s"
-    lines = [f"random {report['shape']} checkpoint ({report['layers']} layers, bf16): weights {gb:.2f} GB, {written}"]
-    lines.append(f"{'TP':>3} {'rank':>4} {'load s':>7} {'peak RSS above baseline':>24} {'x weights':>9} "
-                 f"{'held':>9} {'decode':>14}")
+    lines = [
+        f"random {report['shape']} checkpoint ({report['layers']} layers, bf16): weights {gb:.2f} GB, {written}"
+    ]
+    lines.append(
+        f"{'TP':>3} {'rank':>4} {'load s':>7} {'peak RSS above baseline':>24} {'x weights':>9} "
+        f"{'held':>9} {'decode':>14}"
+    )
     for run_ in report["runs"]:
         for r, x in enumerate(run_["ranks"]):
             ratio = x["load_peak_above_baseline"] / report["weight_bytes"]
-            lines.append(f"{run_['tensor_parallel_size']:>3} {r:>4} {x['load_s']:>7.1f} "
-                         f"{x['load_peak_above_baseline'] / 1e9:>21.2f} GB {ratio:>9.2f} {x['held_bytes'] / 1e9:>6.2f} GB "
-                         f"{x['tokens']} tok {x['decode_s']:>5.1f} s")
-    lines.append("peak RSS: the process's peak resident memory (VmHWM) after loading, less its resident memory "
-                 "before (interpreter and libraries); held: the weights the process keeps")
+            lines.append(
+                f"{run_['tensor_parallel_size']:>3} {r:>4} {x['load_s']:>7.1f} "
+                f"{x['load_peak_above_baseline'] / 1e9:>21.2f} GB {ratio:>9.2f} {x['held_bytes'] / 1e9:>6.2f} GB "
+                f"{x['tokens']} tok {x['decode_s']:>5.1f} s"
+            )
+    lines.append(
+        "peak RSS: the process's peak resident memory (VmHWM) after loading, less its resident memory "
+        "before (interpreter and libraries); held: the weights the process keeps"
+    )
     return "\n".join(lines)
 
 

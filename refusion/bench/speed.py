@@ -48,15 +48,37 @@ from .decode import bench_prompts, timed
 RANDOM_SHAPES: dict[str, dict[str, Any]] = {
     # the real Qwen3-0.6B config, plus a MASK token just past Qwen3's 151669 tokenizer ids
     "qwen3-0.6b": dict(
-        model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, qk_norm=True, tie_word_embeddings=True,
-        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960, mask_token_id=151669,
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        mask_token_id=151669,
     ),
     # the same family scaled down until a CPU runs the whole GPU check in minutes
     "small": dict(
-        model_type="qwen3", vocab_size=32768, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, qk_norm=True, tie_word_embeddings=True,
-        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=4096, mask_token_id=32767,
+        model_type="qwen3",
+        vocab_size=32768,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=4096,
+        mask_token_id=32767,
     ),
 }
 TARGET_AR_VS_HF = 1.5  # speed target: our AR decode at least this many times transformers' tokens/s
@@ -64,25 +86,52 @@ TARGET_FORWARD_VS_FLOOR = 1.5  # speed target: a 1-token forward within this fac
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_pos", nargs="?", metavar="MODEL", help=f"as --model, or random:{{{','.join(RANDOM_SHAPES)}}}")
+    parser.add_argument(
+        "model_pos", nargs="?", metavar="MODEL", help=f"as --model, or random:{{{','.join(RANDOM_SHAPES)}}}"
+    )
     add_model_arguments(parser)
     add_decode_arguments(parser)
     g = parser.add_argument_group("speed")
-    g.add_argument("--repeats", type=int, default=5, help="interleaved rounds of sections a and b; medians are reported")
+    g.add_argument(
+        "--repeats", type=int, default=5, help="interleaved rounds of sections a and b; medians are reported"
+    )
     g.add_argument("--decode-rounds", type=int, default=3, help="interleaved rounds of sections c and d")
     g.add_argument("--cache-len", type=int, default=200, help="cache entries before each timed forward")
     g.add_argument("--sizes", default="1,4,8,16,32", help="tokens per timed forward")
-    g.add_argument("--new-tokens", type=int, default=64, help="AR decode: tokens generated per run (EOS ignored)")
-    g.add_argument("--prompts", type=int, default=4, help="ReFusion vs AR: how many suite prompts (default: 4)")
-    g.add_argument("--sample-ms", type=float, default=25.0, help="a timed sample repeats the call for about this long")
-    g.add_argument("--bw-mib", type=int, default=None, help="copy size for the bandwidth floor (default 256 on cpu, 2048 on cuda)")
-    g.add_argument("--matmul-n", type=int, default=None, help="square matmul size for the rate floor (default 1024 cpu, 8192 cuda)")
-    g.add_argument("--hf", choices=["auto", "off"], default="auto", help="compare with transformers (auto: when it is installed)")
+    g.add_argument(
+        "--new-tokens", type=int, default=64, help="AR decode: tokens generated per run (EOS ignored)"
+    )
+    g.add_argument(
+        "--prompts", type=int, default=4, help="ReFusion vs AR: how many suite prompts (default: 4)"
+    )
+    g.add_argument(
+        "--sample-ms", type=float, default=25.0, help="a timed sample repeats the call for about this long"
+    )
+    g.add_argument(
+        "--bw-mib",
+        type=int,
+        default=None,
+        help="copy size for the bandwidth floor (default 256 on cpu, 2048 on cuda)",
+    )
+    g.add_argument(
+        "--matmul-n",
+        type=int,
+        default=None,
+        help="square matmul size for the rate floor (default 1024 cpu, 8192 cuda)",
+    )
+    g.add_argument(
+        "--hf",
+        choices=["auto", "off"],
+        default="auto",
+        help="compare with transformers (auto: when it is installed)",
+    )
     g.add_argument("--json", dest="json_out", default=None, help="also write every figure to this JSON file")
 
 
 # ---------------------------------------------------------------------------- models
-def random_model(name: str, device: str | torch.device, dtype: torch.dtype | None = None, seed: int = 0) -> Transformer:
+def random_model(
+    name: str, device: str | torch.device, dtype: torch.dtype | None = None, seed: int = 0
+) -> Transformer:
     """A randomly initialised model of RANDOM_SHAPES[name], built directly on the device
     (a 0.6B model initialised on a CPU first would take longer than the benchmark).
     Matrices are drawn as transformers initialises them (normal, std 0.02): near-uniform
@@ -126,7 +175,9 @@ def hf_twin(model: Transformer) -> Any:
         hf = AutoModelForCausalLM.from_config(config, dtype=model.dtype, attn_implementation="sdpa")
     missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
     if missing or unexpected:
-        raise RuntimeError(f"transformers twin does not match our weights: missing {missing}, unexpected {unexpected}")
+        raise RuntimeError(
+            f"transformers twin does not match our weights: missing {missing}, unexpected {unexpected}"
+        )
     hf.config.eos_token_id = None
     hf.generation_config.eos_token_id = None
     return hf.eval()
@@ -143,7 +194,9 @@ def suite_prompt_ids(tokenizer: Any, n: int) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------------------- floors
-def floor_ms(weight_bytes: float, kv_bytes: float, flops: float, bandwidth_gbs: float, matmul_gflops: float) -> float:
+def floor_ms(
+    weight_bytes: float, kv_bytes: float, flops: float, bandwidth_gbs: float, matmul_gflops: float
+) -> float:
     """The least time a forward can take on this machine: it must stream its weights and the
     KV entries it reads once, and do its flops at the best matmul rate; whichever is slower
     bounds it. Bandwidth in GB/s, rate in GFLOP/s, result in ms."""
@@ -212,7 +265,9 @@ class OurForward:
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # (1, s) each
         layout = self.cache.packed_write(tokens.tolist(), positions.tolist(), plan_runs=True)
-        hidden = self.model.packed_hidden(*layout.tensors(), segments=layout.segments, masked=layout.masked)  # (s, hidden)
+        hidden = self.model.packed_hidden(
+            *layout.tensors(), segments=layout.segments, masked=layout.masked
+        )  # (s, hidden)
         return self.model.lm_head(hidden)
 
 
@@ -220,7 +275,9 @@ class CompiledForward(OurForward):
     """Our forward as the compiled graph (`--compile`): `decode.forward.CompiledStep`."""
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # (1, s) each
-        hidden = compiled_step()(self.model, tokens.tolist(), positions.tolist(), self.cache)  # (s, hidden); not advanced
+        hidden = compiled_step()(
+            self.model, tokens.tolist(), positions.tolist(), self.cache
+        )  # (s, hidden); not advanced
         return self.model.lm_head(hidden)
 
 
@@ -237,14 +294,18 @@ class HFForward:
         hf(input_ids=prefix, use_cache=True, **{self.kw: self.cache})
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        logits = self.hf(input_ids=tokens, position_ids=positions, use_cache=True, **{self.kw: self.cache}).logits
+        logits = self.hf(
+            input_ids=tokens, position_ids=positions, use_cache=True, **{self.kw: self.cache}
+        ).logits
         self.cache.crop(-tokens.shape[1])  # negative: remove that many (transformers 4.x and 5.x)
         return logits
 
 
 # ---------------------------------------------------------------------------- sections
 @torch.inference_mode()
-def forward_section(model: Transformer, hf: Any, probe: MachineProbe, args: argparse.Namespace) -> dict[str, Any]:
+def forward_section(
+    model: Transformer, hf: Any, probe: MachineProbe, args: argparse.Namespace
+) -> dict[str, Any]:
     """Sections a and b: floors and forwards, interleaved round by round."""
     dev, C = model.device, args.cache_len
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -272,8 +333,14 @@ def forward_section(model: Transformer, hf: Any, probe: MachineProbe, args: argp
     for s in sizes:
         cost = forward_cost(model, C, s)
         floor = floor_ms(cost.weight_bytes, cost.kv_bytes, cost.flops, bw, mm)
-        row = {"tokens": s, "weight_bytes": cost.weight_bytes, "kv_bytes": cost.kv_bytes, "flops": cost.flops,
-               "floor_ms": floor, "ours_ms": median(samples[("ours", s)])}
+        row = {
+            "tokens": s,
+            "weight_bytes": cost.weight_bytes,
+            "kv_bytes": cost.kv_bytes,
+            "flops": cost.flops,
+            "floor_ms": floor,
+            "ours_ms": median(samples[("ours", s)]),
+        }
         row["ours_vs_floor"] = row["ours_ms"] / floor
         if ("compiled", s) in samples:
             row["compiled_ms"] = median(samples[("compiled", s)])
@@ -283,7 +350,12 @@ def forward_section(model: Transformer, hf: Any, probe: MachineProbe, args: argp
             row["hf_vs_floor"] = row["hf_ms"] / floor
             row["hf_vs_ours"] = row["hf_ms"] / row["ours_ms"]
         rows.append(row)
-    floors = {"bandwidth_gbs": bw, "matmul_gflops": mm, "bandwidth_samples": samples["bw"], "matmul_samples": samples["mm"]}
+    floors = {
+        "bandwidth_gbs": bw,
+        "matmul_gflops": mm,
+        "bandwidth_samples": samples["bw"],
+        "matmul_samples": samples["mm"],
+    }
     return {"floors": floors, "cache_len": C, "forward": rows}
 
 
@@ -298,21 +370,37 @@ def ar_section(model: Transformer, hf: Any, prompt: list[int], args: argparse.Na
 
     def theirs() -> list[int]:
         x = torch.tensor([prompt], device=dev)
-        y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                        do_sample=False, use_cache=True, pad_token_id=0)
+        y = hf.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            use_cache=True,
+            pad_token_id=0,
+        )
         return y[0, x.shape[1] :].tolist()
 
     def compiled() -> list[int]:
         return generate(model, None, [prompt], cfg, engine_config=one.replace(compile=True))[0].token_ids
 
-    runs = {"ours": ours} | ({"compiled": compiled} if args.compile else {}) | ({"hf": theirs} if hf is not None else {})
+    runs = (
+        {"ours": ours}
+        | ({"compiled": compiled} if args.compile else {})
+        | ({"hf": theirs} if hf is not None else {})
+    )
     out: dict[str, list[int]] = {name: fn() for name, fn in runs.items()}  # warm-up, and the outputs compared
     tps: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.decode_rounds):
         for name, fn in runs.items():
             ms = time_ms(fn, dev, 1)
             tps[name].append(len(out[name]) / (ms / 1e3))
-    res: dict[str, Any] = {"prompt_tokens": len(prompt), "new_tokens": n, "ours_tps": median(tps["ours"]), "ours_tokens": len(out["ours"])}
+    res: dict[str, Any] = {
+        "prompt_tokens": len(prompt),
+        "new_tokens": n,
+        "ours_tps": median(tps["ours"]),
+        "ours_tokens": len(out["ours"]),
+    }
     if args.compile:
         res["compiled_tps"] = median(tps["compiled"])
         res["compiled_equal"] = out["compiled"] == out["ours"]
@@ -320,17 +408,24 @@ def ar_section(model: Transformer, hf: Any, prompt: list[int], args: argparse.Na
         res["hf_tps"] = median(tps["hf"])
         res["ours_vs_hf"] = res["ours_tps"] / res["hf_tps"]
         res["equal"] = out["ours"] == out["hf"]
-        res["first_difference"] = next((i for i, (a, b) in enumerate(zip(out["ours"], out["hf"])) if a != b), None)
+        res["first_difference"] = next(
+            (i for i, (a, b) in enumerate(zip(out["ours"], out["hf"])) if a != b), None
+        )
         if args.compile:
             res["compiled_vs_hf"] = res["compiled_tps"] / res["hf_tps"]
     return res
 
 
-def refusion_section(model: Transformer, tokenizer: Any, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+def refusion_section(
+    model: Transformer, tokenizer: Any, prompts: list[list[int]], args: argparse.Namespace
+) -> dict[str, Any]:
     """Section d: ReFusion against our AR (EOS honoured: real decoding), batch 1."""
     if mask_id_of(model.config, tokenizer) is None:
         return {"skipped": "the model has no MASK token (run `refusion convert`, then train)"}
-    base, one = decode_config_from_args(args, model=model), engine_config_from_args(args).replace(max_batch_size=1)
+    base, one = (
+        decode_config_from_args(args, model=model),
+        engine_config_from_args(args).replace(max_batch_size=1),
+    )
     rows: dict[str, list[dict[str, Any]]] = {"ar": [], "refusion": []}
     for _ in range(args.decode_rounds):
         for m in rows:
@@ -344,11 +439,16 @@ def refusion_section(model: Transformer, tokenizer: Any, prompts: list[list[int]
 def print_report(fig: dict[str, Any]) -> None:
     f = fig["floors"]
     print(f"{fig['model']} on {fig['device']}, {fig['dtype']}, {fig['parameters'] / 1e6:.1f}M parameters")
-    print(f"a. floors: copy bandwidth {f['bandwidth_gbs']:.1f} GB/s, matmul {f['matmul_gflops']:.1f} GFLOP/s "
-          f"(median of {len(f['bandwidth_samples'])})")
+    print(
+        f"a. floors: copy bandwidth {f['bandwidth_gbs']:.1f} GB/s, matmul {f['matmul_gflops']:.1f} GFLOP/s "
+        f"(median of {len(f['bandwidth_samples'])})"
+    )
     has_hf = "hf_ms" in fig["forward"][0]
     print(f"\nb. ms per forward on a cache of {fig['cache_len']} entries (lm_head on every new token)")
-    print(f"{'tokens':>6} {'floor':>8} {'ours':>8} {'/floor':>7}" + (f" {'hf':>8} {'/floor':>7} {'hf/ours':>8}" if has_hf else ""))
+    print(
+        f"{'tokens':>6} {'floor':>8} {'ours':>8} {'/floor':>7}"
+        + (f" {'hf':>8} {'/floor':>7} {'hf/ours':>8}" if has_hf else "")
+    )
     for r in fig["forward"]:
         line = f"{r['tokens']:6d} {r['floor_ms']:8.3f} {r['ours_ms']:8.3f} {r['ours_vs_floor']:6.2f}x"
         if has_hf:
@@ -356,13 +456,19 @@ def print_report(fig: dict[str, Any]) -> None:
         print(line)
         if "compiled_ms" in r:
             vs_hf = f", hf/compiled {r['hf_ms'] / r['compiled_ms']:.2f}x" if has_hf else ""
-            print(f"{'':6} compiled (--compile): {r['compiled_ms']:.3f} ms, {r['compiled_vs_floor']:.2f}x the floor{vs_hf}")
+            print(
+                f"{'':6} compiled (--compile): {r['compiled_ms']:.3f} ms, {r['compiled_vs_floor']:.2f}x the floor{vs_hf}"
+            )
     a = fig["ar_decode"]
-    print(f"\nc. greedy AR decode, batch 1, {a['new_tokens']} new tokens after {a['prompt_tokens']} prompt tokens (EOS ignored)")
+    print(
+        f"\nc. greedy AR decode, batch 1, {a['new_tokens']} new tokens after {a['prompt_tokens']} prompt tokens (EOS ignored)"
+    )
     print(f"ours {a['ours_tps']:.1f} tok/s", end="")
     if "hf_tps" in a:
         same = "identical" if a["equal"] else f"DIFFERENT from token {a['first_difference']}"
-        print(f", transformers generate {a['hf_tps']:.1f} tok/s, ours/hf {a['ours_vs_hf']:.2f}x; outputs {same}")
+        print(
+            f", transformers generate {a['hf_tps']:.1f} tok/s, ours/hf {a['ours_vs_hf']:.2f}x; outputs {same}"
+        )
     else:
         print(" (transformers not compared)")
     if "compiled_tps" in a:
@@ -378,7 +484,9 @@ def print_report(fig: dict[str, Any]) -> None:
         for m in ("ar", "refusion"):
             r = d[m]
             overhead = f"{r['overhead']:9.1%}" if "overhead" in r else f"{'-':>9}"
-            print(f"{m:10} {r['tokens']:7.0f} {r['nfe']:6.0f} {r['tpf']:6.2f} {r['tps']:8.1f} {1e3 * r['wall'] / r['nfe']:7.2f} {overhead}")
+            print(
+                f"{m:10} {r['tokens']:7.0f} {r['nfe']:6.0f} {r['tpf']:6.2f} {r['tps']:8.1f} {1e3 * r['wall'] / r['nfe']:7.2f} {overhead}"
+            )
         print("overhead: share of decode time outside forward passes (decoder logic, sampling, bookkeeping)")
         print(f"ReFusion / AR tokens/s: {d['refusion']['vs_ar']:.2f}x")
     print("\nspeed targets (1-token forward vs floor, AR decode vs transformers):")
@@ -394,13 +502,25 @@ def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
         for key, how in (("ours_vs_floor", ""), ("compiled_vs_floor", ", compiled")):
             if key in one:
                 v = one[key]
-                out.append({"name": f"1-token forward / floor{how}", "value": v, "want": f"<= {TARGET_FORWARD_VS_FLOOR}",
-                            "met": v <= TARGET_FORWARD_VS_FLOOR})
+                out.append(
+                    {
+                        "name": f"1-token forward / floor{how}",
+                        "value": v,
+                        "want": f"<= {TARGET_FORWARD_VS_FLOOR}",
+                        "met": v <= TARGET_FORWARD_VS_FLOOR,
+                    }
+                )
     for key, how in (("ours_vs_hf", ""), ("compiled_vs_hf", ", compiled")):
         if key in fig["ar_decode"]:
             v = fig["ar_decode"][key]
-            out.append({"name": f"AR decode tok/s, ours / transformers{how}", "value": v, "want": f">= {TARGET_AR_VS_HF}",
-                        "met": v >= TARGET_AR_VS_HF})
+            out.append(
+                {
+                    "name": f"AR decode tok/s, ours / transformers{how}",
+                    "value": v,
+                    "want": f">= {TARGET_AR_VS_HF}",
+                    "met": v >= TARGET_AR_VS_HF,
+                }
+            )
     return out
 
 
@@ -414,9 +534,15 @@ def run(args: argparse.Namespace) -> int:
     probe = MachineProbe(dev, model.dtype, bw_mib, matmul_n)
     prompts = suite_prompt_ids(tokenizer, max(1, args.prompts))
     fig: dict[str, Any] = {
-        "model": spec or "bundled", "device": str(dev), "dtype": str(model.dtype).removeprefix("torch."),
-        "parameters": model.num_parameters(), "threads": torch.get_num_threads(),
-        "settings": {k: getattr(args, k) for k in ("repeats", "decode_rounds", "cache_len", "sizes", "new_tokens", "prompts")}
+        "model": spec or "bundled",
+        "device": str(dev),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "parameters": model.num_parameters(),
+        "threads": torch.get_num_threads(),
+        "settings": {
+            k: getattr(args, k)
+            for k in ("repeats", "decode_rounds", "cache_len", "sizes", "new_tokens", "prompts")
+        }
         | {"bw_mib": bw_mib, "matmul_n": matmul_n},
     }
     fig |= forward_section(model, hf, probe, args)

@@ -44,7 +44,9 @@ from .aup import aup
 
 DEFAULT_AR_MODEL = "bundled:ar-tiny"  # the bundled model's AR baseline, shipped beside it
 # Settings that suit the bundled model (its answers are short); every one can be overridden by a flag.
-SUITE_DEFAULTS = DecodeConfig(method="refusion", gen_length=128, slot_size=8, serial_blocks=4, slot_threshold=0.7, token_threshold=0.3)
+SUITE_DEFAULTS = DecodeConfig(
+    method="refusion", gen_length=128, slot_size=8, serial_blocks=4, slot_threshold=0.7, token_threshold=0.3
+)
 
 
 @dataclass
@@ -71,25 +73,39 @@ class Record:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_pos", nargs="?", metavar="MODEL", help="the ReFusion model (default: the bundled one)")
+    parser.add_argument(
+        "model_pos", nargs="?", metavar="MODEL", help="the ReFusion model (default: the bundled one)"
+    )
     add_model_arguments(parser)
     add_decode_arguments(parser)
-    parser.add_argument("--ar-model", default=None, help="the AR baseline (`refusion train --objective ar`); "
-                        f"default: {DEFAULT_AR_MODEL}, the bundled model's (its row is skipped where it is not installed)")
+    parser.add_argument(
+        "--ar-model",
+        default=None,
+        help="the AR baseline (`refusion train --objective ar`); "
+        f"default: {DEFAULT_AR_MODEL}, the bundled model's (its row is skipped where it is not installed)",
+    )
     parser.add_argument("--limit", type=int, default=None, help="first N held-out items (default: all 600)")
     parser.add_argument("--families", default=None, help="comma-separated task families (default: all)")
     parser.add_argument("--chunk", type=int, default=10, help="items per interleaving chunk")
-    add_data_parallel_argument(parser, "share the chunks of items; one table, per-item timings as each replica ran them")
+    add_data_parallel_argument(
+        parser, "share the chunks of items; one table, per-item timings as each replica ran them"
+    )
     parser.add_argument("--out", default="runs/bench-suite", help="directory for the JSON and the PNG")
     parser.add_argument("--json", dest="json_out", default=None, help="JSON path (default: OUT/suite.json)")
     parser.add_argument("--plot", default=None, help="PNG path of the sweep (default: OUT/sweep.png)")
     g = parser.add_argument_group("sweep (Figure 1, AUP)")
     g.add_argument("--no-sweep", action="store_true", help="only the table")
-    g.add_argument("--sweep-limit", type=int, default=100, help="items in the sweep (the first N of those selected)")
+    g.add_argument(
+        "--sweep-limit", type=int, default=100, help="items in the sweep (the first N of those selected)"
+    )
     g.add_argument("--sweep-slot", default="0.5,0.7,0.9", help="ReFusion slot thresholds")
     g.add_argument("--sweep-token", default="0.1,0.3,0.5", help="ReFusion token thresholds")
-    g.add_argument("--sweep-mdm-tokens-per-step", default="1,2,4", help="MDM: tokens fixed per step (top-k schedule)")
-    g.add_argument("--sweep-mdm-threshold", default="0.9,0.7", help="MDM: confidence thresholds (Fast-dLLM style)")
+    g.add_argument(
+        "--sweep-mdm-tokens-per-step", default="1,2,4", help="MDM: tokens fixed per step (top-k schedule)"
+    )
+    g.add_argument(
+        "--sweep-mdm-threshold", default="0.9,0.7", help="MDM: confidence thresholds (Fast-dLLM style)"
+    )
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -119,17 +135,23 @@ def resolve_ar_model(given: str | None) -> tuple[str | None, str | None]:
     from ..io import BUNDLED_PREFIX, bundled_names
 
     if given is None:
-        if DEFAULT_AR_MODEL[len(BUNDLED_PREFIX):] in bundled_names():
+        if DEFAULT_AR_MODEL[len(BUNDLED_PREFIX) :] in bundled_names():
             return DEFAULT_AR_MODEL, None
-        return None, (f"note: AR baseline row skipped: {DEFAULT_AR_MODEL} is not installed "
-                      "(train one with `refusion train --objective ar` and pass --ar-model)")
+        return None, (
+            f"note: AR baseline row skipped: {DEFAULT_AR_MODEL} is not installed "
+            "(train one with `refusion train --objective ar` and pass --ar-model)"
+        )
     if given.startswith(BUNDLED_PREFIX):
         return given, None  # `load` names what is shipped if this is not
     local = Path(given).expanduser()
-    looks_local = given.startswith((".", "/", "~")) or given.count("/") != 1 or Path(given.split("/")[0]).is_dir()
+    looks_local = (
+        given.startswith((".", "/", "~")) or given.count("/") != 1 or Path(given.split("/")[0]).is_dir()
+    )
     if looks_local and not local.exists():
-        raise CheckpointError(f"AR baseline model not found: no directory at {given} "
-                              "(train one with `refusion train --objective ar`, or fix --ar-model)")
+        raise CheckpointError(
+            f"AR baseline model not found: no directory at {given} "
+            "(train one with `refusion train --objective ar`, or fix --ar-model)"
+        )
     return given, None
 
 
@@ -151,7 +173,11 @@ def base_config(args: argparse.Namespace) -> DecodeConfig:
 PAPER_RULE = dict(ar_correction=False, first_token_check=False)
 BEYOND_PAPER = [
     ("refusion_corrected", "ReFusion + AR correction", dict(ar_correction=True, first_token_check=False)),
-    ("refusion_checked", "ReFusion + AR correction + first-token check", dict(ar_correction=True, first_token_check=True)),
+    (
+        "refusion_checked",
+        "ReFusion + AR correction + first-token check",
+        dict(ar_correction=True, first_token_check=True),
+    ),
 ]
 
 
@@ -172,8 +198,15 @@ def table_runs(base: DecodeConfig, with_ar: bool) -> list[Run]:
 
 
 # what a checkpoint's own decode_config.json may set for the row of its recommended settings
-RECOMMENDED_FIELDS = ("slot_size", "serial_blocks", "slot_threshold", "token_threshold", "ar_correction", "first_token_check",
-                      "infill_window")
+RECOMMENDED_FIELDS = (
+    "slot_size",
+    "serial_blocks",
+    "slot_threshold",
+    "token_threshold",
+    "ar_correction",
+    "first_token_check",
+    "infill_window",
+)
 
 
 def recommended_run(base: DecodeConfig, recommended: Recommended, runs: Sequence[Run]) -> Run | None:
@@ -187,7 +220,9 @@ def recommended_run(base: DecodeConfig, recommended: Recommended, runs: Sequence
     cfg = base.replace(method="refusion", **{k: getattr(own, k) for k in RECOMMENDED_FIELDS})
     if any(r.cfg == cfg for r in runs):
         return None
-    shown = f"slot {cfg.slot_size}, {cfg.serial_blocks} blocks, {cfg.slot_threshold:g}/{cfg.token_threshold:g}"
+    shown = (
+        f"slot {cfg.slot_size}, {cfg.serial_blocks} blocks, {cfg.slot_threshold:g}/{cfg.token_threshold:g}"
+    )
     shown += " + AR correction" * cfg.ar_correction + " + first-token check" * cfg.first_token_check
     shown += f", infill window {cfg.infill_window}" * (cfg.infill_window is not None)
     return Run("refusion_recommended", f"ReFusion, the checkpoint's settings ({shown})", "refusion", cfg)
@@ -231,8 +266,14 @@ def decode_one(model, tokenizer, item, index: int, cfg: DecodeConfig, engine: En
     return Record(index, item.family, bool(correct), out.stats.tokens, out.stats.nfe, seconds)
 
 
-def measure(runs: Sequence[Run], items: Sequence, models: dict[str, tuple], chunk: int, desc: str,
-            engine: EngineConfig) -> dict[str, list[Record]] | None:
+def measure(
+    runs: Sequence[Run],
+    items: Sequence,
+    models: dict[str, tuple],
+    chunk: int,
+    desc: str,
+    engine: EngineConfig,
+) -> dict[str, list[Record]] | None:
     """Every run on every item, interleaved chunk by chunk; rows rotate their order each
     chunk so none always runs first after a switch of weights. Data-parallel replicas
     claim chunks from one counter, and the first process gets every record, in item
@@ -244,7 +285,9 @@ def measure(runs: Sequence[Run], items: Sequence, models: dict[str, tuple], chun
     records: dict[str, list[Record]] = {r.key: [] for r in runs}
     n_chunks = -(-len(items) // chunk)
     total = len(runs) * len(items) // (share[0] if share else 1)
-    with tqdm(total=total, desc=desc, unit="decode", file=sys.stderr, mininterval=1.0, disable=not is_main()) as bar:
+    with tqdm(
+        total=total, desc=desc, unit="decode", file=sys.stderr, mininterval=1.0, disable=not is_main()
+    ) as bar:
         for c in _chunk_numbers(n_chunks, share):
             shift = c % len(runs)
             for run in [*runs[shift:], *runs[:shift]]:
@@ -313,19 +356,40 @@ def summarise(records: Sequence[Record]) -> dict[str, Any]:
 
 def table_rows(runs: Sequence[Run], records: dict[str, list[Record]]) -> list[dict[str, Any]]:
     """One dict per row: figures, the tok/s ratio to the AR baseline row, config, records."""
-    rows = [{"key": r.key, "label": r.label, "weights": r.weights, "method": r.cfg.method, **summarise(records[r.key]),
-             "config": dataclasses.asdict(r.cfg), "records": [dataclasses.asdict(x) for x in records[r.key]]} for r in runs]
+    rows = [
+        {
+            "key": r.key,
+            "label": r.label,
+            "weights": r.weights,
+            "method": r.cfg.method,
+            **summarise(records[r.key]),
+            "config": dataclasses.asdict(r.cfg),
+            "records": [dataclasses.asdict(x) for x in records[r.key]],
+        }
+        for r in runs
+    ]
     ar = next((row for row in rows if row["key"] == "ar_baseline"), None)
     for row in rows:
         row["vs_ar"] = row["tokens_per_s"] / ar["tokens_per_s"] if ar and ar["tokens_per_s"] > 0 else None
     return rows
 
 
-def sweep_points(runs: Sequence[Run], records: dict[str, list[Record]]) -> tuple[list[dict[str, Any]], dict[str, float], float]:
+def sweep_points(
+    runs: Sequence[Run], records: dict[str, list[Record]]
+) -> tuple[list[dict[str, Any]], dict[str, float], float]:
     """(points, AUP per method, y_max): y_max is the best accuracy (%) of any point, as the
     leaderboard takes it."""
-    points = [{"key": r.key, "method": r.group, "label": r.label, **summarise(records[r.key]),
-               "config": dataclasses.asdict(r.cfg), "records": [dataclasses.asdict(x) for x in records[r.key]]} for r in runs]
+    points = [
+        {
+            "key": r.key,
+            "method": r.group,
+            "label": r.label,
+            **summarise(records[r.key]),
+            "config": dataclasses.asdict(r.cfg),
+            "records": [dataclasses.asdict(x) for x in records[r.key]],
+        }
+        for r in runs
+    ]
     y_max = max(100 * p["accuracy"] for p in points)
     groups: dict[str, list[tuple[float, float]]] = {}
     for p in points:
@@ -338,25 +402,35 @@ def print_table(rows: list[dict[str, Any]], items: Sequence, base: DecodeConfig,
     families = list(dict.fromkeys(it.family for it in items))
     counts = ", ".join(f"{f} {sum(it.family == f for it in items)}" for f in families)
     decoding = "greedy" if base.greedy else f"temperature {base.temperature:g}"
-    print(f"held-out suite: {len(items)} items ({counts}); {decoding}, batch size 1, {device}, one interleaved run")
-    print(f"gen_length {base.gen_length}; ReFusion slot_size {base.slot_size}, serial_blocks {base.serial_blocks}, "
-          f"slot_threshold {base.slot_threshold:g}, token_threshold {base.token_threshold:g}; "
-          f"MDM block {base.mdm_block_length}, steps {base.mdm_steps or 'one token each'}"
-          + (f", threshold {base.mdm_threshold:g}" if base.mdm_threshold is not None else ""))
+    print(
+        f"held-out suite: {len(items)} items ({counts}); {decoding}, batch size 1, {device}, one interleaved run"
+    )
+    print(
+        f"gen_length {base.gen_length}; ReFusion slot_size {base.slot_size}, serial_blocks {base.serial_blocks}, "
+        f"slot_threshold {base.slot_threshold:g}, token_threshold {base.token_threshold:g}; "
+        f"MDM block {base.mdm_block_length}, steps {base.mdm_steps or 'one token each'}"
+        + (f", threshold {base.mdm_threshold:g}" if base.mdm_threshold is not None else "")
+    )
     fam_heads = "".join(f" {f[:6]:>6}" for f in families)
-    print(f"{'method':34} {'acc%':>6}{fam_heads} {'tok/s':>8} {'vs AR':>6} {'TPF':>5} {'NFE':>7} {'NFE/it':>7}")
+    print(
+        f"{'method':34} {'acc%':>6}{fam_heads} {'tok/s':>8} {'vs AR':>6} {'TPF':>5} {'NFE':>7} {'NFE/it':>7}"
+    )
     for r in rows:
         fam = "".join(f" {100 * r['per_family'].get(f, 0.0):6.1f}" for f in families)
         ratio = f"{r['vs_ar']:.2f}x" if r["vs_ar"] is not None else "-"
-        print(f"{r['label']:34} {100 * r['accuracy']:6.1f}{fam} {r['tokens_per_s']:8.1f} {ratio:>6} "
-              f"{r['tpf']:5.2f} {r['nfe']:7d} {r['nfe_per_item']:7.1f}")
+        print(
+            f"{r['label']:34} {100 * r['accuracy']:6.1f}{fam} {r['tokens_per_s']:8.1f} {ratio:>6} "
+            f"{r['tpf']:5.2f} {r['nfe']:7d} {r['nfe_per_item']:7.1f}"
+        )
 
 
 def print_sweep(points: list[dict[str, Any]], aups: dict[str, float], n_items: int) -> None:
     print(f"\nsweep on {n_items} items: accuracy against throughput (AUP over TPF, d3LLM definition)")
     print(f"{'method':12} {'setting':22} {'acc%':>6} {'tok/s':>8} {'TPF':>5}")
     for p in points:
-        print(f"{p['method']:12} {p['label']:22} {100 * p['accuracy']:6.1f} {p['tokens_per_s']:8.1f} {p['tpf']:5.2f}")
+        print(
+            f"{p['method']:12} {p['label']:22} {100 * p['accuracy']:6.1f} {p['tokens_per_s']:8.1f} {p['tpf']:5.2f}"
+        )
     print("AUP: " + ", ".join(f"{g} {v:.1f}" for g, v in aups.items()))
 
 
@@ -365,7 +439,9 @@ def pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise MissingExtraError("the sweep plot needs matplotlib: pip install 'refusion[plot]', or scripts/setup.sh plot in a checkout (or pass --no-sweep)") from None
+        raise MissingExtraError(
+            "the sweep plot needs matplotlib: pip install 'refusion[plot]', or scripts/setup.sh plot in a checkout (or pass --no-sweep)"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -391,8 +467,14 @@ def plot_sweep(points: list[dict[str, Any]], aups: dict[str, float], path: Path,
         for ax, x in zip(axes, ("tokens_per_s", "tpf")):
             pts = [(p[x], 100 * p["accuracy"]) for p in mine]
             marker = "*" if len(pts) == 1 else "o"
-            ax.scatter(*zip(*pts), color=color, marker=marker, s=160 if marker == "*" else 30,
-                       label=f"{g} (AUP {aups[g]:.1f})", zorder=3)
+            ax.scatter(
+                *zip(*pts),
+                color=color,
+                marker=marker,
+                s=160 if marker == "*" else 30,
+                label=f"{g} (AUP {aups[g]:.1f})",
+                zorder=3,
+            )
             if len(pts) > 1:
                 ax.plot(*zip(*frontier(pts)), color=color, alpha=0.6)
     axes[0].set_xlabel("throughput (tokens / s)")
@@ -427,7 +509,9 @@ def run(args: argparse.Namespace) -> int:
     if ar_path is not None:
         from ..io import load
 
-        models["ar"] = load(ar_path, device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size or 1)
+        models["ar"] = load(
+            ar_path, device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size or 1
+        )
     main = is_main()
     if note and main:
         print(note, file=sys.stderr)
@@ -437,9 +521,13 @@ def run(args: argparse.Namespace) -> int:
     runs += [own] if own else []
     records = measure(runs, items, models, args.chunk, "table", engine)
     result: dict[str, Any] = {
-        "models": {"refusion": args.model or "bundled", "ar": ar_path}, "device": args.device,
-        "data_parallel_size": args.data_parallel_size, "tensor_parallel_size": args.tensor_parallel_size or 1,
-        "items": len(items), "families": sorted({it.family for it in items}), "chunk": args.chunk,
+        "models": {"refusion": args.model or "bundled", "ar": ar_path},
+        "device": args.device,
+        "data_parallel_size": args.data_parallel_size,
+        "tensor_parallel_size": args.tensor_parallel_size or 1,
+        "items": len(items),
+        "families": sorted({it.family for it in items}),
+        "chunk": args.chunk,
         "config": dataclasses.asdict(base),
     }
     if main:  # the first process reports; the others take part in measuring only
@@ -451,9 +539,20 @@ def run(args: argparse.Namespace) -> int:
         if main:
             points, aups, y_max = sweep_points(sweep, sweep_records)
             print_sweep(points, aups, len(sweep_items))
-            plot_sweep(points, aups, plot_path, f"held-out suite, {len(sweep_items)} items, batch size 1, {args.device}")
+            plot_sweep(
+                points,
+                aups,
+                plot_path,
+                f"held-out suite, {len(sweep_items)} items, batch size 1, {args.device}",
+            )
             print(f"figure: {plot_path}")
-            result["sweep"] = {"items": len(sweep_items), "points": points, "aup": aups, "y_max": y_max, "plot": str(plot_path)}
+            result["sweep"] = {
+                "items": len(sweep_items),
+                "points": points,
+                "aup": aups,
+                "y_max": y_max,
+                "plot": str(plot_path),
+            }
     if not main:
         return 0
     json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,18 +23,33 @@ from ..train.objective import ObjectiveConfig, weighted_loss
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None, help="model directory or hub id (default: the bundled model)")
-    parser.add_argument("--init-config", default=None, help="bench a randomly initialised model from this config.json")
+    parser.add_argument(
+        "model", nargs="?", default=None, help="model directory or hub id (default: the bundled model)"
+    )
+    parser.add_argument(
+        "--init-config", default=None, help="bench a randomly initialised model from this config.json"
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="examples per step (default: 8)")
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per example, prompt + response (default: 256)")
-    parser.add_argument("--prompt-frac", type=float, default=0.25, help="mean share of the prompt (default: 0.25)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per repeat and objective (default: 3)")
+    parser.add_argument(
+        "--seq-len", type=int, default=256, help="tokens per example, prompt + response (default: 256)"
+    )
+    parser.add_argument(
+        "--prompt-frac", type=float, default=0.25, help="mean share of the prompt (default: 0.25)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=3, help="timed steps per repeat and objective (default: 3)"
+    )
     parser.add_argument("--repeats", type=int, default=6, help="alternating repeats (default: 6)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     parser.add_argument(
-        "--precision", choices=("auto", "no", "bf16"), default="auto", help="autocast (auto: bf16 on a GPU that has it)"
+        "--precision",
+        choices=("auto", "no", "bf16"),
+        default="auto",
+        help="autocast (auto: bf16 on a GPU that has it)",
     )
-    parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    parser.add_argument(
+        "--gradient-checkpointing", action="store_true", help="recompute activations in backward"
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -65,7 +80,9 @@ def _run(args: argparse.Namespace) -> int:
         building the objective's batch."""
         t0 = time.perf_counter()
         gen = step_generator(args.seed, i)
-        ids, pos, targets = step_inputs(objective, tokens, prompt_lens, lengths, mask_id, obj_cfg, gen, device)
+        ids, pos, targets = step_inputs(
+            objective, tokens, prompt_lens, lengths, mask_id, obj_cfg, gen, device
+        )
         t_obj = time.perf_counter() - t0
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = loss_model(ids, pos, targets.flat_index)
@@ -130,11 +147,17 @@ def _now(device: torch.device) -> float:
 def _report(args, model: Transformer, device, bf16: bool, n_tokens: int, timings: dict, shares: list) -> None:
     rf, ar = statistics.median(timings["refusion"]), statistics.median(timings["ar"])
     name = args.init_config or args.model or "bundled model"
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    where = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"cpu ({torch.get_num_threads()} threads)"
+    )
     print(f"model      {name}: {model.num_parameters() / 1e6:.2f}M parameters")
     print(f"device     {where}, {'bf16 autocast' if bf16 else 'float32'}")
-    print(f"batch      {args.batch_size} x {args.seq_len} tokens ({n_tokens} per step), "
-          f"{args.repeats} alternating repeats x {args.steps} steps")
+    print(
+        f"batch      {args.batch_size} x {args.seq_len} tokens ({n_tokens} per step), "
+        f"{args.repeats} alternating repeats x {args.steps} steps"
+    )
     print(f"{'objective':<10} {'tokens/s':>12} {'min':>12} {'max':>12}")
     for label, key in (("refusion", "refusion"), ("ar", "ar")):
         xs = timings[key]

@@ -14,15 +14,29 @@ from ..errors import ConfigError
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", "-m", default=None, help="model directory, hub id or .gguf file (default: the bundled model)")
+    parser.add_argument(
+        "--model",
+        "-m",
+        default=None,
+        help="model directory, hub id or .gguf file (default: the bundled model)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the checkpoint's, if the device runs it)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="float32, bfloat16, float16 (default: the checkpoint's, if the device runs it)",
+    )
 
 
 def add_data_parallel_argument(parser: argparse.ArgumentParser, what: str) -> None:
     """--data-parallel-size N: N replicas of the model, a process (and device) each."""
-    parser.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
-                        help=f"N model replicas, one process (device) each, {what} (default: 1)")
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help=f"N model replicas, one process (device) each, {what} (default: 1)",
+    )
 
 
 def _flag_fields(cls: type) -> list[dataclasses.Field]:
@@ -37,24 +51,37 @@ def _add_field_flags(group: argparse._ArgumentGroup, cls: type, skip: tuple[str,
         default = f.default if f.default is not dataclasses.MISSING else None
         # decoding settings not given come from the checkpoint's decode_config.json first
         source = "the checkpoint's, else " if cls is DecodeConfig else ""
-        help_text = meta["help"] if "default" in meta["help"] else f"{meta['help']} (default: {source}{default})"
+        help_text = (
+            meta["help"] if "default" in meta["help"] else f"{meta['help']} (default: {source}{default})"
+        )
         if kind == "bool":
             # --x / --no-x: a checkpoint's decode_config.json may turn an option on
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=meta["help"])
         elif kind == "tuple":
             group.add_argument(flag, type=int, nargs="*", default=None, metavar="ID", help=help_text)
         else:
-            group.add_argument(flag, type={"int": int, "float": float, "str": str}[kind], default=None,
-                               choices=meta.get("choices"), help=help_text)
+            group.add_argument(
+                flag,
+                type={"int": int, "float": float, "str": str}[kind],
+                default=None,
+                choices=meta.get("choices"),
+                help=help_text,
+            )
 
 
-def add_decode_arguments(parser: argparse.ArgumentParser, default_method: str = "refusion", engine: bool = True) -> None:
+def add_decode_arguments(
+    parser: argparse.ArgumentParser, default_method: str = "refusion", engine: bool = True
+) -> None:
     """Every `DecodeConfig` flag and a --preset (and, with `engine`, every `EngineConfig`
     flag: --max-batch-size, --memory-budget-gb, --compile)."""
     g = parser.add_argument_group("decoding (per request)")
-    g.add_argument("--preset", choices=PRESETS, default=None,
-                   help="the authors' settings for a benchmark (slot layout, thresholds, gen_length 512), on top of the "
-                        "checkpoint's; `eval` uses the task's own unless told")
+    g.add_argument(
+        "--preset",
+        choices=PRESETS,
+        default=None,
+        help="the authors' settings for a benchmark (slot layout, thresholds, gen_length 512), on top of the "
+        "checkpoint's; `eval` uses the task's own unless told",
+    )
     _add_field_flags(g, DecodeConfig)
     if engine:
         _add_field_flags(parser.add_argument_group("engine (resources)"), EngineConfig)
@@ -76,7 +103,9 @@ def _given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     return out
 
 
-def decode_config_from_args(args: argparse.Namespace, base: DecodeConfig | None = None, model: Any = None) -> DecodeConfig:
+def decode_config_from_args(
+    args: argparse.Namespace, base: DecodeConfig | None = None, model: Any = None
+) -> DecodeConfig:
     """Preset (on `base`; else on the settings `model`'s checkpoint recommends, its
     decode_config.json; else on the defaults), then every flag the user gave on top.
     Called before loading a model, it checks the flags."""
@@ -96,8 +125,12 @@ def engine_config_from_args(args: argparse.Namespace, base: EngineConfig | None 
 def load_from_args(args: argparse.Namespace):
     from ..io import load
 
-    return load(args.model, device=args.device, dtype=args.dtype,
-                tensor_parallel_size=getattr(args, "tensor_parallel_size", None) or 1)
+    return load(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", None) or 1,
+    )
 
 
 def engine_from_args(args: argparse.Namespace):

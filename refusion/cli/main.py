@@ -34,7 +34,9 @@ VERBS = {
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """Every verb's name and help; the flags only of the verb that `argv` names (all of
     them when argv is None)."""
-    parser = argparse.ArgumentParser(prog="refusion", description="ReFusion: parallel autoregressive slot decoding.")
+    parser = argparse.ArgumentParser(
+        prog="refusion", description="ReFusion: parallel autoregressive slot decoding."
+    )
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     words = [a for a in argv if not a.startswith("-")] if argv is not None else None
     chosen = words[0] if words else None
@@ -57,6 +59,7 @@ def _command(verb: str):
 
 def _one_line_warnings(verb: str) -> None:
     """Warnings as one line each, `refusion VERB: warning: ...`, as errors are printed."""
+
     def show(message, category, filename, lineno, file=None, line=None):
         print(f"refusion {verb}: warning: {str(message).strip()}", file=file or sys.stderr)
 
@@ -123,7 +126,9 @@ def _dispatch(argv: list[str] | None) -> int:
     _one_line_warnings(args.verb)
     args._argv = argv  # a verb that starts copies of itself (serve's replicas) passes them on
     try:
-        size = (getattr(args, "tensor_parallel_size", None) or 1) * (getattr(args, "data_parallel_size", None) or 1)
+        size = (getattr(args, "tensor_parallel_size", None) or 1) * (
+            getattr(args, "data_parallel_size", None) or 1
+        )
         if size > 1:
             return _run_split(args, size)
         return int(_command(args.verb).run(args) or 0)
@@ -154,17 +159,23 @@ def _run_split(args: argparse.Namespace, size: int) -> int:
     if args.verb in LEADER_VERBS:
         return _lead(args, size)
     if args.verb not in SPLIT_VERBS:
-        raise ConfigError(f"--tensor-parallel-size is not yet supported by `refusion {args.verb}`; "
-                          f"it is by {', '.join(SPLIT_VERBS + LEADER_VERBS)}")
+        raise ConfigError(
+            f"--tensor-parallel-size is not yet supported by `refusion {args.verb}`; "
+            f"it is by {', '.join(SPLIT_VERBS + LEADER_VERBS)}"
+        )
     if args.verb == "bench" and args.bench not in SPLIT_BENCHES:
-        raise ConfigError(f"`refusion bench {args.bench}` runs in one process; --tensor-parallel-size is taken by "
-                          + " and ".join(f"`bench {b}`" for b in SPLIT_BENCHES))
+        raise ConfigError(
+            f"`refusion bench {args.bench}` runs in one process; --tensor-parallel-size is taken by "
+            + " and ".join(f"`bench {b}`" for b in SPLIT_BENCHES)
+        )
     if join_torchrun(getattr(args, "device", "cpu")):
         import torch.distributed as dist
 
         if dist.get_world_size() != size:
-            raise ConfigError(f"torchrun started {dist.get_world_size()} processes; the flags ask for {size} "
-                              "(data-parallel x tensor-parallel size)")
+            raise ConfigError(
+                f"torchrun started {dist.get_world_size()} processes; the flags ask for {size} "
+                "(data-parallel x tensor-parallel size)"
+            )
         return int(_command(args.verb).run(args) or 0)
     stdin_copy = None
     if str(getattr(args, "prompt_file", None)) == "-":  # the ranks have no terminal: read stdin here
@@ -193,8 +204,10 @@ def _lead(args: argparse.Namespace, size: int) -> int:
         if args.verb != "serve":
             raise ConfigError(f"`refusion {args.verb}` takes --tensor-parallel-size only")
         if join_torchrun(device):
-            raise ConfigError("under torchrun, `refusion serve` takes --tensor-parallel-size only: run "
-                              "`refusion serve --data-parallel-size N` on its own, and it starts its replicas")
+            raise ConfigError(
+                "under torchrun, `refusion serve` takes --tensor-parallel-size only: run "
+                "`refusion serve --data-parallel-size N` on its own, and it starts its replicas"
+            )
         return int(_command("serve").run_replicas(args) or 0)
     if join_torchrun(device):
         import torch.distributed as dist

@@ -14,13 +14,32 @@ from typing import TYPE_CHECKING
 from ..lazy import lazy_attributes
 
 _WHERE = {
-    "DecodeConfig": "config", "EngineConfig": "config", "METHODS": "config", "PRESETS": "config",
-    "Engine": "engine", "RequestOutput": "request", "DecodeStats": "request", "TraceEvent": "request",
-    "StopText": "text", "TextDeltas": "text", "generate": "api", "stream": "api",
+    "DecodeConfig": "config",
+    "EngineConfig": "config",
+    "METHODS": "config",
+    "PRESETS": "config",
+    "Engine": "engine",
+    "RequestOutput": "request",
+    "DecodeStats": "request",
+    "TraceEvent": "request",
+    "StopText": "text",
+    "TextDeltas": "text",
+    "generate": "api",
+    "stream": "api",
 }
 __all__ = [
-    "METHODS", "PRESETS", "DecodeConfig", "DecodeStats", "Engine", "EngineConfig", "RequestOutput", "StopText",
-    "TextDeltas", "TraceEvent", "generate", "stream",
+    "METHODS",
+    "PRESETS",
+    "DecodeConfig",
+    "DecodeStats",
+    "Engine",
+    "EngineConfig",
+    "RequestOutput",
+    "StopText",
+    "TextDeltas",
+    "TraceEvent",
+    "generate",
+    "stream",
 ]
 
 if TYPE_CHECKING:

@@ -36,7 +36,9 @@ def generate(
         raise ConfigError("no prompts given")
     cfgs = list(cfg) if isinstance(cfg, Sequence) else [cfg] * len(prompts)
     if len(cfgs) != len(prompts):
-        raise ConfigError(f"{len(cfgs)} configs for {len(prompts)} prompts: give one config, or one per prompt")
+        raise ConfigError(
+            f"{len(cfgs)} configs for {len(prompts)} prompts: give one config, or one per prompt"
+        )
     engine = Engine(model, tokenizer, engine_config)
     ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
     for i in sorted(range(len(ids)), key=lambda i: len(ids[i])):  # similar lengths batch together
@@ -52,8 +54,9 @@ def generate(
     return outputs  # type: ignore[return-value]
 
 
-def fit_to_context(model: Transformer, tokenizer, prompts: Sequence[Prompt], cfg: DecodeConfig, *,
-                   chat: bool = True) -> tuple[list[list[int]], list[DecodeConfig], list[int]]:
+def fit_to_context(
+    model: Transformer, tokenizer, prompts: Sequence[Prompt], cfg: DecodeConfig, *, chat: bool = True
+) -> tuple[list[list[int]], list[DecodeConfig], list[int]]:
     """The prompts as token ids, each with `cfg`'s gen_length lowered to what the model's
     context leaves after it (`fit_to_room`), and the lengths of those it lowered. For
     lengths the user did not ask for by number (a preset's 512, a checkpoint's
@@ -65,20 +68,31 @@ def fit_to_context(model: Transformer, tokenizer, prompts: Sequence[Prompt], cfg
     return ids, cfgs, [c.gen_length for c in cfgs if c.gen_length < cfg.gen_length]
 
 
-def lowered_note(cfg: DecodeConfig, lowered: Sequence[int], total: int, context: int, preset: str | None) -> str | None:
+def lowered_note(
+    cfg: DecodeConfig, lowered: Sequence[int], total: int, context: int, preset: str | None
+) -> str | None:
     """The one line that says a gen_length was lowered to fit the context (None if none
     was); `lowered` holds the lengths it was lowered to, `preset` the one that set it."""
     if not lowered:
         return None
     source = f"preset {preset}" if preset else "the checkpoint's recommendation or the default"
     to = f"{min(lowered)}" if min(lowered) == max(lowered) else f"{min(lowered)}-{max(lowered)}"
-    return (f"note: gen_length {cfg.gen_length} ({source}) lowered to {to} to fit the model's context of {context} "
-            f"positions after the prompt, for {len(lowered)} of {total} prompt{'s' if total > 1 else ''}; "
-            "--gen-length N sets it (and errors if it does not fit)")
+    return (
+        f"note: gen_length {cfg.gen_length} ({source}) lowered to {to} to fit the model's context of {context} "
+        f"positions after the prompt, for {len(lowered)} of {total} prompt{'s' if total > 1 else ''}; "
+        "--gen-length N sets it (and errors if it does not fit)"
+    )
 
 
-def stream(model: Transformer, tokenizer, prompt: Prompt, cfg: DecodeConfig | None = None, *,
-           engine_config: EngineConfig | None = None, chat: bool = True) -> Iterator[str]:
+def stream(
+    model: Transformer,
+    tokenizer,
+    prompt: Prompt,
+    cfg: DecodeConfig | None = None,
+    *,
+    engine_config: EngineConfig | None = None,
+    chat: bool = True,
+) -> Iterator[str]:
     """Yield text as soon as a left-to-right prefix of the generation is final. Slots
     decoded further right show up once the gap before them is filled."""
     engine = Engine(model, tokenizer, engine_config)

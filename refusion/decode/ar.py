@@ -26,6 +26,7 @@ class ARRow:
         self.done = False
 
     stops_early = True  # finished once its output is final (EOS or gen_length)
+
     def feed(self) -> Feed:
         """A joining row feeds its prompt at 0..P-1; a running row its last token at P+done-1."""
         n = len(self.pending)

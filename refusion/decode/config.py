@@ -36,8 +36,17 @@ PRESETS = tuple(_PAPER)
 MAX_STOPS = 16
 
 
-def knob(default: Any, help: str, *, lo: float | None = None, hi: float | None = None,
-         choices: tuple[str, ...] | None = None, most: int | None = None, flag: bool = True, http: bool = True) -> Any:
+def knob(
+    default: Any,
+    help: str,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    choices: tuple[str, ...] | None = None,
+    most: int | None = None,
+    flag: bool = True,
+    http: bool = True,
+) -> Any:
     """A config field with its bounds (`most`: items of a list field) and help; `flag` /
     `http` say whether the CLI and the HTTP request expose it under its own name."""
     meta = {"help": help, "lo": lo, "hi": hi, "choices": choices, "most": most, "flag": flag, "http": http}
@@ -56,28 +65,59 @@ class DecodeConfig:
     # --- ReFusion (docs/algorithm.md#decoding)
     slot_size: int = knob(8, "ReFusion: tokens per slot", lo=1, hi=4096)
     serial_blocks: int = knob(1, "ReFusion: left-to-right blocks of the generation region", lo=1, hi=4096)
-    slot_threshold: float = knob(0.9, "ReFusion plan: select every slot whose first-token confidence exceeds this", lo=0.0, hi=1.0)
-    token_threshold: float = knob(0.4, "ReFusion verify: a drafted token passes when its AR probability exceeds this", lo=0.0, hi=1.0)
-    ar_correction: bool = knob(False, "ReFusion infill: a token that fails verification is replaced by the AR prediction "
-                                      "from its verify pass (kept) instead of a fresh MASK draft; beyond the paper")
-    first_token_check: bool = knob(False, "ReFusion: a selected slot's first token is checked against the AR prediction "
-                                          "of its left neighbour where that is known, and replaced when it fails; beyond the paper")
-    infill_window: int | None = knob(None, "ReFusion infill: draft and verify at most this many tokens past a slot's accepted "
-                                           "prefix per round (default: the rest of the slot); beyond the paper", lo=1, hi=4096)
+    slot_threshold: float = knob(
+        0.9, "ReFusion plan: select every slot whose first-token confidence exceeds this", lo=0.0, hi=1.0
+    )
+    token_threshold: float = knob(
+        0.4, "ReFusion verify: a drafted token passes when its AR probability exceeds this", lo=0.0, hi=1.0
+    )
+    ar_correction: bool = knob(
+        False,
+        "ReFusion infill: a token that fails verification is replaced by the AR prediction "
+        "from its verify pass (kept) instead of a fresh MASK draft; beyond the paper",
+    )
+    first_token_check: bool = knob(
+        False,
+        "ReFusion: a selected slot's first token is checked against the AR prediction "
+        "of its left neighbour where that is known, and replaced when it fails; beyond the paper",
+    )
+    infill_window: int | None = knob(
+        None,
+        "ReFusion infill: draft and verify at most this many tokens past a slot's accepted "
+        "prefix per round (default: the rest of the slot); beyond the paper",
+        lo=1,
+        hi=4096,
+    )
     # --- MDM baseline (docs/algorithm.md#mdm): LLaDA-style low-confidence remasking in semi-AR blocks
     mdm_block_length: int = knob(32, "MDM: tokens per semi-autoregressive block", lo=1, hi=4096)
-    mdm_steps: int | None = knob(None, "MDM: denoising steps over the whole generation (default: one token per step)", lo=1, hi=2**16)
-    mdm_threshold: float | None = knob(None, "MDM: fix every position above this confidence (at least one) instead of top-k", lo=0.0, hi=1.0)
+    mdm_steps: int | None = knob(
+        None, "MDM: denoising steps over the whole generation (default: one token per step)", lo=1, hi=2**16
+    )
+    mdm_threshold: float | None = knob(
+        None, "MDM: fix every position above this confidence (at least one) instead of top-k", lo=0.0, hi=1.0
+    )
     # --- sampling (temperature 0 = greedy)
     temperature: float = knob(0.0, "sampling temperature (0 = greedy)", lo=0.0, hi=100.0)
-    top_p: float = knob(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability", lo=0.0, hi=1.0)
+    top_p: float = knob(
+        1.0, "nucleus sampling: keep the smallest set of tokens with this much probability", lo=0.0, hi=1.0
+    )
     top_k: int = knob(0, "sample among the k most likely tokens (0 = no filter)", lo=0, hi=2**31 - 1)
-    seed: int | None = knob(None, "sampling seed: the request samples the same tokens alone or in any batch", lo=-(2**63), hi=2**63 - 1)
+    seed: int | None = knob(
+        None,
+        "sampling seed: the request samples the same tokens alone or in any batch",
+        lo=-(2**63),
+        hi=2**63 - 1,
+    )
     # --- when to stop
-    stop: tuple[str, ...] = knob((), "strings that end the text (not included in it)", most=MAX_STOPS, flag=False, http=False)
+    stop: tuple[str, ...] = knob(
+        (), "strings that end the text (not included in it)", most=MAX_STOPS, flag=False, http=False
+    )
     stop_token_ids: tuple[int, ...] | None = knob(
-        None, "token ids that end the generation instead of the model's EOS ids (empty: nothing ends it before gen_length)",
-        lo=0, hi=2**31 - 1)
+        None,
+        "token ids that end the generation instead of the model's EOS ids (empty: nothing ends it before gen_length)",
+        lo=0,
+        hi=2**31 - 1,
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, (str, list)):
@@ -87,7 +127,7 @@ class DecodeConfig:
             object.__setattr__(self, "stop_token_ids", tuple(ids))
         self.validate()
 
-    def validate(self) -> "DecodeConfig":
+    def validate(self) -> DecodeConfig:
         """Raise ConfigError (a FieldError naming the field) on any out-of-range value,
         before any compute."""
         check_fields(self)
@@ -98,7 +138,9 @@ class DecodeConfig:
     def unit(self) -> int:
         """Tokens the method decodes in whole units of: ReFusion whole slots in equal
         blocks, MDM whole blocks, AR single tokens."""
-        return {"refusion": self.slot_size * self.serial_blocks, "mdm": self.mdm_block_length, "ar": 1}[self.method]
+        return {"refusion": self.slot_size * self.serial_blocks, "mdm": self.mdm_block_length, "ar": 1}[
+            self.method
+        ]
 
     @property
     def region_length(self) -> int:
@@ -117,20 +159,27 @@ class DecodeConfig:
 
     # ------------------------------------------------------------------ making one
     @classmethod
-    def preset(cls, name: str, base: "DecodeConfig | None" = None, **overrides: Any) -> "DecodeConfig":
+    def preset(cls, name: str, base: DecodeConfig | None = None, **overrides: Any) -> DecodeConfig:
         """The authors' settings for a benchmark (docs/algorithm.md#presets) on top of `base` (its sampling
         and stop settings are kept), then `overrides`: `DecodeConfig.preset("gsm8k")`."""
         if name not in _PAPER:
             raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
         s, b, ts, tt = _PAPER[name]
-        values = dict(method="refusion", gen_length=512, slot_size=s, serial_blocks=b, slot_threshold=ts, token_threshold=tt)
+        values = dict(
+            method="refusion",
+            gen_length=512,
+            slot_size=s,
+            serial_blocks=b,
+            slot_threshold=ts,
+            token_threshold=tt,
+        )
         return dataclasses.replace(base or cls(), **(values | overrides))
 
-    def replace(self, **changes: Any) -> "DecodeConfig":
+    def replace(self, **changes: Any) -> DecodeConfig:
         """A copy with some fields changed (validated)."""
         return dataclasses.replace(self, **changes)
 
-    def for_max_tokens(self, n: int) -> "DecodeConfig":
+    def for_max_tokens(self, n: int) -> DecodeConfig:
         """This config generating at most n tokens (a server's max_tokens, lm-eval's
         max_gen_toks): the method's region is n rounded up to whole units."""
         return self.replace(gen_length=n)
@@ -142,19 +191,30 @@ class EngineConfig:
 
     device: str | None = knob(None, "device to run on (default: where the model is)", flag=False, http=False)
     max_batch_size: int = knob(16, "requests decoded together at most", lo=1, hi=2**16, http=False)
-    memory_budget_gb: float = knob(4.0, "KV-cache memory that bounds the batch further (GiB)", lo=1e-6, hi=2**20, http=False)
+    memory_budget_gb: float = knob(
+        4.0, "KV-cache memory that bounds the batch further (GiB)", lo=1e-6, hi=2**20, http=False
+    )
     # AR and ReFusion: every forward with a KV cache as one torch.compile graph (the first
     # uses compile for a minute or so, a few graphs per model); MDM has no cache and runs eagerly
-    compile: bool = knob(False, "AR and ReFusion: run forwards as one torch.compile graph "
-                                "(a minute or so at first use; needs a C++ compiler on CPU)", http=False)
+    compile: bool = knob(
+        False,
+        "AR and ReFusion: run forwards as one torch.compile graph "
+        "(a minute or so at first use; needs a C++ compiler on CPU)",
+        http=False,
+    )
     # the model split over this many processes, one per device (refusion.parallel)
-    tensor_parallel_size: int = knob(1, "processes (one per device) the model is split over by attention heads and "
-                                        "MLP columns", lo=1, hi=4096, http=False)
+    tensor_parallel_size: int = knob(
+        1,
+        "processes (one per device) the model is split over by attention heads and MLP columns",
+        lo=1,
+        hi=4096,
+        http=False,
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
 
-    def replace(self, **changes: Any) -> "EngineConfig":
+    def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
@@ -184,13 +244,26 @@ def check_value(f: dataclasses.Field, value: Any) -> Any:
     kind = field_kind(f)
     if kind == "tuple":
         return _check_items(f, value)
-    value = check_scalar(f.name, kind, value, lo=f.metadata.get("lo"), hi=f.metadata.get("hi"),
-                         choices=f.metadata.get("choices"))
+    value = check_scalar(
+        f.name,
+        kind,
+        value,
+        lo=f.metadata.get("lo"),
+        hi=f.metadata.get("hi"),
+        choices=f.metadata.get("choices"),
+    )
     return float(value) if kind == "float" else value
 
 
-def check_scalar(name: str, kind: str, value: Any, *, lo: float | None = None, hi: float | None = None,
-                 choices: tuple[str, ...] | None = None) -> Any:
+def check_scalar(
+    name: str,
+    kind: str,
+    value: Any,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
     """`value` checked to be a `kind` ('bool', 'int', 'float', 'str') within the bounds or
     choices; FieldError naming `name` otherwise. Fields and the server's own request
     fields (max_tokens, stream) share it, so every such error reads the same."""
@@ -220,12 +293,16 @@ def _check_items(f: dataclasses.Field, value: Any) -> tuple:
     name, meta, most = f.name, f.metadata, f.metadata.get("most")
     strings = "str" in str(f.type)
     items = (value,) if strings and isinstance(value, str) else value
-    if not isinstance(items, (list, tuple)) or not all(_is_kind("str" if strings else "int", v) for v in items):
+    if not isinstance(items, (list, tuple)) or not all(
+        _is_kind("str" if strings else "int", v) for v in items
+    ):
         want = "a string or a list of strings" if strings else "a list of integers"
         raise FieldError(name, f"{name} must be {want}, got {_what(value)}", wrong_type=True)
     if (most is not None and len(items) > most) or (strings and not all(items)):
         limit = f"at most {most} " if most is not None else ""
-        raise FieldError(name, f"{name} takes {limit}{'non-empty strings' if strings else 'items'}, got {shown(value)}")
+        raise FieldError(
+            name, f"{name} takes {limit}{'non-empty strings' if strings else 'items'}, got {shown(value)}"
+        )
     for v in items:
         check_scalar(name, "str" if strings else "int", v, lo=meta.get("lo"), hi=meta.get("hi"))
     return tuple(items)
@@ -262,5 +339,9 @@ def _what(value: Any) -> str:
     """A value of the wrong type, for "x must be ..., got ...": quoted with its type, or
     named where JSON's non-finite numbers would print as Python's (nan, inf)."""
     if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else f"{'-' if value < 0 else ''}Infinity (or a number too large for a double)"
+        return (
+            "NaN"
+            if math.isnan(value)
+            else f"{'-' if value < 0 else ''}Infinity (or a number too large for a double)"
+        )
     return f"{shown(value)} ({type(value).__name__})"

@@ -88,8 +88,16 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.requests or self.finished_outputs)
 
-    def add_request(self, prompt: Prompt, cfg: DecodeConfig | None = None, *, request_id: str | None = None,
-                    chat: bool = True, trace: bool = False, stream: bool = True) -> str:
+    def add_request(
+        self,
+        prompt: Prompt,
+        cfg: DecodeConfig | None = None,
+        *,
+        request_id: str | None = None,
+        chat: bool = True,
+        trace: bool = False,
+        stream: bool = True,
+    ) -> str:
         """Queue a request; it joins the batch at the next step. A text prompt goes through
         the chat template (unless chat=False); token ids are taken as they are. With
         stream=False it is reported once, when finished (its text decoded then, not at every step).
@@ -217,7 +225,10 @@ class Engine:
         of `req` fit the memory budget, sized by the one rule (`cache_bytes`)?"""
         reqs = [r.req for r in self.rows + self.mdm + new] + [req]
         needs = [request_need(q.cfg, len(q.prompt)) for q in reqs]
-        return cache_bytes(needs, self._entry_bytes, joining=bool(self.rows)) <= self.config.memory_budget_gb * 2**30
+        return (
+            cache_bytes(needs, self._entry_bytes, joining=bool(self.rows))
+            <= self.config.memory_budget_gb * 2**30
+        )
 
     def _retire(self) -> None:
         """Finished rows leave; their cache storage stays for rows that join."""
@@ -245,21 +256,33 @@ class Engine:
         rows, mask = self.rows, self.mask_id
         feeds = [r.plan_feed(mask) if isinstance(r, ReFusionRow) else r.feed() for r in rows]
         logits = self._run(feeds)
-        self.cache.advance([r.take_plan(lg, len(f[0])) if isinstance(r, ReFusionRow) else r.take(lg)
-                            for r, f, lg in zip(rows, feeds, logits)])
+        self.cache.advance(
+            [
+                r.take_plan(lg, len(f[0])) if isinstance(r, ReFusionRow) else r.take(lg)
+                for r, f, lg in zip(rows, feeds, logits)
+            ]
+        )
 
     def _verify(self) -> None:
         """Step 3: global verification of the selected drafts, fast-path commits; AR rows
         that are not done take another token."""
         rows = self.rows
-        feeds = [r.verify_feed() if isinstance(r, ReFusionRow) else None if r.done else r.feed() for r in rows]
+        feeds = [
+            r.verify_feed() if isinstance(r, ReFusionRow) else None if r.done else r.feed() for r in rows
+        ]
         logits = self._run(feeds)
-        self.cache.advance([0 if f is None else r.take_verify(lg, f[0]) if isinstance(r, ReFusionRow) else r.take(lg)
-                            for r, f, lg in zip(rows, feeds, logits)])
+        self.cache.advance(
+            [
+                0 if f is None else r.take_verify(lg, f[0]) if isinstance(r, ReFusionRow) else r.take(lg)
+                for r, f, lg in zip(rows, feeds, logits)
+            ]
+        )
 
     def _infill(self) -> None:
         """Step 4 for the ReFusion rows whose selection did not pass whole."""
-        need = [(r, b) for b, r in enumerate(self.rows) if isinstance(r, ReFusionRow) and r.to_infill is not None]
+        need = [
+            (r, b) for b, r in enumerate(self.rows) if isinstance(r, ReFusionRow) and r.to_infill is not None
+        ]
         if need:
             self.infill([r for r, _ in need], [b for _, b in need], self.cache)
 
@@ -272,12 +295,15 @@ class Engine:
 
     def _step_mdm(self) -> None:
         feeds = [r.feed() for r in self.mdm]
-        logits = self.fwd.run([r.req for r in self.mdm], [f[0] for f in feeds], [f[1] for f in feeds], None,
-                              [f[2] for f in feeds])
+        logits = self.fwd.run(
+            [r.req for r in self.mdm],
+            [f[0] for f in feeds],
+            [f[1] for f in feeds],
+            None,
+            [f[2] for f in feeds],
+        )
         for r, lg in zip(self.mdm, logits):
             r.take(lg)
-
-
 
 
 def _split(model: Transformer) -> int:
@@ -291,8 +317,12 @@ def _check_parallel(model: Transformer, config: EngineConfig) -> None:
     process's graph, without the collectives a split model runs."""
     split = _split(model)
     if split != config.tensor_parallel_size:
-        raise ConfigError(f"the model is split over {split} process(es) but tensor_parallel_size is "
-                          f"{config.tensor_parallel_size}: load it with refusion.load(..., tensor_parallel_size="
-                          f"{config.tensor_parallel_size}) in each of the processes (refusion.parallel.spawn)")
+        raise ConfigError(
+            f"the model is split over {split} process(es) but tensor_parallel_size is "
+            f"{config.tensor_parallel_size}: load it with refusion.load(..., tensor_parallel_size="
+            f"{config.tensor_parallel_size}) in each of the processes (refusion.parallel.spawn)"
+        )
     if split > 1 and config.compile:
-        raise ConfigError("compiled forwards (--compile) run in one process: drop --compile with --tensor-parallel-size")
+        raise ConfigError(
+            "compiled forwards (--compile) run in one process: drop --compile with --tensor-parallel-size"
+        )

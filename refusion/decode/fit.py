@@ -34,8 +34,9 @@ def longest_fitting(cfg: DecodeConfig, room: int) -> int:
     return max(room, 0) // cfg.unit * cfg.unit
 
 
-def fit_to_room(cfg: DecodeConfig, prompt_len: int, context: int, length: int | None = None, *,
-                name: str = "gen_length") -> DecodeConfig:
+def fit_to_room(
+    cfg: DecodeConfig, prompt_len: int, context: int, length: int | None = None, *, name: str = "gen_length"
+) -> DecodeConfig:
     """`cfg` with a gen_length that fits the room a `prompt_len`-token prompt leaves in a
     `context`-position model, or NoRoomError with advice.
 
@@ -63,25 +64,36 @@ def _no_room(cfg: DecodeConfig, prompt_len: int, context: int, length: int | Non
     shorter = [f"shorten the prompt to at most {context - need} tokens"] if context - need >= 1 else []
     left = f"only {room} are left after the {prompt_len}-token prompt (context {context})"
     if room < 1:
-        return NoRoomError(f"the prompt has {prompt_len} tokens and the model's context is {context} positions, which "
-                           f"leaves no room to generate; {(shorter or ['shorten the prompt'])[0]}", None)
+        return NoRoomError(
+            f"the prompt has {prompt_len} tokens and the model's context is {context} positions, which "
+            f"leaves no room to generate; {(shorter or ['shorten the prompt'])[0]}",
+            None,
+        )
     if length is None:  # not even one unit fits
         unit_fix = _smaller_unit(cfg, room)
-        return NoRoomError(f"{_unit_text(cfg)}, but {left}; " + ", or ".join([f"lower {_said(unit_fix, 'at most ')}",
-                                                                                *shorter]), next(iter(unit_fix)))
+        return NoRoomError(
+            f"{_unit_text(cfg)}, but {left}; "
+            + ", or ".join([f"lower {_said(unit_fix, 'at most ')}", *shorter]),
+            next(iter(unit_fix)),
+        )
     longest = longest_fitting(cfg, room)
     if length > room:
         advice = f"lower {name} to {longest}"
         if not longest:  # a smaller unit too, and the longest length that fits with it
             unit_fix = _smaller_unit(cfg, room)
             advice = f"lower {name} to {longest_fitting(cfg.replace(**unit_fix), room)} and {_said(unit_fix)}"
-        return NoRoomError(f"this model's maximum context length is {context} positions; the {prompt_len}-token prompt "
-                           f"and {name} {length} need {prompt_len + length}: " + ", or ".join([advice, *shorter]), name)
+        return NoRoomError(
+            f"this model's maximum context length is {context} positions; the {prompt_len}-token prompt "
+            f"and {name} {length} need {prompt_len + length}: " + ", or ".join([advice, *shorter]),
+            name,
+        )
     unit_fix = _smaller_unit(cfg, room - length + 1)
     advice = [f"lower {name} to {longest}"] if longest else []
-    return NoRoomError(f"{name} {length} needs {need} positions: {_unit_text(cfg)}, and {left}; "
-                       + ", or ".join([*advice, f"lower {_said(unit_fix, 'at most ')}", *shorter]),
-                       name if longest else next(iter(unit_fix)))
+    return NoRoomError(
+        f"{name} {length} needs {need} positions: {_unit_text(cfg)}, and {left}; "
+        + ", or ".join([*advice, f"lower {_said(unit_fix, 'at most ')}", *shorter]),
+        name if longest else next(iter(unit_fix)),
+    )
 
 
 def _unit_text(cfg: DecodeConfig) -> str:
@@ -89,8 +101,10 @@ def _unit_text(cfg: DecodeConfig) -> str:
         return f"mdm decodes in whole blocks of mdm_block_length {cfg.mdm_block_length} positions"
     if cfg.method == "ar":
         return "ar decodes one position at a time"
-    return (f"{cfg.method} decodes in whole units of slot_size {cfg.slot_size} x serial_blocks {cfg.serial_blocks} "
-            f"= {cfg.unit} positions")
+    return (
+        f"{cfg.method} decodes in whole units of slot_size {cfg.slot_size} x serial_blocks {cfg.serial_blocks} "
+        f"= {cfg.unit} positions"
+    )
 
 
 def _smaller_unit(cfg: DecodeConfig, slack: int) -> dict[str, int]:

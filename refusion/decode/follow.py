@@ -65,7 +65,6 @@ def _stop_followers() -> None:
         dist.broadcast_object_list([STOP], src=0)
 
 
-
 def engine_for(model: Any, tokenizer: Any, config: Any = None):
     """The engine a verb drives: an Engine, or on rank 0 of a split model its leader."""
     from .engine import Engine
@@ -116,7 +115,9 @@ def lead(size: int, args: Any, make_engine: Callable[[Any], Any], device: str = 
     backend = backend_for(device)
     os.environ.update(RANK="0", WORLD_SIZE=str(size), LOCAL_RANK="0")
     own_device(backend, 0)
-    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=0, world_size=size, timeout=WAIT)
+    dist.init_process_group(
+        backend, init_method=f"file://{rendezvous}", rank=0, world_size=size, timeout=WAIT
+    )
     return procs
 
 

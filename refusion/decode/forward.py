@@ -25,7 +25,9 @@ if TYPE_CHECKING:
     from .request import Request
 
 
-def make_room(model: Transformer, cache: KVCache | None, joining: int, capacity: int, reserve: int) -> KVCache:
+def make_room(
+    model: Transformer, cache: KVCache | None, joining: int, capacity: int, reserve: int
+) -> KVCache:
     """The decoder's cache with `joining` new empty rows (rows joining, or the first
     batch), each able to hold `capacity` entries (`model.sizing.row_capacity`), storage
     reserved for `reserve` rows."""
@@ -51,8 +53,13 @@ class CompiledStep:
         self.graph_limit = graph_limit
         self.warned = False
 
-    def __call__(self, model: Transformer, tokens: Sequence[Sequence[int]], positions: Sequence[Sequence[int]],
-                 cache: KVCache) -> torch.Tensor:
+    def __call__(
+        self,
+        model: Transformer,
+        tokens: Sequence[Sequence[int]],
+        positions: Sequence[Sequence[int]],
+        cache: KVCache,
+    ) -> torch.Tensor:
         """Row b's tokens (any number, none included) are written at its end, not advanced
         (the caller keeps what it wants with `cache.advance`). Returns the final hidden
         states of the real tokens, row after row: (sum of lengths, hidden)."""
@@ -69,17 +76,25 @@ class CompiledStep:
         except torch._dynamo.exc.FailOnRecompileLimitHit:  # raised before any write: run it eagerly
             self._warn_limit()
             return model.packed_hidden(*args)
-        except torch._dynamo.exc.BackendCompilerFailed as e:  # inductor could not build it (no C++ compiler, say)
-            raise CompileError(f"torch.compile could not build the forward ({type(e.inner_exception).__name__}: "
-                              f"{str(e.inner_exception).splitlines()[0][:200]}). Run without --compile (compile=False), "
-                              "or install a C++ compiler (inductor needs one on CPU).") from e
+        except (
+            torch._dynamo.exc.BackendCompilerFailed
+        ) as e:  # inductor could not build it (no C++ compiler, say)
+            raise CompileError(
+                f"torch.compile could not build the forward ({type(e.inner_exception).__name__}: "
+                f"{str(e.inner_exception).splitlines()[0][:200]}). Run without --compile (compile=False), "
+                "or install a C++ compiler (inductor needs one on CPU)."
+            ) from e
 
     def _warn_limit(self) -> None:
         if not self.warned:
             self.warned = True
-            warnings.warn(f"torch.compile holds its limit of {self.graph_limit} graphs for the forward in this process "
-                          "(recompile_limit); forwards of new shapes or models run eagerly (same results, slower). "
-                          "Make the step with a larger graph_limit to compile more.", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"torch.compile holds its limit of {self.graph_limit} graphs for the forward in this process "
+                "(recompile_limit); forwards of new shapes or models run eagerly (same results, slower). "
+                "Make the step with a larger graph_limit to compile more.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
 
 _COMPILED: list[CompiledStep] = []
@@ -102,14 +117,16 @@ class Forward:
 
     model: Transformer
     pad_id: int
-    compiled: "CompiledStep | None" = None  # the compiled forward (EngineConfig.compile), for forwards with a cache
+    compiled: CompiledStep | None = (
+        None  # the compiled forward (EngineConfig.compile), for forwards with a cache
+    )
 
     forwards: int = 0  # forward passes run so far
     nonfinite: bool = False  # a forward gave NaN or infinite logits (broken weights, an overflowing dtype)
 
     def run(
         self,
-        reqs: Sequence["Request"],  # the request of each cache row
+        reqs: Sequence[Request],  # the request of each cache row
         tokens: Sequence[Sequence[int]],
         positions: Sequence[Sequence[int]],
         cache: KVCache | None,
@@ -131,7 +148,7 @@ class Forward:
         sync(device)
         seconds = time.perf_counter() - t0
         self.forwards += 1
-        took_part: dict[int, "Request"] = {}
+        took_part: dict[int, Request] = {}
         for req, t, (a, e) in zip(reqs, tokens, want):
             if t or e > a:
                 took_part[id(req)] = req
@@ -148,10 +165,16 @@ class Forward:
         if self.nonfinite or self.forwards % 64 or logits.numel() == 0 or bool(torch.isfinite(logits).all()):
             return
         self.nonfinite = True
-        warnings.warn("the model's logits are not finite (NaN or inf): its output is meaningless. Check the weights "
-                      "(a broken or mis-converted checkpoint) or run in float32 (--dtype float32)", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            "the model's logits are not finite (NaN or inf): its output is meaningless. Check the weights "
+            "(a broken or mis-converted checkpoint) or run in float32 (--dtype float32)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
-    def _packed(self, tokens: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], cache: KVCache) -> torch.Tensor:
+    def _packed(
+        self, tokens: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], cache: KVCache
+    ) -> torch.Tensor:
         """Every forward with a cache: `Transformer.packed_hidden` over the cache's packed
         layout, compiled (`CompiledStep`) or eager (attention then in runs of rows when a
         prompt is prefilled beside one-token steps)."""
@@ -162,8 +185,12 @@ class Forward:
             return cache.k[0].new_zeros(0, self.model.config.hidden_size)
         return self.model.packed_hidden(*layout.tensors(), segments=layout.segments, masked=layout.masked)
 
-    def _plain(self, tokens: Sequence[Sequence[int]], positions: Sequence[Sequence[int]],
-               want: Sequence[tuple[int, int]]) -> torch.Tensor:
+    def _plain(
+        self,
+        tokens: Sequence[Sequence[int]],
+        positions: Sequence[Sequence[int]],
+        want: Sequence[tuple[int, int]],
+    ) -> torch.Tensor:
         """A forward without a cache (MDM), over right-padded rows: the hidden states at the
         wanted entries."""
         device = self.model.device

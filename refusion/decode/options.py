@@ -102,7 +102,9 @@ class PaperRule:
         """`slots` are whole and final (they are committed next); logits[last[i]] (V,) are
         this pass's logits at slots[i]'s last token."""
 
-    def before_infill(self, row: ReFusionRow, logits: torch.Tensor, chunks: list[list[int]], per_slot: list[int]) -> None:
+    def before_infill(
+        self, row: ReFusionRow, logits: torch.Tensor, chunks: list[list[int]], per_slot: list[int]
+    ) -> None:
         """Global verification left the selection to infill: `chunks` and `per_slot` (the
         slots' drafts and passing prefixes) go to the forks as they are."""
 
@@ -134,7 +136,9 @@ class BeyondPaper(PaperRule):
         self.corrects, self.checks_first = cfg.ar_correction, cfg.first_token_check
         self.window = cfg.infill_window or cfg.slot_size
         self.global_next = int(self.checks_first)  # predicts the next slot's first token
-        self.infill_next = int(self.checks_first or self.corrects)  # ... or corrects the token after the drafts
+        self.infill_next = int(
+            self.checks_first or self.corrects
+        )  # ... or corrects the token after the drafts
         self.slots_per_block = cfg.slots_per_block
         self.n_slots = cfg.serial_blocks * cfg.slots_per_block
         # first_token_check: slot -> the AR logits (V,) that predict its first token, read at
@@ -150,7 +154,10 @@ class BeyondPaper(PaperRule):
 
     def take_plan_head(self, logits: torch.Tensor) -> torch.Tensor:
         if self.head:
-            self.lookahead[0], logits = logits[0].clone(), logits[1:]  # a copy: not a view pinning the step's logits
+            self.lookahead[0], logits = (
+                logits[0].clone(),
+                logits[1:],
+            )  # a copy: not a view pinning the step's logits
         return logits
 
     def check_selected(self, row: ReFusionRow) -> None:
@@ -195,7 +202,9 @@ class BeyondPaper(PaperRule):
             self.lookahead[slot + 1] = logits
 
     # ------------------------------------------------------------------ ar_correction
-    def before_infill(self, row: ReFusionRow, logits: torch.Tensor, chunks: list[list[int]], per_slot: list[int]) -> None:
+    def before_infill(
+        self, row: ReFusionRow, logits: torch.Tensor, chunks: list[list[int]], per_slot: list[int]
+    ) -> None:
         """The first slot of the feed failed at token p, and this pass's logits at token
         p - 1 saw just what its infilling fork will see (the committed cache and the slot's
         own passing prefix): its AR prediction replaces token p and is accepted, as the

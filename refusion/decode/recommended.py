@@ -49,7 +49,7 @@ class Recommended:
         return {k: v for k, v in dataclasses.asdict(self).items() if v}
 
     @classmethod
-    def read(cls, directory: str | Path) -> "Recommended":
+    def read(cls, directory: str | Path) -> Recommended:
         """The settings in `directory/decode_config.json`; empty when there is no such file.
         A malformed file is a CheckpointError that names it."""
         path = Path(directory) / FILE
@@ -62,18 +62,26 @@ class Recommended:
         return cls.from_dict(data, where=str(path))
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = FILE) -> "Recommended":
+    def from_dict(cls, data: Any, where: str = FILE) -> Recommended:
         if not isinstance(data, dict) or not set(data) <= _KEYS:
             unknown = sorted(set(data) - _KEYS) if isinstance(data, dict) else type(data).__name__
-            raise CheckpointError(f"{where}: expected an object with keys among {sorted(_KEYS)}, got {unknown}")
-        rec = cls(decode=dict(data.get("decode") or {}), about=str(data.get("about") or ""),
-                  single_turn=bool(data.get("single_turn", False)), examples=dict(data.get("examples") or {}))
+            raise CheckpointError(
+                f"{where}: expected an object with keys among {sorted(_KEYS)}, got {unknown}"
+            )
+        rec = cls(
+            decode=dict(data.get("decode") or {}),
+            about=str(data.get("about") or ""),
+            single_turn=bool(data.get("single_turn", False)),
+            examples=dict(data.get("examples") or {}),
+        )
         try:
             rec.decode_config()
         except (ConfigError, TypeError) as e:
-            raise CheckpointError(f"{where}: its \"decode\" settings are not a valid DecodeConfig: {e}") from None
+            raise CheckpointError(
+                f'{where}: its "decode" settings are not a valid DecodeConfig: {e}'
+            ) from None
         if not all(isinstance(k, str) and isinstance(v, str) and v.strip() for k, v in rec.examples.items()):
-            raise CheckpointError(f"{where}: \"examples\" maps labels to non-empty prompt strings")
+            raise CheckpointError(f'{where}: "examples" maps labels to non-empty prompt strings')
         return rec
 
     def write(self, directory: str | Path) -> None:

@@ -57,7 +57,7 @@ class Plan:
 class Fork:
     """One selected slot in parallel AR infilling: its own copy of the committed cache."""
 
-    row: "ReFusionRow"
+    row: ReFusionRow
     slot: int
     tokens: list[int]  # (s,) current drafts; tokens[:accepted] are final
     accepted: int  # >= 1
@@ -128,7 +128,11 @@ class ReFusionRow:
         mask_pos = [P + j * s + i for j in self.undecoded for i in range(s)]
         self.prefilled = True
         start = len(head) - self.rule.plan_head(bool(head))
-        return head + [mask_id] * len(mask_pos), list(range(len(head))) + mask_pos, (start, len(head) + len(mask_pos))
+        return (
+            head + [mask_id] * len(mask_pos),
+            list(range(len(head))) + mask_pos,
+            (start, len(head) + len(mask_pos)),
+        )
 
     def take_plan(self, logits: torch.Tensor, n_fed: int) -> int:
         """Draft every masked position and select the slots to verify (step 2); returns
@@ -167,7 +171,9 @@ class ReFusionRow:
         passing = torch.zeros(len(sel) * s, dtype=torch.bool, device=logits.device)  # the unfed tail fails
         passing[1 : len(toks)] = token_probs(logits[: len(toks) - 1], flat[1:]) > self.tau
         slots = [self.undecoded[j] for j in sel]
-        self.rule.pass_first_tokens(passing.view(-1, s)[:, 0], slots)  # (n_sel,) view: the slots' first tokens
+        self.rule.pass_first_tokens(
+            passing.view(-1, s)[:, 0], slots
+        )  # (n_sel,) view: the slots' first tokens
         per_slot = passing.view(-1, s).int().cumprod(-1).sum(-1).tolist()  # passing prefix per slot
         per_slot = [max(n, 1) for n in per_slot]  # a slot keeps at least its first token, the plan's draft
         prefix = int(passing.int().cumprod(0).sum())
@@ -275,7 +281,9 @@ class Infill:
                 f.kept, f.complete = f.length, True
             elif not f.complete:
                 self._verify_fork(f, forks, toks, lg)
-            if f.complete and not f.dropped and toks and f.length == f.row.s:  # this pass fed the slot's last token
+            if (
+                f.complete and not f.dropped and toks and f.length == f.row.s
+            ):  # this pass fed the slot's last token
                 f.row.rule.whole_slots_verified([f.slot], lg, range(len(toks) - 1, len(toks)))
             advance.append(f.kept - before)
         fcache.advance(advance)
@@ -290,7 +298,9 @@ class Infill:
             pred, off, targets = torch.cat([f.head[None], lg]), f.kept, toks
         else:
             pred, off, targets = lg, f.kept + 1, toks[1:]
-        scores = token_probs(pred[: len(targets)], torch.tensor(targets, dtype=torch.long, device=lg.device)).tolist()
+        scores = token_probs(
+            pred[: len(targets)], torch.tensor(targets, dtype=torch.long, device=lg.device)
+        ).tolist()
         n, corrected = f.row.rule.passing(f, pred, off, scores)
         f.accepted = n
         eos = f.row.ends(f.tokens[:n])

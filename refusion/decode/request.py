@@ -41,8 +41,16 @@ class DecodeStats:
         return self.tokens / self.wall_time if self.wall_time > 0 else 0.0
 
     def as_dict(self) -> dict[str, float]:
-        return {"tokens": self.tokens, "nfe": self.nfe, "tpf": self.tpf, "wall_time": self.wall_time, "tps": self.tps,
-                "forward_time": self.forward_time, "fed": self.fed, "logit_rows": self.logit_rows}
+        return {
+            "tokens": self.tokens,
+            "nfe": self.nfe,
+            "tpf": self.tpf,
+            "wall_time": self.wall_time,
+            "tps": self.tps,
+            "forward_time": self.forward_time,
+            "fed": self.fed,
+            "logit_rows": self.logit_rows,
+        }
 
 
 @dataclass
@@ -75,8 +83,17 @@ class Request:
     """A request's state while the engine decodes it. Decoders commit spans of generation
     offsets; the engine asks `advance` after each step what is new."""
 
-    def __init__(self, request_id: str, prompt: list[int], cfg: DecodeConfig, eos_ids: set[int], sampler: Sampler,
-                 tokenizer: Any, trace: bool, stream: bool = True) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: list[int],
+        cfg: DecodeConfig,
+        eos_ids: set[int],
+        sampler: Sampler,
+        tokenizer: Any,
+        trace: bool,
+        stream: bool = True,
+    ) -> None:
         self.id, self.prompt, self.cfg, self.eos_ids, self.sampler = request_id, prompt, cfg, eos_ids, sampler
         self.tokenizer = tokenizer
         # with stream=False only the final output is reported; text is decoded as the prefix
@@ -106,8 +123,15 @@ class Request:
         for start, toks in spans:
             self.filled[start : start + len(toks)] = toks
         if self.trace is not None:
-            self.trace.append(TraceEvent(len(self.trace), self.stats.nfe, path, [(s, len(t)) for s, t in spans],
-                                         [list(t) for _, t in spans]))
+            self.trace.append(
+                TraceEvent(
+                    len(self.trace),
+                    self.stats.nfe,
+                    path,
+                    [(s, len(t)) for s, t in spans],
+                    [list(t) for _, t in spans],
+                )
+            )
         row, n, limit = self.filled, self.prefix_len, self.cfg.gen_length
         while n < limit and row[n] is not None and (n == 0 or row[n - 1] not in self.eos_ids):
             n += 1
@@ -157,8 +181,17 @@ class Request:
         if finished and not self.stats.wall_time and self.started:
             self.stats.wall_time = time.perf_counter() - self.started
         self.stats.tokens = self.prefix_len
-        return RequestOutput(self.id, self.token_ids, self.text, delta, finished, self.finish_reason, self.stats,
-                             len(self.prompt), self.trace)
+        return RequestOutput(
+            self.id,
+            self.token_ids,
+            self.text,
+            delta,
+            finished,
+            self.finish_reason,
+            self.stats,
+            len(self.prompt),
+            self.trace,
+        )
 
     def _text(self, final: bool) -> tuple[str, bool]:
         if self.deltas is None:

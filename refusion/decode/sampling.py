@@ -47,7 +47,9 @@ class Sampler:
         self.generator: torch.Generator | None = None
         if not cfg.greedy:
             self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+            self.generator.manual_seed(
+                cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+            )
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """Tokens (T,) from logits (T, V)."""

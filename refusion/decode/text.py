@@ -19,7 +19,7 @@ class TextDeltas:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         if not final and text.endswith("\ufffd"):
             return ""
-        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
+        delta = text[len(self.sent) :] if text.startswith(self.sent) else ""
         self.sent = text if text.startswith(self.sent) else self.sent
         return delta
 

@@ -88,20 +88,24 @@ def trace_payload(tokenizer: Any, prompts: list[Any], outs: list[RequestOutput])
                 ids[s : s + len(toks)] = toks
         texts = _token_texts(tokenizer, [t for t in ids if t is not None])
         it = iter(texts)
-        rows.append({
-            "prompt": prompt if isinstance(prompt, str) else " ".join(map(str, prompt)),
-            "text": out.text if tokenizer is not None else " ".join(map(str, out.token_ids)),
-            "tokens": [next(it) if t is not None else "" for t in ids],
-            "events": [{"path": ev.path, "spans": ev.spans} for ev in events],
-            "stats": html.escape(
-                f"tokens {out.stats.tokens}, NFE {out.stats.nfe}, TPF {out.stats.tpf:.2f}, "
-                f"{out.stats.wall_time:.3f} s, {out.stats.tps:.1f} tokens/s, finish: {out.finish_reason}"
-            ),
-        })
+        rows.append(
+            {
+                "prompt": prompt if isinstance(prompt, str) else " ".join(map(str, prompt)),
+                "text": out.text if tokenizer is not None else " ".join(map(str, out.token_ids)),
+                "tokens": [next(it) if t is not None else "" for t in ids],
+                "events": [{"path": ev.path, "spans": ev.spans} for ev in events],
+                "stats": html.escape(
+                    f"tokens {out.stats.tokens}, NFE {out.stats.nfe}, TPF {out.stats.tpf:.2f}, "
+                    f"{out.stats.wall_time:.3f} s, {out.stats.tps:.1f} tokens/s, finish: {out.finish_reason}"
+                ),
+            }
+        )
     return rows
 
 
-def write_trace_html(path: str | Path, tokenizer: Any, prompts: list[Any], outs: list[RequestOutput], cfg: DecodeConfig) -> Path:
+def write_trace_html(
+    path: str | Path, tokenizer: Any, prompts: list[Any], outs: list[RequestOutput], cfg: DecodeConfig
+) -> Path:
     """Write the replay page; needs outputs generated with `trace=True`."""
     data = json.dumps(trace_payload(tokenizer, prompts, outs)).replace("</", "<\\/")
     conf = html.escape(

@@ -18,7 +18,9 @@ _NUM = r"-?\\?\$?\s?-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)"
 _NUMBER_MARKERS = [
     re.compile(rf"####\s*({_NUM})"),
     re.compile(rf"\\boxed\{{\s*(?:\\text\{{)?\s*({_NUM})"),
-    re.compile(rf"(?i:final answer\s*(?:is|:|=)?|answer\s*(?:is|:|=))\s*[:*\s]*(?:approximately\s*)?({_NUM})"),
+    re.compile(
+        rf"(?i:final answer\s*(?:is|:|=)?|answer\s*(?:is|:|=))\s*[:*\s]*(?:approximately\s*)?({_NUM})"
+    ),
 ]
 _ANY_NUMBER = re.compile(_NUM)
 
@@ -134,7 +136,19 @@ def math_equal(pred: str | None, gold: str | None, full_text: str | None = None)
         return False
 
 
-_REMOVE = [r"\left", r"\right", r"\!", r"\,", r"\;", r"\:", r"\displaystyle", "^\\circ", "^{\\circ}", r"\$", "$"]
+_REMOVE = [
+    r"\left",
+    r"\right",
+    r"\!",
+    r"\,",
+    r"\;",
+    r"\:",
+    r"\displaystyle",
+    "^\\circ",
+    "^{\\circ}",
+    r"\$",
+    "$",
+]
 
 
 def normalize_math(s: str) -> str:
@@ -161,7 +175,9 @@ def normalize_math(s: str) -> str:
 def _as_number(s: str) -> Fraction | None:
     """Plain numbers, a/b and \\frac{a}{b} as exact fractions; None for anything else."""
     s = normalize_math(s)
-    m = re.fullmatch(r"(-?)\\frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}", s) or re.fullmatch(r"(-?)([\d.]+)/([\d.]+)", s)
+    m = re.fullmatch(r"(-?)\\frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}", s) or re.fullmatch(
+        r"(-?)([\d.]+)/([\d.]+)", s
+    )
     try:
         if m:
             value = Fraction(m.group(2)) / Fraction(m.group(3))

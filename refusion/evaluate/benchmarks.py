@@ -47,7 +47,9 @@ class Chat:
     def ids(self, tokenizer: Any) -> list[int]:
         from ..model.prompts import chat_ids
 
-        return chat_ids(tokenizer, self.messages, continue_final=self.prefilled, **dict(self.template_options))
+        return chat_ids(
+            tokenizer, self.messages, continue_final=self.prefilled, **dict(self.template_options)
+        )
 
 
 @dataclass
@@ -62,7 +64,7 @@ class Sample:
     request: Chat | None = None  # what generate is given instead of `prompt`, when set
 
     @property
-    def query(self) -> "str | Chat":
+    def query(self) -> str | Chat:
         """What the generate function is given for this sample."""
         return self.request if self.request is not None else self.prompt
 
@@ -114,8 +116,14 @@ class Benchmark:
     def score_one(self, sample: Sample, output: str) -> Scored:
         raise NotImplementedError
 
-    def score(self, samples: Sequence[Sample], outputs: Sequence[str], *, limits: Limits | None = None,
-              workers: int | None = None) -> list[Scored]:
+    def score(
+        self,
+        samples: Sequence[Sample],
+        outputs: Sequence[str],
+        *,
+        limits: Limits | None = None,
+        workers: int | None = None,
+    ) -> list[Scored]:
         return [self.score_one(s, o) for s, o in zip(samples, outputs)]
 
 
@@ -131,13 +139,17 @@ class GSM8K(Benchmark):
     name, preset, fields = "gsm8k", "gsm8k", "question, answer"
     hub = HubSource("openai/gsm8k", ("main",))
     template = (
-        'Solve the following math problem. You need to think step-by-step, show your detailed reasoning, '
+        "Solve the following math problem. You need to think step-by-step, show your detailed reasoning, "
         'and end with "The answer is [result]," where [result] is the answer you get.\nQ: {question}\nA:'
     )
 
     def sample(self, record, index):
-        return Sample(record_id(record, "id", self.name, index), index, self.template.format(question=record["question"]),
-                      answers.gsm8k_gold(record["answer"]))
+        return Sample(
+            record_id(record, "id", self.name, index),
+            index,
+            self.template.format(question=record["question"]),
+            answers.gsm8k_gold(record["answer"]),
+        )
 
     def score_one(self, sample, output):
         extracted = answers.extract_number(output)
@@ -147,15 +159,30 @@ class GSM8K(Benchmark):
 # ------------------------------------------------------------------------------- MATH
 class MATH(Benchmark):
     name, preset, fields = "math", "math", "problem, solution (or answer)"
-    hub = HubSource("EleutherAI/hendrycks_math", ("algebra", "counting_and_probability", "geometry",
-                                                  "intermediate_algebra", "number_theory", "prealgebra", "precalculus"))
+    hub = HubSource(
+        "EleutherAI/hendrycks_math",
+        (
+            "algebra",
+            "counting_and_probability",
+            "geometry",
+            "intermediate_algebra",
+            "number_theory",
+            "prealgebra",
+            "precalculus",
+        ),
+    )
     template = "Problem:\n{problem}\n\nSolve the problem step by step, and put the final answer within \\boxed{{}}.\n\nSolution:"
 
     def sample(self, record, index):
         gold = answers.math_gold(record.get("answer"), record.get("solution"))
         if gold is None:
             raise KeyError("answer")
-        return Sample(record_id(record, "unique_id", self.name, index), index, self.template.format(problem=record["problem"]), gold)
+        return Sample(
+            record_id(record, "unique_id", self.name, index),
+            index,
+            self.template.format(problem=record["problem"]),
+            gold,
+        )
 
     def score_one(self, sample, output):
         extracted = answers.extract_math_answer(output)
@@ -210,8 +237,13 @@ class GPQA(MultipleChoice):
         letters = "ABCD"
         listed = "\n".join(f"({letter}) {text}" for letter, text in zip(letters, options))
         prompt = f"{self.description}Question: {record['Question'].strip()}\nChoices:\n{listed}\nAnswer:"
-        return Sample(record_id(record, "Record ID", self.name, index), index, prompt, letters[options.index(correct)],
-                      {"letters": letters, "options": options})
+        return Sample(
+            record_id(record, "Record ID", self.name, index),
+            index,
+            prompt,
+            letters[options.index(correct)],
+            {"letters": letters, "options": options},
+        )
 
 
 def _clean(text) -> str:
@@ -235,7 +267,9 @@ class MMLUPro(MultipleChoice):
             f'your answer with "the answer is (X)" where X is the correct letter choice.\n\n'
             f"Question:\n{record['question']}\nOptions:\n{listed}\nAnswer: Let's think step by step."
         )
-        return Sample(record_id(record, "question_id", self.name, index), index, prompt, gold, {"letters": letters})
+        return Sample(
+            record_id(record, "question_id", self.name, index), index, prompt, gold, {"letters": letters}
+        )
 
 
 # ------------------------------------------------------------------------------- code
@@ -254,7 +288,11 @@ class CodeBenchmark(Benchmark):
         checks = [self.program(s, o) for s, o in zip(samples, outputs)]
         results = run_checks(checks, limits or Limits(), workers=workers)
         return [
-            Scored(self.extract(s, o), r.passed, {"status": r.status, "reason": r.reason, "seconds": round(r.duration, 3)})
+            Scored(
+                self.extract(s, o),
+                r.passed,
+                {"status": r.status, "reason": r.reason, "seconds": round(r.duration, 3)},
+            )
             for s, o, r in zip(samples, outputs, results)
         ]
 
@@ -280,8 +318,13 @@ class HumanEval(CodeBenchmark):
 
     def sample(self, record, index):
         problem = {k: record[k] for k in ("prompt", "test", "entry_point")}
-        return Sample(record_id(record, "task_id", self.name, index), index, self.template.format(prompt=record["prompt"]),
-                      record.get("canonical_solution"), problem)
+        return Sample(
+            record_id(record, "task_id", self.name, index),
+            index,
+            self.template.format(prompt=record["prompt"]),
+            record.get("canonical_solution"),
+            problem,
+        )
 
     def program(self, sample, output):
         return programs.humaneval_program(sample.data, output)
@@ -302,8 +345,11 @@ class MBPP(CodeBenchmark):
     def sample(self, record, index):
         text = record.get("text") or record["prompt"]
         tests = list(record["test_list"])
-        data = {"test_list": tests, "test_setup_code": record.get("test_setup_code") or "",
-                "test_imports": list(record.get("test_imports") or [])}
+        data = {
+            "test_list": tests,
+            "test_setup_code": record.get("test_setup_code") or "",
+            "test_imports": list(record.get("test_imports") or []),
+        }
         prompt = self.template.format(text=text, tests="\n".join(tests[:3]))
         return Sample(record_id(record, "task_id", self.name, index), index, prompt, record.get("code"), data)
 
@@ -324,7 +370,9 @@ class Suite(Benchmark):
 
     def records(self, data=None):
         if data:
-            raise DatasetUnavailableError("suite: the bundled suite has no --data option; its items come with the package")
+            raise DatasetUnavailableError(
+                "suite: the bundled suite has no --data option; its items come with the package"
+            )
         return list(suite_items())
 
     def sample(self, record, index):
@@ -333,8 +381,13 @@ class Suite(Benchmark):
             raise KeyError("prompt")
         sample_id = _field(record, "id", "name")
         gold = _field(record, "answer", "target", "response")
-        return Sample(str(sample_id) if sample_id is not None else f"suite/{index}", index, str(prompt), gold,
-                      {"item": record})
+        return Sample(
+            str(sample_id) if sample_id is not None else f"suite/{index}",
+            index,
+            str(prompt),
+            gold,
+            {"item": record},
+        )
 
     def score_one(self, sample, output):
         verdict = check_suite_item(sample.data["item"], output)

@@ -51,7 +51,9 @@ def read_records(path: str | os.PathLike) -> list[dict]:
             return pq.read_table(p).to_pylist()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DatasetUnavailableError(f"cannot parse {p}: {e}") from e
-    raise DatasetUnavailableError(f"unsupported data file type {p.suffix!r} ({p}): use .jsonl, .json or .parquet")
+    raise DatasetUnavailableError(
+        f"unsupported data file type {p.suffix!r} ({p}): use .jsonl, .json or .parquet"
+    )
 
 
 def _read_jsonl(p: Path) -> list[dict]:
@@ -94,7 +96,10 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def _offline_env() -> bool:
-    return any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    return any(
+        os.environ.get(v, "").lower() in ("1", "true", "yes")
+        for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
 
 
 def load_hub(source: HubSource, task: str, fields: str) -> list[dict]:
@@ -108,11 +113,15 @@ def load_hub(source: HubSource, task: str, fields: str) -> list[dict]:
     try:
         import datasets
     except ImportError as e:
-        raise DatasetUnavailableError(f"{task}: loading {source.path} needs `datasets` (pip install 'refusion[eval]', or scripts/setup.sh eval in a checkout); or {how}") from e
+        raise DatasetUnavailableError(
+            f"{task}: loading {source.path} needs `datasets` (pip install 'refusion[eval]', or scripts/setup.sh eval in a checkout); or {how}"
+        ) from e
     rows: list[dict] = []
     try:
         for config in source.configs:
             rows.extend(datasets.load_dataset(source.path, config, split=source.split).to_list())
     except Exception as e:  # datasets raises many kinds (connection, gated, cache miss)
-        raise DatasetUnavailableError(f"{task}: cannot load {source.describe()} ({type(e).__name__}: {str(e)[:200]}); {how}") from e
+        raise DatasetUnavailableError(
+            f"{task}: cannot load {source.describe()} ({type(e).__name__}: {str(e)[:200]}); {how}"
+        ) from e
     return rows

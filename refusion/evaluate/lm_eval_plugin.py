@@ -94,10 +94,13 @@ class ReFusionLM(LM):
         if gen_length is not None and gen_length != "task" and not str(gen_length).isdigit():
             from ..errors import ConfigError
 
-            raise ConfigError(f"gen_length takes a number of tokens or 'task' (each task's max_gen_toks), got {gen_length!r}")
+            raise ConfigError(
+                f"gen_length takes a number of tokens or 'task' (each task's max_gen_toks), got {gen_length!r}"
+            )
         self._gen_length = gen_length if gen_length in (None, "task") else int(gen_length)
         self._decode, self._engine = _split_model_args(
-            {"method": method, "preset": preset, **decode_overrides}, self.batch_size)
+            {"method": method, "preset": preset, **decode_overrides}, self.batch_size
+        )
 
     # ------------------------------------------------------------------- tokenisation
     @property
@@ -109,7 +112,9 @@ class ReFusionLM(LM):
             return chat_template
         return getattr(self.tokenizer, "chat_template", None) or ""
 
-    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
         from ..model.prompts import chat_text
 
         options = dict(TEMPLATE_OPTIONS) if self.protocol == "paper" else {}
@@ -168,13 +173,24 @@ class ReFusionLM(LM):
             if out.finished:
                 bar.update(1)
 
-        outputs = generate(self.model, self.tokenizer, contexts, cfgs, engine_config=self._engine, chat=False,
-                           on_output=on_output)
+        outputs = generate(
+            self.model,
+            self.tokenizer,
+            contexts,
+            cfgs,
+            engine_config=self._engine,
+            chat=False,
+            on_output=on_output,
+        )
         results = []
         for request, context, out in zip(requests, contexts, outputs):
             text = out if isinstance(out, str) else out.text  # cut at max_gen_toks and the stop strings
             if self.protocol == "paper":
-                raw = self.tokenizer.decode(list(out.token_ids), skip_special_tokens=False) if hasattr(out, "token_ids") else text
+                raw = (
+                    self.tokenizer.decode(list(out.token_ids), skip_special_tokens=False)
+                    if hasattr(out, "token_ids")
+                    else text
+                )
                 text = finish(raw, _until(dict(request.args[1])), self.tokenizer)
             results.append(text)
             self.cache_hook.add_partial("generate_until", (context, request.args[1]), text)
@@ -206,14 +222,18 @@ class ReFusionLM(LM):
         for request in requests:
             tokens = [self._prefix_id] + self._encode(request.args[0])
             step = self.max_length - 1
-            windows = [(tokens[i : i + 1], tokens[i + 1 : i + 1 + step]) for i in range(0, len(tokens) - 1, step)]
+            windows = [
+                (tokens[i : i + 1], tokens[i + 1 : i + 1 + step]) for i in range(0, len(tokens) - 1, step)
+            ]
             total = sum(ll for ll, _ in self._score(windows, True))
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
             out.append(total)
         return out
 
     @torch.inference_mode()
-    def _score(self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool) -> list[tuple[float, bool]]:
+    def _score(
+        self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool
+    ) -> list[tuple[float, bool]]:
         """(sum log p(continuation | context), continuation is the greedy one) per pair."""
         from tqdm.auto import tqdm
 
@@ -265,8 +285,10 @@ def _split_model_args(args: dict[str, Any], batch_size: int):
     if unknown:
         from ..errors import ConfigError
 
-        raise ConfigError(f"unknown model_args {', '.join(unknown)}; accepted: pretrained, batch_size, max_length, device, "
-                          f"dtype, protocol, {', '.join(sorted(decode_names | engine_names))}")
+        raise ConfigError(
+            f"unknown model_args {', '.join(unknown)}; accepted: pretrained, batch_size, max_length, device, "
+            f"dtype, protocol, {', '.join(sorted(decode_names | engine_names))}"
+        )
     engine = {k: v for k, v in args.items() if k in engine_names and v is not None}
     engine.setdefault("max_batch_size", batch_size)
     return {k: v for k, v in args.items() if k in decode_names}, EngineConfig(**engine)

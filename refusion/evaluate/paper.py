@@ -76,8 +76,14 @@ class PaperScored(PaperPrompt):
         extracted, correct = measured[self.metrics[0]]
         if extracted in (INVALID, "[invalidanswer]"):
             extracted = None
-        return Scored(extracted, bool(correct), {"metrics": {k: bool(c) for k, (_, c) in measured.items()},
-                                                 "filtered": {k: e for k, (e, _) in measured.items()}})
+        return Scored(
+            extracted,
+            bool(correct),
+            {
+                "metrics": {k: bool(c) for k, (_, c) in measured.items()},
+                "filtered": {k: e for k, (e, _) in measured.items()},
+            },
+        )
 
 
 def _with_template(sample: Sample, user: str, request: Chat) -> Sample:
@@ -87,8 +93,10 @@ def _with_template(sample: Sample, user: str, request: Chat) -> Sample:
 
 # ------------------------------------------------------------------------------ GSM8K
 class GSM8K(PaperScored, robust.GSM8K):
-    template = ('Solve the following math problem. You need to think step-by-step, show your detailed reasoning, and '
-                'end with "The answer is [result]," where [result] is the answer you get.\\nQ: {question}\nA:')
+    template = (
+        "Solve the following math problem. You need to think step-by-step, show your detailed reasoning, and "
+        'end with "The answer is [result]," where [result] is the answer you get.\\nQ: {question}\nA:'
+    )
     until = ("Q:", "</s>", "<|im_end|>")
     metrics = ("flexible-extract", "strict-match")
     ignored = (",", "\\$", "(?s).*#### ", "\\.$")
@@ -101,8 +109,10 @@ class GSM8K(PaperScored, robust.GSM8K):
     def measure(self, sample, output):
         strict = regex_extract(output, r"The answer is (\-?[0-9\.\,]+).")
         flexible = regex_extract(output, r"(-?[$0-9.,]{2,})|(-?[0-9]+)", group_select=-1)
-        return {name: (got, exact_match(got, sample.gold, self.ignored, ignore_case=True))
-                for name, got in (("flexible-extract", flexible), ("strict-match", strict))}
+        return {
+            name: (got, exact_match(got, sample.gold, self.ignored, ignore_case=True))
+            for name, got in (("flexible-extract", flexible), ("strict-match", strict))
+        }
 
 
 # ------------------------------------------------------------------------------- MATH
@@ -121,13 +131,18 @@ class MATH(PaperScored, robust.MATH):
         boxed = last_boxed_only_string(solution) if solution else None
         gold = normalize_final_answer(remove_boxed(boxed) if boxed else record["answer"])
         user = "Problem:" + "\n" + record["problem"] + "\n\n" + "Solution:"
-        return Sample(record_id(record, "unique_id", self.name, index), index, user, gold, request=self.chat(user))
+        return Sample(
+            record_id(record, "unique_id", self.name, index), index, user, gold, request=self.chat(user)
+        )
 
     def measure(self, sample, output):
         stated = minerva_answer(output)
         normalized = normalize_final_answer(stated)
         matched = stated != "[invalidanswer]" and minerva_equivalent(normalized, sample.gold)
-        return {"math_verify": (stated, math_verify_equal(sample.gold, output)), "exact_match": (normalized, matched)}
+        return {
+            "math_verify": (stated, math_verify_equal(sample.gold, output)),
+            "exact_match": (normalized, matched),
+        }
 
     def notes(self) -> dict:
         return {"exact_match_latex_parser": minerva_parser()}
@@ -139,9 +154,11 @@ class ARCChallenge(PaperScored, robust.ARCChallenge):
     whose answer it is cannot be scored right), the answer pre-filled up to its letter,
     cut at "." and blank lines, the stripped rest compared as the letter."""
 
-    template = ('Given the following question and four candidate answers (A, B, C and D), choose the best answer.'
-                '\\nQuestion: {question}\\nA. {a}\\nB. {b}\\nC. {c}{d}\\nYour response should end with "The best '
-                'answer is [the_answer_letter]" where the [the_answer_letter] is one of A, B, C or D.')
+    template = (
+        "Given the following question and four candidate answers (A, B, C and D), choose the best answer."
+        '\\nQuestion: {question}\\nA. {a}\\nB. {b}\\nC. {c}{d}\\nYour response should end with "The best '
+        'answer is [the_answer_letter]" where the [the_answer_letter] is one of A, B, C or D.'
+    )
     prefill = "The best answer is"
     until = ("\n\n", ".")
     metrics = ("exact_match",)
@@ -149,14 +166,21 @@ class ARCChallenge(PaperScored, robust.ARCChallenge):
     def sample(self, record, index):
         texts = list(record["choices"]["text"])
         d = "\\nD. " + texts[3] if len(texts) > 3 else ""
-        user = self.template.format(question=record["question"].strip(), a=texts[0], b=texts[1], c=texts[2], d=d)
+        user = self.template.format(
+            question=record["question"].strip(), a=texts[0], b=texts[1], c=texts[2], d=d
+        )
         key = str(record["answerKey"])
         gold = "ABCD"[int(key) - 1] if key in "1234" else key
         return Sample(record_id(record, "id", self.name, index), index, user, gold, request=self.chat(user))
 
     def measure(self, sample, output):
         answer = output.lstrip()
-        return {"exact_match": (answer, exact_match(answer, sample.gold, ignore_case=True, ignore_punctuation=True))}
+        return {
+            "exact_match": (
+                answer,
+                exact_match(answer, sample.gold, ignore_case=True, ignore_punctuation=True),
+            )
+        }
 
 
 def gpqa_option(text: Any) -> str:
@@ -196,14 +220,22 @@ class GPQA(PaperScored, robust.GPQA):
         gold = f"({'ABCD'[options.index(correct)]})"
         listed = "".join(f"({letter}) {text}\n" for letter, text in zip("ABCD", options))
         user = f"Question: {record['Question']}\nChoices:\n{listed}Answer:"
-        return Sample(record_id(record, "Record ID", self.name, index), index, user, gold, {"options": options},
-                      request=self.chat(user))
+        return Sample(
+            record_id(record, "Record ID", self.name, index),
+            index,
+            user,
+            gold,
+            {"options": options},
+            request=self.chat(user),
+        )
 
     def measure(self, sample, output):
         strict = regex_extract(output, r"(?<=The answer is )(.*)(?=.)")
         flexible = multi_choice_extract(output, sample.data["options"])
-        return {name: (got, exact_match(got, sample.gold, ignore_case=True, ignore_punctuation=True))
-                for name, got in (("flexible-extract", flexible), ("strict-match", strict))}
+        return {
+            name: (got, exact_match(got, sample.gold, ignore_case=True, ignore_punctuation=True))
+            for name, got in (("flexible-extract", flexible), ("strict-match", strict))
+        }
 
 
 class MMLUPro(PaperScored, robust.MMLUPro):
@@ -213,22 +245,39 @@ class MMLUPro(PaperScored, robust.MMLUPro):
 
     until = ("Question:",)
     metrics = ("custom-extract",)
-    description = ('The following are multiple choice questions (with answers) about {subject}. Think step by step '
-                   'and then finish your answer with "the answer is (X)" where X is the correct letter choice.\n')
+    description = (
+        "The following are multiple choice questions (with answers) about {subject}. Think step by step "
+        'and then finish your answer with "the answer is (X)" where X is the correct letter choice.\n'
+    )
 
     def sample(self, record, index):
         options = list(record["options"])[:10]
         listed = "".join(f"{letter}. {text}\n" for letter, text in zip("ABCDEFGHIJ", options))
-        user = "Question:\n" + record["question"] + "\n" + "Options:\n" + listed + "Answer: Let's think step by step."
+        user = (
+            "Question:\n"
+            + record["question"]
+            + "\n"
+            + "Options:\n"
+            + listed
+            + "Answer: Let's think step by step."
+        )
         gold = record.get("answer")
         if gold not in tuple("ABCDEFGHIJ"):
             gold = "ABCDEFGHIJ"[int(record["answer_index"])]
         system = self.description.format(subject=record["category"])
-        return Sample(record_id(record, "question_id", self.name, index), index, user, gold, request=self.chat(user, system))
+        return Sample(
+            record_id(record, "question_id", self.name, index),
+            index,
+            user,
+            gold,
+            request=self.chat(user, system),
+        )
 
     def measure(self, sample, output):
         got = regex_extract(output, r"answer is \(?([ABCDEFGHIJ])\)?")
-        return {"custom-extract": (got, exact_match(got, sample.gold, ignore_case=True, ignore_punctuation=True))}
+        return {
+            "custom-extract": (got, exact_match(got, sample.gold, ignore_case=True, ignore_punctuation=True))
+        }
 
 
 # ------------------------------------------------------------------------------- code
@@ -259,7 +308,9 @@ class HumanEval(PaperCode, robust.HumanEval):
     cut at "\\nassert" and "\\n# Test"; the program is the sanitised prompt + completion
     (its imports and what the entry point reaches), then the task's check."""
 
-    template = "Write a solution to the following problem and make sure that it passes the tests:\n```{prompt}```"
+    template = (
+        "Write a solution to the following problem and make sure that it passes the tests:\n```{prompt}```"
+    )
     prefill = "```python\n"
     until = ("\nassert", "\n# Test")
 
@@ -273,7 +324,9 @@ class HumanEval(PaperCode, robust.HumanEval):
         return sanitize_reachable(sample.data["prompt"] + "\n" + completion, sample.data["entry_point"])
 
     def program(self, sample, output):
-        return _check(self.extract(sample, output), f"{sample.data['test']}\ncheck({sample.data['entry_point']})")
+        return _check(
+            self.extract(sample, output), f"{sample.data['test']}\ncheck({sample.data['entry_point']})"
+        )
 
 
 class MBPP(PaperCode, robust.MBPP):

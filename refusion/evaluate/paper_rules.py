@@ -81,8 +81,14 @@ def _unicode_punctuation() -> dict[int, None]:
     return dict.fromkeys(i for i in range(sys.maxunicode) if unicodedata.category(chr(i)).startswith("P"))
 
 
-def multi_choice_extract(text: str, choices: Sequence[str], pattern: str = r"(\([A-Z]\))", group_select: int = -1,
-                         ignore_case: bool = True, ignore_punctuation: bool = True) -> str:
+def multi_choice_extract(
+    text: str,
+    choices: Sequence[str],
+    pattern: str = r"(\([A-Z]\))",
+    group_select: int = -1,
+    ignore_case: bool = True,
+    ignore_punctuation: bool = True,
+) -> str:
     """lm-eval's `multi_choice_regex` filter: the `pattern` match (here the last "(X)");
     else the last option text found in the output (compared without case and Unicode
     punctuation), as its "(X)"; else the last ": X"; else "[invalid]"."""
@@ -105,17 +111,24 @@ def multi_choice_extract(text: str, choices: Sequence[str], pattern: str = r"(\(
     keys = [ignoring(c.strip()) for c in choices]
     by_text = dict(zip(keys, (f"({x})" for x in letters)))
     by_letter = {x: f"({x})" for x in letters}
-    return (find(re.compile(pattern), text)
-            or find(re.compile("|".join(re.escape(k) for k in keys)), ignoring(text), by_text)
-            or find(re.compile(rf":[\s]*({'|'.join(letters)})"), text, by_letter)
-            or INVALID)
+    return (
+        find(re.compile(pattern), text)
+        or find(re.compile("|".join(re.escape(k) for k in keys)), ignoring(text), by_text)
+        or find(re.compile(rf":[\s]*({'|'.join(letters)})"), text, by_letter)
+        or INVALID
+    )
 
 
 _ASCII_PUNCTUATION = str.maketrans("", "", string.punctuation)
 
 
-def exact_match(prediction: str, reference: str, regexes_to_ignore: Sequence[str] = (), ignore_case: bool = False,
-                ignore_punctuation: bool = False) -> bool:
+def exact_match(
+    prediction: str,
+    reference: str,
+    regexes_to_ignore: Sequence[str] = (),
+    ignore_case: bool = False,
+    ignore_punctuation: bool = False,
+) -> bool:
     """lm-eval's `exact_match` (the Hugging Face metric): both sides with the regexes
     removed, lower-cased and ASCII punctuation removed as asked, then compared."""
     for regex in regexes_to_ignore:
@@ -123,7 +136,10 @@ def exact_match(prediction: str, reference: str, regexes_to_ignore: Sequence[str
     if ignore_case:
         prediction, reference = prediction.lower(), reference.lower()
     if ignore_punctuation:
-        prediction, reference = prediction.translate(_ASCII_PUNCTUATION), reference.translate(_ASCII_PUNCTUATION)
+        prediction, reference = (
+            prediction.translate(_ASCII_PUNCTUATION),
+            reference.translate(_ASCII_PUNCTUATION),
+        )
     return prediction == reference
 
 
@@ -159,13 +175,62 @@ def remove_boxed(boxed: str) -> str:
 
 
 # Appendix D of Lewkowycz et al. (2022), as the minerva_math task applies it.
-_SUBSTITUTIONS = (("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), (r"\ ", ""), (" ", ""), ("mbox", "text"),
-                  (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"))
-_REMOVED = ("square", "ways", "integers", "dollars", "mph", "inches", "ft", "hours", "km", "units", "\\ldots", "sue",
-            "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals", "edges",
-            "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2",
-            "\\text{}^3", "\\text{\n}", "\\text{}", r"\mathrm{th}", r"^\circ", r"^{\circ}", r"\;", r",\!", "{,}", '"',
-            "\\dots")
+_SUBSTITUTIONS = (
+    ("an ", ""),
+    ("a ", ""),
+    (".$", "$"),
+    ("\\$", ""),
+    (r"\ ", ""),
+    (" ", ""),
+    ("mbox", "text"),
+    (",\\text{and}", ","),
+    ("\\text{and}", ","),
+    ("\\text{m}", "\\text{}"),
+)
+_REMOVED = (
+    "square",
+    "ways",
+    "integers",
+    "dollars",
+    "mph",
+    "inches",
+    "ft",
+    "hours",
+    "km",
+    "units",
+    "\\ldots",
+    "sue",
+    "points",
+    "feet",
+    "minutes",
+    "digits",
+    "cents",
+    "degrees",
+    "cm",
+    "gm",
+    "pounds",
+    "meters",
+    "meals",
+    "edges",
+    "students",
+    "childrentickets",
+    "multiples",
+    "\\text{s}",
+    "\\text{.}",
+    "\\text{\ns}",
+    "\\text{}^2",
+    "\\text{}^3",
+    "\\text{\n}",
+    "\\text{}",
+    r"\mathrm{th}",
+    r"^\circ",
+    r"^{\circ}",
+    r"\;",
+    r",\!",
+    "{,}",
+    '"',
+    "\\dots",
+)
 
 
 def normalize_final_answer(answer: str) -> str:
@@ -193,7 +258,9 @@ def normalize_final_answer(answer: str) -> str:
 def minerva_answer(output: str) -> str:
     """The answer of Minerva's format, "Final Answer: The final answer is X. I hope it is
     correct." (the last sentence may be missing), stripped; else "[invalidanswer]"."""
-    match = re.search(r"Final Answer: The final answer is(.*?). I hope it is correct.", output + "I hope it is correct.")
+    match = re.search(
+        r"Final Answer: The final answer is(.*?). I hope it is correct.", output + "I hope it is correct."
+    )
     return match.group(1).strip() if match else "[invalidanswer]"
 
 
@@ -255,8 +322,13 @@ def math_verify_equal(gold: str, output: str) -> bool:
 
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     try:
-        return bool(verify(parse(gold, parsing_timeout=timeout), parse(output, parsing_timeout=timeout),
-                           timeout_seconds=timeout))
+        return bool(
+            verify(
+                parse(gold, parsing_timeout=timeout),
+                parse(output, parsing_timeout=timeout),
+                timeout_seconds=timeout,
+            )
+        )
     except Exception:  # math-verify parses untrusted LaTeX; a failure is "not equal"
         return False
 

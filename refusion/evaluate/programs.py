@@ -45,7 +45,15 @@ def extract_code(text: str, entry_point: str | None = None) -> str:
     return text[m.start() :] if m else text
 
 
-_KEEP = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign)
+_KEEP = (
+    ast.Import,
+    ast.ImportFrom,
+    ast.FunctionDef,
+    ast.AsyncFunctionDef,
+    ast.ClassDef,
+    ast.Assign,
+    ast.AnnAssign,
+)
 
 
 def sanitize(code: str) -> str:
@@ -103,7 +111,9 @@ def humaneval_program(problem: dict, completion: str) -> Check:
         body = problem["prompt"] + code
         if not _compiles(body):
             body = problem["prompt"] + "\n" + solution
-    return Check(program=body, setup=problem["prompt"], test=f"{problem['test']}\n\ncheck({entry})\n", calls=(entry,))
+    return Check(
+        program=body, setup=problem["prompt"], test=f"{problem['test']}\n\ncheck({entry})\n", calls=(entry,)
+    )
 
 
 def mbpp_program(record: dict, completion: str) -> Check:

@@ -19,13 +19,28 @@ PROTOCOLS = ("robust", "paper")
 # the robust benchmarks, in the paper's order, then the bundled suite
 BENCHMARKS: dict[str, Benchmark] = {
     b.name: b
-    for b in (robust.GSM8K(), robust.MATH(), robust.MBPP(), robust.HumanEval(), robust.GPQA(),
-              robust.ARCChallenge(), robust.MMLUPro(), robust.Suite())
+    for b in (
+        robust.GSM8K(),
+        robust.MATH(),
+        robust.MBPP(),
+        robust.HumanEval(),
+        robust.GPQA(),
+        robust.ARCChallenge(),
+        robust.MMLUPro(),
+        robust.Suite(),
+    )
 }
 PAPER_BENCHMARKS: dict[str, Benchmark] = {
     b.name: b
-    for b in (paper.GSM8K(), paper.MATH(), paper.MBPP(), paper.HumanEval(), paper.GPQA(), paper.ARCChallenge(),
-              paper.MMLUPro())
+    for b in (
+        paper.GSM8K(),
+        paper.MATH(),
+        paper.MBPP(),
+        paper.HumanEval(),
+        paper.GPQA(),
+        paper.ARCChallenge(),
+        paper.MMLUPro(),
+    )
 }
 _BY_PROTOCOL = {"robust": BENCHMARKS, "paper": PAPER_BENCHMARKS}
 
@@ -43,5 +58,7 @@ def get_benchmark(name: str, protocol: str = "robust") -> Benchmark:
         raise UnknownTaskError(f"unknown task {name!r}; known: {', '.join(BENCHMARKS)}")
     found = _BY_PROTOCOL[protocol].get(name)
     if found is None:
-        raise UnknownTaskError(f"{name} has no {protocol} protocol (it is ours, not the paper's): use --protocol robust")
+        raise UnknownTaskError(
+            f"{name} has no {protocol} protocol (it is ours, not the paper's): use --protocol robust"
+        )
     return found

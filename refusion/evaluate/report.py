@@ -6,7 +6,9 @@ import math
 from collections.abc import Iterable, Sequence
 
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
-GENERATION_ERROR = "generation_error"  # a sample's reason when the model gave no output (too long a prompt, say)
+GENERATION_ERROR = (
+    "generation_error"  # a sample's reason when the model gave no output (too long a prompt, say)
+)
 
 
 def wilson_interval(correct: int, n: int, z: float = Z95) -> tuple[float, float]:
@@ -60,7 +62,9 @@ def summarize(records: Sequence[dict], extracts: bool = True) -> dict:
         summary["metrics"] = metrics
     tokens, nfe, wall = _sum(records, "tokens"), _sum(records, "nfe"), _sum(records, "wall_time")
     gen_seconds = sum(r.get("gen_seconds") or 0.0 for r in records)
-    latencies = [r["stats"]["wall_time"] for r in records if r.get("stats") and r["stats"].get("wall_time") is not None]
+    latencies = [
+        r["stats"]["wall_time"] for r in records if r.get("stats") and r["stats"].get("wall_time") is not None
+    ]
     summary.update(
         tokens=tokens,
         tokens_mean=tokens / n if tokens is not None and n else None,
@@ -85,8 +89,10 @@ def _metric_means(records: Sequence[dict]) -> dict[str, float]:
     names: list[str] = []
     for r in records:
         names += [k for k in ((r.get("detail") or {}).get("metrics") or {}) if k not in names]
-    return {k: sum(bool(((r.get("detail") or {}).get("metrics") or {}).get(k)) for r in records) / len(records)
-            for k in names}
+    return {
+        k: sum(bool(((r.get("detail") or {}).get("metrics") or {}).get(k)) for r in records) / len(records)
+        for k in names
+    }
 
 
 def _reason(record: dict) -> str | None:

@@ -68,7 +68,9 @@ def read_predictions(path: str | os.PathLike) -> tuple[dict[str, str], dict[int,
             else:
                 index = next((row[k] for k in _INDEX_KEYS if k in row), None)
                 if index is None:
-                    raise PredictionsError(f"{p}:{n}: no sample id ({', '.join(_ID_KEYS)}) or index ({', '.join(_INDEX_KEYS)})")
+                    raise PredictionsError(
+                        f"{p}:{n}: no sample id ({', '.join(_ID_KEYS)}) or index ({', '.join(_INDEX_KEYS)})"
+                    )
                 by_index[int(index)] = str(text)
     return by_id, by_index
 
@@ -94,8 +96,14 @@ class ReplicaShare:
 class ResultsDir:
     """OUT/samples.jsonl (append-only, resumable), OUT/summary.json, OUT/run.json."""
 
-    def __init__(self, path: str | os.PathLike, settings: dict, overwrite: bool = False, writes: bool = True,
-                 prepare: bool = True) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        settings: dict,
+        overwrite: bool = False,
+        writes: bool = True,
+        prepare: bool = True,
+    ) -> None:
         """`prepare`: clear it (with overwrite) and record the settings; replicas open the
         directory their first one prepared with prepare=False (and writes=False, the
         ranks that only follow)."""
@@ -206,8 +214,15 @@ def evaluate(
     else:
         complete = _from_generate(generate_fn)
     config_dict = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
-    settings = {"task": bench.name, "protocol": bench.protocol, "model": model, "config": config_dict, "data": data or "default",
-                "predictions": str(predictions) if predictions else None, "limit": limit}
+    settings = {
+        "task": bench.name,
+        "protocol": bench.protocol,
+        "model": model,
+        "config": config_dict,
+        "data": data or "default",
+        "predictions": str(predictions) if predictions else None,
+        "limit": limit,
+    }
     out = out_dir or Path("runs") / "eval" / bench.name
     if part.first:  # prepares the directory (overwrite, a line cut short) before anyone reads it
         results = ResultsDir(out, settings, overwrite)
@@ -223,8 +238,11 @@ def evaluate(
     progress = progress and part.first
     with _progress(len(samples), len(records), bench.name, progress) as bar:
         if records:
-            bar.write(f"{bench.name}: resuming {results.path}: {len(records)} of {len(samples)} samples already scored "
-                      "(--overwrite starts afresh)", file=sys.stderr)
+            bar.write(
+                f"{bench.name}: resuming {results.path}: {len(records)} of {len(samples)} samples already scored "
+                "(--overwrite starts afresh)",
+                file=sys.stderr,
+            )
         for batch in _batches(samples, done, chunk, part.claim):
             t0 = time.perf_counter()
             completions = complete(batch)
@@ -234,25 +252,41 @@ def evaluate(
             new = [_record(s, c, sc, share) for s, c, sc in zip(batch, completions, scored)]
             results.append(new)
             records.extend(new)
-            bar.update(min(len(batch) * part.count, bar.total - bar.n))  # the other replicas keep about the same pace
+            bar.update(
+                min(len(batch) * part.count, bar.total - bar.n)
+            )  # the other replicas keep about the same pace
             bar.set_postfix(acc=f"{sum(r['correct'] for r in records) / len(records):.3f}")
     new_records = len(records) - len(wanted & done.keys())
     part.barrier()
-    if part.count > 1 and part.first:  # every replica's records, in dataset order (earlier runs' others after)
+    if (
+        part.count > 1 and part.first
+    ):  # every replica's records, in dataset order (earlier runs' others after)
         everyone = results.done()
         records = [everyone[s.id] for s in samples if s.id in everyone]
         results.rewrite(records + [r for k, r in everyone.items() if k not in wanted])
         new_records = len(records) - len(wanted & done.keys())
-    first_error = next((r["detail"]["error"] for r in records if (r.get("detail") or {}).get("reason") == GENERATION_ERROR), None)
-    summary = {"task": bench.name, "protocol": bench.protocol, "model": model, **summarize(records, bench.extracts),
-               "config": config_dict,
-               "first_generation_error": first_error,
-               "data": settings["data"], "predictions": settings["predictions"], "limit": limit,
-               "resumed": len(wanted & done.keys()), "missing_predictions": missing,
-               "elapsed_s": time.perf_counter() - started, "replicas": part.count,
-               "samples_per_s": new_records / max(time.perf_counter() - started, 1e-9),
-               "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-               "files": {"samples": str(results.samples), "summary": str(results.summary)}}
+    first_error = next(
+        (r["detail"]["error"] for r in records if (r.get("detail") or {}).get("reason") == GENERATION_ERROR),
+        None,
+    )
+    summary = {
+        "task": bench.name,
+        "protocol": bench.protocol,
+        "model": model,
+        **summarize(records, bench.extracts),
+        "config": config_dict,
+        "first_generation_error": first_error,
+        "data": settings["data"],
+        "predictions": settings["predictions"],
+        "limit": limit,
+        "resumed": len(wanted & done.keys()),
+        "missing_predictions": missing,
+        "elapsed_s": time.perf_counter() - started,
+        "replicas": part.count,
+        "samples_per_s": new_records / max(time.perf_counter() - started, 1e-9),
+        "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "files": {"samples": str(results.samples), "summary": str(results.summary)},
+    }
     if isinstance(bench, CodeBenchmark):
         summary["sandbox"] = isolation().describe()
     if bench.notes():
@@ -320,12 +354,21 @@ def _from_predictions(samples, path):
     return kept, (lambda batch: [Completion(text[s.id]) for s in batch]), len(samples) - len(kept)
 
 
-def _score(bench: Benchmark, batch: list[Sample], completions: list[Completion], limits: Limits | None,
-           workers: int | None) -> list[Scored]:
+def _score(
+    bench: Benchmark,
+    batch: list[Sample],
+    completions: list[Completion],
+    limits: Limits | None,
+    workers: int | None,
+) -> list[Scored]:
     """Scores of a batch; a sample that failed to generate is not scored (nor run) but
     marked as a generation error, so that it is not mistaken for a wrong answer."""
     ok = [i for i, c in enumerate(completions) if c.error is None]
-    scored = bench.score([batch[i] for i in ok], [completions[i].text for i in ok], limits=limits, workers=workers) if ok else []
+    scored = (
+        bench.score([batch[i] for i in ok], [completions[i].text for i in ok], limits=limits, workers=workers)
+        if ok
+        else []
+    )
     out = [Scored(None, False, {"reason": GENERATION_ERROR})] * len(batch)
     for i, sc in zip(ok, scored):
         out[i] = sc
@@ -333,7 +376,11 @@ def _score(bench: Benchmark, batch: list[Sample], completions: list[Completion],
 
 
 def _record(sample: Sample, completion: Completion, scored: Scored, gen_seconds: float | None) -> dict:
-    request = {"messages": list(sample.request.messages), "until": list(sample.request.until)} if sample.request else {}
+    request = (
+        {"messages": list(sample.request.messages), "until": list(sample.request.until)}
+        if sample.request
+        else {}
+    )
     return {
         "id": sample.id,
         "index": sample.index,
@@ -345,11 +392,15 @@ def _record(sample: Sample, completion: Completion, scored: Scored, gen_seconds:
         "correct": bool(scored.correct),
         "stats": completion.stats,
         "gen_seconds": gen_seconds,
-        "detail": {**scored.detail, "error": completion.error} if completion.error else (scored.detail or None),
+        "detail": {**scored.detail, "error": completion.error}
+        if completion.error
+        else (scored.detail or None),
     }
 
 
 def _progress(total: int, initial: int, desc: str, enabled: bool):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, desc=desc, unit="sample", disable=not enabled, dynamic_ncols=True)
+    return tqdm(
+        total=total, initial=initial, desc=desc, unit="sample", disable=not enabled, dynamic_ncols=True
+    )

@@ -27,7 +27,9 @@ def load_gguf(file: Path, device: torch.device, wanted: torch.dtype | None) -> t
     try:
         hf_model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name)
     except ImportError as e:
-        raise CheckpointError(f"reading GGUF needs the gguf package (pip install 'refusion[gguf]'): {e}") from None
+        raise CheckpointError(
+            f"reading GGUF needs the gguf package (pip install 'refusion[gguf]'): {e}"
+        ) from None
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"cannot import the GGUF file {file}: {e}") from None
     config = ModelConfig.from_hf_dict(_plain_hf_dict(hf_model.config))
@@ -72,4 +74,3 @@ def _plain_hf_dict(hf_config: Any) -> dict[str, Any]:
     transformers' private keys."""
     d = hf_config.to_dict()
     return {k: v for k, v in d.items() if k != "quantization_config" and not k.startswith("_")}
-

@@ -51,8 +51,10 @@ def load(
     shard = tensor_shard(tensor_parallel_size)
     if source.suffix == ".gguf":
         if shard is not None:
-            raise ConfigError("tensor parallelism reads safetensors slices; convert the GGUF file first "
-                              "(refusion convert FILE.gguf OUT) and load OUT")
+            raise ConfigError(
+                "tensor parallelism reads safetensors slices; convert the GGUF file first "
+                "(refusion convert FILE.gguf OUT) and load OUT"
+            )
         return load_gguf(source, dev, wanted)
     config, tokenizer = read_metadata(source)
     model = Transformer.meta(config)

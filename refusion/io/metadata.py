@@ -62,4 +62,6 @@ def _resolve_mask_id(config: ModelConfig, tokenizer: Any) -> None:
     config.mask_token_id = mask_id_of(config, tokenizer)
     mask = config.mask_token_id
     if mask is not None and not 0 <= mask < config.vocab_size:
-        raise CheckpointError(f"mask_token_id={mask} is outside the vocabulary (vocab_size={config.vocab_size})")
+        raise CheckpointError(
+            f"mask_token_id={mask} is outside the vocabulary (vocab_size={config.vocab_size})"
+        )

@@ -20,7 +20,11 @@ BUNDLED_PREFIX = "bundled:"  # `bundled:NAME` names a model shipped in the packa
 
 def bundled_names() -> list[str]:
     """The models this installation ships (`bundled:NAME`)."""
-    return sorted(d.name for d in BUNDLED_ROOT.iterdir() if (d / "config.json").is_file()) if BUNDLED_ROOT.is_dir() else []
+    return (
+        sorted(d.name for d in BUNDLED_ROOT.iterdir() if (d / "config.json").is_file())
+        if BUNDLED_ROOT.is_dir()
+        else []
+    )
 
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
@@ -39,7 +43,7 @@ def resolve_source(path: PathLike | None) -> Path:
             )
         return BUNDLED_DIR
     if isinstance(path, str) and path.startswith(BUNDLED_PREFIX):
-        name = path[len(BUNDLED_PREFIX):]
+        name = path[len(BUNDLED_PREFIX) :]
         if name not in bundled_names():
             have = ", ".join(BUNDLED_PREFIX + n for n in bundled_names()) or "none"
             raise CheckpointError(f"no bundled model {path!r}; this installation ships: {have}")

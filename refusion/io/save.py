@@ -23,8 +23,13 @@ from .staging import follow_umask, make_staging, move_into_place, remove_stale_s
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' default shard size
 
 
-def save_pretrained(model: Transformer, tokenizer: Any, out_dir: PathLike, overwrite: bool = False,
-                    max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+def save_pretrained(
+    model: Transformer,
+    tokenizer: Any,
+    out_dir: PathLike,
+    overwrite: bool = False,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> Path:
     """Write config.json, model.safetensors and the tokenizer files (if any) to out_dir.
     Weights above `max_shard_bytes` go to shards model-0000i-of-0000n.safetensors of at
     most that size (a tensor larger than it alone in one) with model.safetensors.index.json,
@@ -39,8 +44,10 @@ def save_pretrained(model: Transformer, tokenizer: Any, out_dir: PathLike, overw
     """
     out = Path(out_dir)
     if getattr(model, "tensor_parallel", None) is not None:
-        raise CheckpointError("this model is one rank's share of a tensor-parallel split; save the whole model "
-                              "(load it with tensor_parallel_size=1)")
+        raise CheckpointError(
+            "this model is one rank's share of a tensor-parallel split; save the whole model "
+            "(load it with tensor_parallel_size=1)"
+        )
     check_output_dir(out, overwrite)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -64,10 +71,14 @@ def check_output_dir(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise CheckpointError(f"{out} exists and is not empty; refusing to overwrite it (use --force / overwrite=True)")
+        raise CheckpointError(
+            f"{out} exists and is not empty; refusing to overwrite it (use --force / overwrite=True)"
+        )
 
 
-def _write_checkpoint(model: Transformer, tokenizer: Any, directory: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+def _write_checkpoint(
+    model: Transformer, tokenizer: Any, directory: Path, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> None:
     config = model.config.to_hf_dict()
     config["torch_dtype"] = str(model.dtype).removeprefix("torch.")  # what the weights are, as saved
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -107,9 +118,13 @@ def shard_plan(sizes: dict[str, int], max_bytes: int) -> list[tuple[str, list[st
 
 def write_index(directory: Path, shards: list[tuple[str, list[str]]], sizes: dict[str, int]) -> None:
     """model.safetensors.index.json: each tensor's shard, and the weights' total bytes."""
-    index = {"metadata": {"total_size": sum(sizes.values())},
-             "weight_map": {k: name for name, keys in shards for k in keys}}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    index = {
+        "metadata": {"total_size": sum(sizes.values())},
+        "weight_map": {k: name for name, keys in shards for k in keys},
+    }
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps(index, indent=2, sort_keys=True) + "\n"
+    )
 
 
 def _write_shard(state: dict[str, torch.Tensor], keys: list[str], file: Path) -> None:
@@ -127,4 +142,3 @@ def drop_tied_head(state: dict[str, torch.Tensor]) -> None:
         embed = state.get(name[: -len(head)] + "model.embed_tokens.weight")
         if embed is not None and embed.data_ptr() == state[name].data_ptr():
             del state[name]
-

@@ -29,9 +29,13 @@ def _weight_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         try:
-            files = sorted({directory / name for name in json.loads(index.read_text())["weight_map"].values()})
+            files = sorted(
+                {directory / name for name in json.loads(index.read_text())["weight_map"].values()}
+            )
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index ({type(e).__name__}: {e})") from None
+            raise CheckpointError(
+                f"{index} is not a valid safetensors index ({type(e).__name__}: {e})"
+            ) from None
         for f in files:
             if not f.is_file():
                 raise CheckpointError(f"{index} names the shard {f.name}, which is missing")
@@ -39,7 +43,11 @@ def _weight_files(directory: Path) -> list[Path]:
     single = directory / "model.safetensors"
     if single.is_file():
         return [single]
-    hint = " (PyTorch .bin weights are not supported; save them as safetensors)" if any(directory.glob("*.bin")) else ""
+    hint = (
+        " (PyTorch .bin weights are not supported; save them as safetensors)"
+        if any(directory.glob("*.bin"))
+        else ""
+    )
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {directory}{hint}")
 
 
@@ -124,10 +132,27 @@ def read_tensors(
     return state
 
 
-_SAFETENSORS_DTYPES = {name: getattr(torch, attr) for name, attr in (
-    ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"), ("F8_E4M3", "float8_e4m3fn"),
-    ("F8_E5M2", "float8_e5m2"), ("I64", "int64"), ("I32", "int32"), ("I16", "int16"), ("I8", "int8"),
-    ("U64", "uint64"), ("U32", "uint32"), ("U16", "uint16"), ("U8", "uint8"), ("BOOL", "bool")) if hasattr(torch, attr)}
+_SAFETENSORS_DTYPES = {
+    name: getattr(torch, attr)
+    for name, attr in (
+        ("F64", "float64"),
+        ("F32", "float32"),
+        ("F16", "float16"),
+        ("BF16", "bfloat16"),
+        ("F8_E4M3", "float8_e4m3fn"),
+        ("F8_E5M2", "float8_e5m2"),
+        ("I64", "int64"),
+        ("I32", "int32"),
+        ("I16", "int16"),
+        ("I8", "int8"),
+        ("U64", "uint64"),
+        ("U32", "uint32"),
+        ("U16", "uint16"),
+        ("U8", "uint8"),
+        ("BOOL", "bool"),
+    )
+    if hasattr(torch, attr)
+}
 
 
 def _safetensors_header(file: Path, size: int | None = None) -> tuple[dict[str, dict], int]:

@@ -75,7 +75,7 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ reading
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from the dict of a Hugging Face config.json (transformers 4.x or 5.x)."""
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -124,7 +124,7 @@ class ModelConfig:
         return cls(**known, extra=extra)
 
     @classmethod
-    def from_json(cls, path: str | Path) -> "ModelConfig":
+    def from_json(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         try:
             d = json.loads(path.read_text())

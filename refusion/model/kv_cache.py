@@ -68,7 +68,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         reserve: int = 0,
-    ) -> "KVCache":
+    ) -> KVCache:
         """An empty cache of `batch_size` rows, each able to hold `capacity` entries, with
         storage for `reserve` rows in all (rows that join later take them in place)."""
         rows = max(batch_size, reserve)
@@ -113,8 +113,14 @@ class KVCache:
                 "Shorten the prompt or gen_length, or allocate a larger cache."
             )
 
-    def packed_write(self, tokens: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], *,
-                     whole_cache: bool = False, plan_runs: bool = False) -> "PackedWrite":
+    def packed_write(
+        self,
+        tokens: Sequence[Sequence[int]],
+        positions: Sequence[Sequence[int]],
+        *,
+        whole_cache: bool = False,
+        plan_runs: bool = False,
+    ) -> PackedWrite:
         """The layout of a forward over ragged rows (row b feeds tokens[b], any number, none
         included), as the tensors `Transformer.packed_hidden` takes: the real tokens packed,
         where each sits in the rows' (B, T) layout, each query's column, and the storage it
@@ -132,13 +138,25 @@ class KVCache:
             return torch.tensor([x for row in xs for x in row], dtype=torch.long, device=dev)
 
         where = flat([range(b * T, b * T + len(t)) for b, t in enumerate(tokens)])
-        query_cols = torch.tensor(self.lengths, dtype=torch.long, device=dev)[:, None] + torch.arange(T, device=dev)
+        query_cols = torch.tensor(self.lengths, dtype=torch.long, device=dev)[:, None] + torch.arange(
+            T, device=dev
+        )
         end = self.capacity if whole_cache else self.used() + T
         segments = attention_runs(self.lengths, [len(t) for t in tokens]) if plan_runs else None
         # one new token per row at equal lengths reads exactly the window: no mask is needed
         masked = whole_cache or T > 1 or len(set(self.lengths)) > 1 or any(len(t) != 1 for t in tokens)
-        return PackedWrite(flat(tokens), flat(positions), where, query_cols, [t[:, :, :end] for t in self.k],
-                           [t[:, :, :end] for t in self.v], self.tokens[:, :end], self.positions[:, :end], segments, masked)
+        return PackedWrite(
+            flat(tokens),
+            flat(positions),
+            where,
+            query_cols,
+            [t[:, :, :end] for t in self.k],
+            [t[:, :, :end] for t in self.v],
+            self.tokens[:, :end],
+            self.positions[:, :end],
+            segments,
+            masked,
+        )
 
     def advance(self, n_new: int | Sequence[int]) -> None:
         """Make the entries just written valid (all of them, or the first n_new[b] per row)."""
@@ -147,8 +165,13 @@ class KVCache:
         self.lengths = [n + int(d) for n, d in zip(self.lengths, n_new)]
 
     # ------------------------------------------------------------------ named operations
-    def select(self, rows: Sequence[int] | torch.Tensor, capacity: int | None = None, empty: int = 0,
-               out: "KVCache | None" = None) -> "KVCache":
+    def select(
+        self,
+        rows: Sequence[int] | torch.Tensor,
+        capacity: int | None = None,
+        empty: int = 0,
+        out: KVCache | None = None,
+    ) -> KVCache:
         """A cache made of the given rows (repeats allowed: that is a fork), copying only
         the used region, then `empty` empty rows. `capacity` defaults to this cache's.
         `out` (a scratch cache from an earlier call) is reused when its storage is big
@@ -170,14 +193,16 @@ class KVCache:
         out._view()
         return out
 
-    def _empty_like(self, rows: int, capacity: int) -> "KVCache":
+    def _empty_like(self, rows: int, capacity: int) -> KVCache:
         def zeros(t: torch.Tensor) -> torch.Tensor:
             shape = list(t.shape)
             shape[0], shape[1 if t.dim() == 2 else 2] = rows, capacity
             return t.new_zeros(shape)
 
         k, v, tokens, positions = self._store
-        return KVCache([zeros(t) for t in k], [zeros(t) for t in v], zeros(tokens), zeros(positions), [0] * rows)
+        return KVCache(
+            [zeros(t) for t in k], [zeros(t) for t in v], zeros(tokens), zeros(positions), [0] * rows
+        )
 
     def grow(self, n: int, capacity: int = 0, reserve: int = 0) -> None:
         """Add n empty rows in place (rows joining a running batch), each able to hold at
@@ -188,7 +213,11 @@ class KVCache:
         if B + n > self.reserved_rows or capacity > self.capacity:
             # capacity grows by half at least: rows joining one after another (each a little
             # longer, say) then reallocate a few times, not at every join
-            cap = max(capacity, self.capacity + self.capacity // 2) if capacity > self.capacity else self.capacity
+            cap = (
+                max(capacity, self.capacity + self.capacity // 2)
+                if capacity > self.capacity
+                else self.capacity
+            )
             bigger = self.select(range(B), cap, empty=max(n, reserve - B))
             self._store = bigger._store
         self.lengths += [0] * n
@@ -219,7 +248,7 @@ class KVCache:
 
     def append_from(
         self,
-        src: "KVCache",
+        src: KVCache,
         src_rows: Sequence[int],
         src_starts: Sequence[int],
         counts: Sequence[int],
@@ -253,6 +282,7 @@ class KVCache:
         self.positions[dr_t, dc_t] = src.positions[sr_t, sc_t]
         self.lengths = lengths
 
+
 @dataclass
 class PackedWrite:
     """A forward's layout over the cache, tensors only (see `KVCache.packed_write`)."""
@@ -270,10 +300,21 @@ class PackedWrite:
 
     def tensors(self) -> tuple:
         """The arguments of `Transformer.packed_hidden` (what a compiled graph takes)."""
-        return self.tokens, self.positions, self.where, self.query_cols, self.k, self.v, self.cache_tokens, self.cache_positions
+        return (
+            self.tokens,
+            self.positions,
+            self.where,
+            self.query_cols,
+            self.k,
+            self.v,
+            self.cache_tokens,
+            self.cache_positions,
+        )
 
 
-def attention_runs(starts: Sequence[int], fed: Sequence[int], worth: float = 0.6) -> list[tuple[int, int, int, int]] | None:
+def attention_runs(
+    starts: Sequence[int], fed: Sequence[int], worth: float = 0.6
+) -> list[tuple[int, int, int, int]] | None:
     """Attention in two runs of rows, when that saves work: [(first row, end row, queries,
     keys), ...], each run attending with only as many query and key columns as its own
     rows need (None: one run). The common case is a join: rows that decode one token each

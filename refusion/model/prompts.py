@@ -14,22 +14,36 @@ MASK_TOKEN = "<|mask|>"
 Prompt = str | Sequence[int]
 
 
-def chat_text(tokenizer: Any, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True,
-              **template_options: Any) -> str:
+def chat_text(
+    tokenizer: Any,
+    messages: Sequence[dict[str, str]],
+    add_generation_prompt: bool = True,
+    **template_options: Any,
+) -> str:
     """A conversation as the text the model continues: the tokenizer's chat template with
     the assistant's turn opened (or, with add_generation_prompt=False, the last message
     left open to be continued), or, for a tokenizer without one, each message's content
     on its own line (the format training uses for such tokenizers). `template_options`
     are the template's own variables (Qwen3's `enable_thinking`)."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=False,
-                                             continue_final_message=not add_generation_prompt, **template_options)
+        return tokenizer.apply_chat_template(
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            continue_final_message=not add_generation_prompt,
+            **template_options,
+        )
     text = "".join(m["content"] + "\n" for m in messages)
     return text if add_generation_prompt else text[:-1]  # the last message stays open
 
 
-def chat_ids(tokenizer: Any, messages: Sequence[dict[str, str]], *, continue_final: bool = False,
-             **template_options: Any) -> list[int]:
+def chat_ids(
+    tokenizer: Any,
+    messages: Sequence[dict[str, str]],
+    *,
+    continue_final: bool = False,
+    **template_options: Any,
+) -> list[int]:
     """`chat_text` tokenised (the template carries its own special tokens); with
     continue_final, the last message (an assistant turn begun for the model) stays open."""
     text = chat_text(tokenizer, messages, not continue_final, **template_options)

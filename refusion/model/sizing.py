@@ -28,7 +28,9 @@ class CacheNeed:
 
     prompt: int  # entries its prompt takes
     growth: int  # entries its decoding adds past the prompt, at most
-    width: int  # entries one forward writes past the row's committed end, beyond its growth (a block of MASKs)
+    width: (
+        int  # entries one forward writes past the row's committed end, beyond its growth (a block of MASKs)
+    )
     rows: int = 1  # cache rows it holds at once (ReFusion: its row and a fork per slot of a block; MDM: none)
 
 
@@ -84,7 +86,10 @@ def process_memory_kib(pid: int | str | None = None) -> dict[str, int] | None:
 def entry_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes one cache entry (one token of one row) takes: keys and values in every layer
     for the config's KV heads (a rank's config: its heads), and its token and position id."""
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype.itemsize + ID_BYTES
+    return (
+        2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype.itemsize
+        + ID_BYTES
+    )
 
 
 def weight_bytes(config: ModelConfig, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
@@ -107,8 +112,14 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype, tensor_parallel_size: 
     return total * dtype.itemsize
 
 
-def memory_plan(config: ModelConfig, dtype: torch.dtype, batch_size: int, context: int, cfg: DecodeConfig,
-                tensor_parallel_size: int = 1) -> dict[str, Any]:
+def memory_plan(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    batch_size: int,
+    context: int,
+    cfg: DecodeConfig,
+    tensor_parallel_size: int = 1,
+) -> dict[str, Any]:
     """Per device: the weights, and the KV cache the engine allocates for batch_size
     requests admitted together, each of `context` positions (prompt and generation, the
     generation as long as cfg's region where the context allows), by the engine's rule
@@ -122,7 +133,14 @@ def memory_plan(config: ModelConfig, dtype: torch.dtype, batch_size: int, contex
     needs = [need] * batch_size
     kv = cache_bytes(needs, entry_bytes(local, dtype))
     weights = weight_bytes(config, dtype, tensor_parallel_size)
-    return {"dtype": str(dtype).removeprefix("torch."), "tensor_parallel_size": tensor_parallel_size,
-            "batch_size": batch_size, "context": context, "cache_rows": batch_size * need.rows,
-            "row_capacity": row_capacity(needs), "weights_bytes": weights, "kv_cache_bytes": kv,
-            "total_bytes": weights + kv}
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "tensor_parallel_size": tensor_parallel_size,
+        "batch_size": batch_size,
+        "context": context,
+        "cache_rows": batch_size * need.rows,
+        "row_capacity": row_capacity(needs),
+        "weights_bytes": weights,
+        "kv_cache_bytes": kv,
+        "total_bytes": weights + kv,
+    }

@@ -56,8 +56,10 @@ def check_divisible(config: ModelConfig, world: int) -> None:
     H, H_kv, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
     ok = [n for n in range(1, H + 1) if H % n == 0 and inter % n == 0 and (H_kv % n == 0 or n % H_kv == 0)]
     if world not in ok:
-        raise ConfigError(f"tensor_parallel_size {world} does not split this model ({H} attention heads, {H_kv} KV "
-                          f"heads, MLP width {inter}); sizes that do: {', '.join(map(str, ok))}")
+        raise ConfigError(
+            f"tensor_parallel_size {world} does not split this model ({H} attention heads, {H_kv} KV "
+            f"heads, MLP width {inter}); sizes that do: {', '.join(map(str, ok))}"
+        )
 
 
 def local_config(config: ModelConfig, world: int) -> ModelConfig:
@@ -65,9 +67,13 @@ def local_config(config: ModelConfig, world: int) -> ModelConfig:
     the KV heads (one KV head when there are fewer KV heads than ranks)."""
     check_divisible(config, world)
     H_kv = config.num_key_value_heads
-    return dataclasses.replace(config, num_attention_heads=config.num_attention_heads // world,
-                               num_key_value_heads=H_kv // world if H_kv % world == 0 else 1,
-                               intermediate_size=config.intermediate_size // world, head_dim=config.head_dim)
+    return dataclasses.replace(
+        config,
+        num_attention_heads=config.num_attention_heads // world,
+        num_key_value_heads=H_kv // world if H_kv % world == 0 else 1,
+        intermediate_size=config.intermediate_size // world,
+        head_dim=config.head_dim,
+    )
 
 
 def slice_of(name: str, config: ModelConfig, shard: Shard) -> tuple[int, int, int] | None:
@@ -105,6 +111,8 @@ def make_row_parallel(model: nn.Module, shard: Shard) -> None:
     for block in model.model.layers:
         for owner, attr in ((block.self_attn, "o_proj"), (block.mlp, "down_proj")):
             old: nn.Linear = getattr(owner, attr)
-            new = RowParallelLinear(old.in_features, old.out_features, bias=old.bias is not None, device="meta")
+            new = RowParallelLinear(
+                old.in_features, old.out_features, bias=old.bias is not None, device="meta"
+            )
             new.group = shard.group
             setattr(owner, attr, new)

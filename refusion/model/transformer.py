@@ -99,7 +99,11 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
-        self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.n_heads, self.n_kv, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
         h, qkv_bias = config.hidden_size, config.attention_bias
         self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=qkv_bias)
@@ -111,7 +115,9 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packing: "Packing | None" = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packing: Packing | None = None
+    ) -> torch.Tensor:
         """Causal attention over the rows fed, without a cache (training, MDM, and the
         tests' references). x (B, T, hidden), or (N, hidden) when `packing` packed the
         rows' real tokens; cos, sin (B, 1, T, head_dim), sin's first half negated."""
@@ -130,14 +136,20 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(B, T, H * D)
         return self.o_proj(packing.pack(out) if packing is not None else out)
 
-    def packed_step(self, x, cos, sin, where, rows, cols, k_cache, v_cache, mask, B, T, segments=None) -> torch.Tensor:
+    def packed_step(
+        self, x, cos, sin, where, rows, cols, k_cache, v_cache, mask, B, T, segments=None
+    ) -> torch.Tensor:
         """`Transformer.packed_hidden` for one layer: x (N, hidden) real tokens only; keys and
         values go to (rows[n], cols[n]) of the cache; queries are scattered to the (B, T)
         layout (zeros where a row has no token: they attend, nothing reads them) for one
         attention over the cache window under `mask` (None: each query sees it all), or
         one per run of rows (`segments`). Returns (N, hidden)."""
         H, H_kv, D, N = self.n_heads, self.n_kv, self.head_dim, x.shape[0]
-        q, k, v = self.q_proj(x).view(N, H, D), self.k_proj(x).view(N, H_kv, D), self.v_proj(x).view(N, H_kv, D)
+        q, k, v = (
+            self.q_proj(x).view(N, H, D),
+            self.k_proj(x).view(N, H_kv, D),
+            self.v_proj(x).view(N, H_kv, D),
+        )
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # cos (N, 1, D)
@@ -156,7 +168,9 @@ class Attention(nn.Module):
         out = q.new_zeros(q.shape)  # each run of rows fills its own part
         for a, b, t, e in segments:
             m = None if mask is None else mask[a:b, :, :t, :e]
-            out[a:b, :, :t] = F.scaled_dot_product_attention(q[a:b, :, :t], k[a:b, :, :e], v[a:b, :, :e], attn_mask=m, enable_gqa=gqa)
+            out[a:b, :, :t] = F.scaled_dot_product_attention(
+                q[a:b, :, :t], k[a:b, :, :e], v[a:b, :, :e], attn_mask=m, enable_gqa=gqa
+            )
         return out
 
 
@@ -180,7 +194,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packing: "Packing | None" = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packing: Packing | None = None
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, packing)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -237,7 +253,9 @@ class Transformer(nn.Module):
         `lengths[b]` says how many of row b's tokens are real (the rest is right padding,
         whose outputs are zeros): with enough padding the rows are packed (see `Packing`)."""
         if tokens.shape != positions.shape:
-            raise ValueError(f"tokens {tuple(tokens.shape)} and positions {tuple(positions.shape)} differ in shape")
+            raise ValueError(
+                f"tokens {tuple(tokens.shape)} and positions {tuple(positions.shape)} differ in shape"
+            )
         B, T = tokens.shape
         packing = None
         if lengths is not None and sum(lengths) <= PACK_BELOW * B * T:
@@ -268,11 +286,18 @@ class Transformer(nn.Module):
         the engine builds its ragged feeds itself (`decode.forward`)."""
         B, T = tokens.shape
         n = [T] * B if n_new is None else [n_new] * B if isinstance(n_new, int) else [int(x) for x in n_new]
-        layout = cache.packed_write([tokens[b, : n[b]].tolist() for b in range(B)],
-                                    [positions[b, : n[b]].tolist() for b in range(B)], plan_runs=True)
-        hidden = self.packed_hidden(*layout.tensors(), segments=layout.segments, masked=layout.masked)  # (N, hidden)
+        layout = cache.packed_write(
+            [tokens[b, : n[b]].tolist() for b in range(B)],
+            [positions[b, : n[b]].tolist() for b in range(B)],
+            plan_runs=True,
+        )
+        hidden = self.packed_hidden(
+            *layout.tensors(), segments=layout.segments, masked=layout.masked
+        )  # (N, hidden)
         cache.advance(n)
-        out = hidden.new_zeros(B * layout.query_cols.shape[1], hidden.shape[-1]).index_copy(0, layout.where, hidden)
+        out = hidden.new_zeros(B * layout.query_cols.shape[1], hidden.shape[-1]).index_copy(
+            0, layout.where, hidden
+        )
         return out.view(B, -1, hidden.shape[-1])[:, :T]
 
     def forward(
@@ -317,12 +342,14 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(tokens)  # (N, hidden)
         cos, sin = (c[0, 0, :, None] for c in self.rope(positions[None], x.dtype))  # (N, 1, D)
         for block, k_l, v_l in zip(self.model.layers, k, v):
-            x = x + block.self_attn.packed_step(block.input_layernorm(x), cos, sin, where, rows, cols, k_l, v_l, mask, B, T, segments)
+            x = x + block.self_attn.packed_step(
+                block.input_layernorm(x), cos, sin, where, rows, cols, k_l, v_l, mask, B, T, segments
+            )
             x = x + block.mlp(block.post_attention_layernorm(x))
         return self.model.norm(x)
 
     @classmethod
-    def meta(cls, config: ModelConfig) -> "Transformer":
+    def meta(cls, config: ModelConfig) -> Transformer:
         """The model's structure without storage (on the meta device): its state dict gives
         every tensor's name and shape before any weight is read."""
         with torch.device("meta"):

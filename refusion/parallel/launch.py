@@ -66,12 +66,16 @@ def tensor_shard(size: int) -> Shard | None:
     if size == 1:
         return None
     if not launched():
-        raise ConfigError(f"tensor_parallel_size {size} needs {size} processes in a torch.distributed group: "
-                          f"run through the command line (--tensor-parallel-size {size}), or under "
-                          f"`torchrun --nproc-per-node {size}`, or in refusion.parallel.spawn")
+        raise ConfigError(
+            f"tensor_parallel_size {size} needs {size} processes in a torch.distributed group: "
+            f"run through the command line (--tensor-parallel-size {size}), or under "
+            f"`torchrun --nproc-per-node {size}`, or in refusion.parallel.spawn"
+        )
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % size:
-        raise ConfigError(f"tensor_parallel_size {size} in a group of {world} processes: launch a multiple of {size}")
+        raise ConfigError(
+            f"tensor_parallel_size {size} in a group of {world} processes: launch a multiple of {size}"
+        )
     if world == size:
         return Shard(rank, size)
     if size not in _GROUPS:
@@ -129,7 +133,9 @@ def gather_to_main(obj: Any) -> list[Any] | None:
     return out
 
 
-def spawn(size: int, fn: Callable[..., Any], *args: Any, device: str = "cpu", quiet_others: bool = True) -> Any:
+def spawn(
+    size: int, fn: Callable[..., Any], *args: Any, device: str = "cpu", quiet_others: bool = True
+) -> Any:
     """Run fn(*args) in `size` new processes that form one group (rank 0's result comes
     back); each gets an equal share of this machine's cores. The other ranks' output is
     dropped when `quiet_others`, but for the traceback of an error that is not ours. When
@@ -138,7 +144,9 @@ def spawn(size: int, fn: Callable[..., Any], *args: Any, device: str = "cpu", qu
     procs, results, rendezvous = start_ranks(range(size), size, fn, args, device, quiet_others)
     outcome, reported, give_up = None, set(), None
     while len(reported) < size:
-        if give_up is not None and time.monotonic() > give_up:  # a rank failed: the rest may wait in a collective
+        if (
+            give_up is not None and time.monotonic() > give_up
+        ):  # a rank failed: the rest may wait in a collective
             break
         try:
             rank, ok, value = results.get(timeout=1.0)
@@ -147,7 +155,9 @@ def spawn(size: int, fn: Callable[..., Any], *args: Any, device: str = "cpu", qu
             if dead and outcome is None:
                 for p in procs:
                     p.kill()
-                raise RuntimeError(f"rank {dead[0]} of {size} exited with code {procs[dead[0]].exitcode} and no result")
+                raise RuntimeError(
+                    f"rank {dead[0]} of {size} exited with code {procs[dead[0]].exitcode} and no result"
+                )
             continue
         reported.add(rank)
         try:
@@ -173,8 +183,15 @@ def spawn(size: int, fn: Callable[..., Any], *args: Any, device: str = "cpu", qu
     return value
 
 
-def start_ranks(ranks, size: int, fn: Callable[..., Any], args: tuple, device: str = "cpu",
-                quiet_others: bool = True, rendezvous: str | None = None) -> tuple[list, Any, str]:
+def start_ranks(
+    ranks,
+    size: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    device: str = "cpu",
+    quiet_others: bool = True,
+    rendezvous: str | None = None,
+) -> tuple[list, Any, str]:
     """Start processes for `ranks` of a group of `size` that meet at `rendezvous` (a new
     FileStore path by default: no port to race for), each running fn(*args) with an
     equal share of this machine's cores; returns them, the queue their results come
@@ -185,8 +202,14 @@ def start_ranks(ranks, size: int, fn: Callable[..., Any], args: tuple, device: s
     results = ctx.Queue()
     rendezvous = rendezvous or tempfile.mktemp(prefix="refusion-rendezvous-")
     threads = max(1, torch.get_num_threads() // size)
-    procs = [ctx.Process(target=_child, args=(rank, size, rendezvous, backend_for(device), threads, quiet_others,
-                                             results, fn, args), daemon=False) for rank in ranks]
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(rank, size, rendezvous, backend_for(device), threads, quiet_others, results, fn, args),
+            daemon=False,
+        )
+        for rank in ranks
+    ]
     for p in procs:
         p.start()
     return procs, results, rendezvous
@@ -200,7 +223,9 @@ def _child(rank, world, rendezvous, backend, threads, quiet, results, fn, args) 
         sys.stdout = sys.stderr = open(os.devnull, "w")
     try:
         own_device(backend, rank)
-        dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world, timeout=WAIT)
+        dist.init_process_group(
+            backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world, timeout=WAIT
+        )
         value = fn(*args)
         # plain pickle, by value: torch's queue would share tensors through this process's
         # file descriptors, gone once it exits

@@ -27,8 +27,11 @@ import traceback
 _TEST_FILE = "<test>"
 # exceptions a candidate may raise that the test may expect (`with pytest.raises`-style
 # checks): re-raised here as the same builtin type, with the message as plain text
-_EXCEPTIONS = {n: getattr(builtins, n) for n in dir(builtins)
-               if isinstance(getattr(builtins, n), type) and issubclass(getattr(builtins, n), Exception)}
+_EXCEPTIONS = {
+    n: getattr(builtins, n)
+    for n in dir(builtins)
+    if isinstance(getattr(builtins, n), type) and issubclass(getattr(builtins, n), Exception)
+}
 
 
 class CandidateGone(BaseException):
@@ -61,8 +64,12 @@ class Remote:
     def _refuse(self, *args, **kwargs):
         raise self._channel.violated(self._channel.wire.NotPlainData(f"{self._what} is not plain data"))
 
-    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __bool__ = __len__ = __iter__ = __contains__ = _refuse
-    __getitem__ = __getattr__ = __setattr__ = __hash__ = __index__ = __int__ = __float__ = __str__ = __format__ = _refuse
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __bool__ = __len__ = __iter__ = __contains__ = (
+        _refuse
+    )
+    __getitem__ = __getattr__ = __setattr__ = __hash__ = __index__ = __int__ = __float__ = __str__ = (
+        __format__
+    ) = _refuse
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __abs__ = __neg__ = _refuse
 
 
@@ -100,8 +107,11 @@ class Channel:
     def call(self, key, args, kwargs, what):
         wire = self.wire
         try:
-            message = {"call": key, "args": wire.to_json(tuple(args), ref=self._ref),
-                       "kwargs": wire.to_json(dict(kwargs), ref=self._ref)}
+            message = {
+                "call": key,
+                "args": wire.to_json(tuple(args), ref=self._ref),
+                "kwargs": wire.to_json(dict(kwargs), ref=self._ref),
+            }
         except wire.NotPlainData as e:
             raise TypeError(str(e)) from None  # the test's own argument: an error of the test
         try:

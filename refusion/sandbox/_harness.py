@@ -152,14 +152,42 @@ def _install_guards(root, block_network):
 
     import posix
 
-    spawners = ["system", "popen", "fork", "forkpty", "vfork", "posix_spawn", "posix_spawnp",
-                "kill", "killpg", "setuid", "setgid", "setreuid", "setregid", "setresuid", "setresgid"]
+    spawners = [
+        "system",
+        "popen",
+        "fork",
+        "forkpty",
+        "vfork",
+        "posix_spawn",
+        "posix_spawnp",
+        "kill",
+        "killpg",
+        "setuid",
+        "setgid",
+        "setreuid",
+        "setregid",
+        "setresuid",
+        "setresgid",
+    ]
     spawners += [n for n in dir(os) if n.startswith(("exec", "spawn"))]
     for module in (os, posix):
         for name in spawners:
             deny(module, name, "starting or signalling processes")
-        for name in ("remove", "unlink", "rmdir", "removedirs", "truncate", "chmod", "chown",
-                     "lchown", "mkdir", "makedirs", "mkfifo", "mknod", "utime"):
+        for name in (
+            "remove",
+            "unlink",
+            "rmdir",
+            "removedirs",
+            "truncate",
+            "chmod",
+            "chown",
+            "lchown",
+            "mkdir",
+            "makedirs",
+            "mkfifo",
+            "mknod",
+            "utime",
+        ):
             confine(module, name)
         for name in ("rename", "renames", "replace", "link", "symlink"):
             confine(module, name, n_paths=2)
@@ -211,7 +239,13 @@ class _Objects:
     def resolve(self, key):
         if type(key) is list and len(key) >= 2 and key[0] == "n" and key[1] in self.namespace:
             return self.namespace[key[1]]
-        if type(key) is list and len(key) >= 2 and key[0] == "h" and type(key[1]) is int and 0 <= key[1] < len(self.kept):
+        if (
+            type(key) is list
+            and len(key) >= 2
+            and key[0] == "h"
+            and type(key[1]) is int
+            and 0 <= key[1] < len(self.kept)
+        ):
             return self.kept[key[1]]
         raise NameError(f"the program defines no {key[1] if type(key) is list and len(key) > 1 else key!r}")
 

@@ -186,8 +186,9 @@ def _execute(check: Check, limits: Limits, iso: Isolation) -> ExecResult:
         shutil.rmtree(checker, ignore_errors=True)
 
 
-def _start_program(folder: Path, fds: tuple[int, int], limits: Limits, iso: Isolation, uid: int | None,
-                   out, err) -> subprocess.Popen:
+def _start_program(
+    folder: Path, fds: tuple[int, int], limits: Limits, iso: Isolation, uid: int | None, out, err
+) -> subprocess.Popen:
     settings = {
         "memory_bytes": limits.memory_mb << 20,
         "cpu_seconds": int(limits.timeout) + 1,
@@ -200,22 +201,54 @@ def _start_program(folder: Path, fds: tuple[int, int], limits: Limits, iso: Isol
         "calls_fd": fds[0],
         "replies_fd": fds[1],
     }
-    env = _ENV | {"HOME": str(folder), "TMPDIR": str(folder), "REFUSION_SANDBOX_SETTINGS": json.dumps(settings)}
+    env = _ENV | {
+        "HOME": str(folder),
+        "TMPDIR": str(folder),
+        "REFUSION_SANDBOX_SETTINGS": json.dumps(settings),
+    }
     argv = _prefix(iso) + [iso.python, "-I", "-S", "-B", str(folder / "harness.py")]
-    return subprocess.Popen(argv, cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                            pass_fds=fds, start_new_session=True)
+    return subprocess.Popen(
+        argv,
+        cwd=folder,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=out,
+        stderr=err,
+        pass_fds=fds,
+        start_new_session=True,
+    )
 
 
-def _start_checker(folder: Path, fds: tuple[int, int, int], limits: Limits, iso: Isolation) -> subprocess.Popen:
-    settings = {"memory_bytes": 2 * (limits.memory_mb << 20), "site_packages": _site_packages(),
-                "calls_fd": fds[0], "replies_fd": fds[1], "verdict_fd": fds[2]}
-    env = _ENV | {"HOME": str(folder), "TMPDIR": str(folder), "REFUSION_CHECKER_SETTINGS": json.dumps(settings)}
-    return subprocess.Popen([iso.python, "-I", "-S", "-B", str(folder / "checker.py")], cwd=folder, env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            pass_fds=fds, start_new_session=True)
+def _start_checker(
+    folder: Path, fds: tuple[int, int, int], limits: Limits, iso: Isolation
+) -> subprocess.Popen:
+    settings = {
+        "memory_bytes": 2 * (limits.memory_mb << 20),
+        "site_packages": _site_packages(),
+        "calls_fd": fds[0],
+        "replies_fd": fds[1],
+        "verdict_fd": fds[2],
+    }
+    env = _ENV | {
+        "HOME": str(folder),
+        "TMPDIR": str(folder),
+        "REFUSION_CHECKER_SETTINGS": json.dumps(settings),
+    }
+    return subprocess.Popen(
+        [iso.python, "-I", "-S", "-B", str(folder / "checker.py")],
+        cwd=folder,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        pass_fds=fds,
+        start_new_session=True,
+    )
 
 
-def _execute_in(folder: Path, checker_folder: Path, limits: Limits, iso: Isolation, uid: int | None) -> ExecResult:
+def _execute_in(
+    folder: Path, checker_folder: Path, limits: Limits, iso: Isolation, uid: int | None
+) -> ExecResult:
     calls_r, calls_w = os.pipe()  # checker -> program
     replies_r, replies_w = os.pipe()  # program -> checker
     verdict_r, verdict_w = os.pipe()  # checker -> us
@@ -250,11 +283,24 @@ def _execute_in(folder: Path, checker_folder: Path, limits: Limits, iso: Isolati
     verdict = _read_verdict(verdict_r)
     stdout, stderr = _tail(folder / "stdout"), _tail(folder / "stderr")
     if timed_out:
-        return ExecResult("timeout", ended_by_itself, duration, stdout, stderr, f"timeout: still running after {limits.timeout:g}s")
+        return ExecResult(
+            "timeout",
+            ended_by_itself,
+            duration,
+            stdout,
+            stderr,
+            f"timeout: still running after {limits.timeout:g}s",
+        )
     if verdict is None:
         checker_err = (checker.stderr.read() or b"").decode("utf-8", "replace") if checker.stderr else ""
-        return ExecResult("failed", ended_by_itself, duration, stdout, stderr,
-                          f"error: the checker gave no verdict ({_last_line(checker_err) or f'exit {checker.returncode}'})")
+        return ExecResult(
+            "failed",
+            ended_by_itself,
+            duration,
+            stdout,
+            stderr,
+            f"error: the checker gave no verdict ({_last_line(checker_err) or f'exit {checker.returncode}'})",
+        )
     if verdict["passed"]:
         return ExecResult("passed", ended_by_itself, duration, stdout, stderr, "")
     reason = verdict["reason"]
@@ -303,7 +349,9 @@ def _how_it_ended(rc: int | None, stderr: str) -> str | None:
     if "MemoryError" in stderr:
         return "memory: the program ran out of memory (MemoryError)"
     last = _last_line(stderr)
-    return f"exit: the program exited with code {rc} before the test finished" + (f" ({last})" if last else "")
+    return f"exit: the program exited with code {rc} before the test finished" + (
+        f" ({last})" if last else ""
+    )
 
 
 def _tail(path: Path) -> str:
@@ -350,13 +398,21 @@ def _is_zombie(pid: str) -> bool:
 
 
 # ---------------------------------------------------------------------------- probing
-_PROBE = Check(program="import fractions, json, collections\ndef f(n):\n    return sum(range(n))\n",
-               test="assert f(4) == 6\n", calls=("f",))
+_PROBE = Check(
+    program="import fractions, json, collections\ndef f(n):\n    return sum(range(n))\n",
+    test="assert f(4) == 6\n",
+    calls=("f",),
+)
 
 
 def _candidates() -> list[str]:
-    names = [sys.executable, f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}",
-             "/usr/bin/python3", "/usr/local/bin/python3", shutil.which("python3") or ""]
+    names = [
+        sys.executable,
+        f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}",
+        "/usr/bin/python3",
+        "/usr/local/bin/python3",
+        shutil.which("python3") or "",
+    ]
     seen: list[str] = []
     for name in names:
         if name and os.path.exists(name) and name not in seen:
@@ -374,8 +430,8 @@ def isolation() -> Isolation:
     root = os.geteuid() == 0
     options = []
     for python in _candidates():
-        for ns, mounts in ([(True, True), (True, False), (False, False)] if have_unshare else [(False, False)]):
-            for own_uid in ([True, False] if root else [False]):
+        for ns, mounts in [(True, True), (True, False), (False, False)] if have_unshare else [(False, False)]:
+            for own_uid in [True, False] if root else [False]:
                 options.append(Isolation(python, ns, own_uid, mounts))
     # prefer the strongest walls, then our own interpreter
     options.sort(key=lambda o: (not o.mounts, not o.own_uid, not o.namespaces))
@@ -388,9 +444,12 @@ def isolation() -> Isolation:
         except OSError:  # a tool or interpreter that cannot start here
             continue
     if not chosen.mounts:
-        warnings.warn(f"the code sandbox has no private mount namespace here (unshare --mount is not available "
-                      f"or not allowed): programs share /tmp and /proc with the machine; walls: {chosen.describe()}",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"the code sandbox has no private mount namespace here (unshare --mount is not available "
+            f"or not allowed): programs share /tmp and /proc with the machine; walls: {chosen.describe()}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return chosen
 
 

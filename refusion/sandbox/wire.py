@@ -27,7 +27,10 @@ class NotPlainData(BaseException):
 
 
 _COLLECTIONS = {tuple: "t", set: "s", frozenset: "fs"}
-TYPES = {t.__name__: t for t in (int, float, complex, bool, str, bytes, bytearray, list, tuple, dict, set, frozenset)}
+TYPES = {
+    t.__name__: t
+    for t in (int, float, complex, bool, str, bytes, bytearray, list, tuple, dict, set, frozenset)
+}
 
 
 def to_json(value, depth=0, ref=None):
@@ -74,7 +77,7 @@ def from_json(obj, depth=0, resolve=None):
         return [from_json(v, depth + 1, resolve) for v in obj]
     if type(obj) is not dict or len(obj) != 1:
         raise NotPlainData(f"malformed value ({type(obj).__name__})")
-    (tag, body), = obj.items()
+    ((tag, body),) = obj.items()
     try:
         if tag == "i":
             return int(_text(body), 16)
@@ -85,7 +88,10 @@ def from_json(obj, depth=0, resolve=None):
         if tag == "b":
             return bytes.fromhex(_text(body))
         if tag == "d" and type(body) is list:
-            return {from_json(_pair(p)[0], depth + 1, resolve): from_json(_pair(p)[1], depth + 1, resolve) for p in body}
+            return {
+                from_json(_pair(p)[0], depth + 1, resolve): from_json(_pair(p)[1], depth + 1, resolve)
+                for p in body
+            }
         if tag in ("t", "s", "fs") and type(body) is list:
             items = [from_json(v, depth + 1, resolve) for v in body]
             return {"t": tuple, "s": set, "fs": frozenset}[tag](items)

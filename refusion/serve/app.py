@@ -61,7 +61,9 @@ log = logging.getLogger("refusion.serve")
 
 ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
 MAX_BODY = 16 * 2**20
-MAX_DEPTH = 32  # nesting of a JSON body; OpenAI's deepest field (a message's tool call's function) is 6 levels down
+MAX_DEPTH = (
+    32  # nesting of a JSON body; OpenAI's deepest field (a message's tool call's function) is 6 levels down
+)
 
 
 def create_app(
@@ -96,17 +98,28 @@ def create_app(
         engine_loop.start()
         yield
         await asyncio.get_running_loop().run_in_executor(None, engine_loop.shutdown, shutdown_timeout)
-        if hasattr(engine, "close"):  # a split model's leader lets the other ranks go (uvicorn then re-raises the signal)
+        if hasattr(
+            engine, "close"
+        ):  # a split model's leader lets the other ranks go (uvicorn then re-raises the signal)
             await asyncio.get_running_loop().run_in_executor(None, engine.close)
 
     app = FastAPI(title="ReFusion", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.engine_loop, app.state.metrics, app.state.shutdown_timeout = engine_loop, metrics, shutdown_timeout
+    app.state.engine_loop, app.state.metrics, app.state.shutdown_timeout = (
+        engine_loop,
+        metrics,
+        shutdown_timeout,
+    )
     app.state.begin_drain = engine_loop.close
 
     @app.get("/health")
     async def health() -> JSONResponse:
         ok = engine_loop.alive and not engine_loop.closing
-        body = {"status": "ok" if ok else "unavailable", "model": model_name, "queue_length": engine_loop.queue_length, "running": engine_loop.running}
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "model": model_name,
+            "queue_length": engine_loop.queue_length,
+            "running": engine_loop.running,
+        }
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -137,12 +150,20 @@ def create_app(
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, e: HTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return _error_response(metrics, APIError(e.status_code, str(e.detail), param=None, code=code, headers=dict(e.headers or {})))
+        return _error_response(
+            metrics,
+            APIError(e.status_code, str(e.detail), param=None, code=code, headers=dict(e.headers or {})),
+        )
 
     @app.exception_handler(Exception)
     async def internal_error(_request: Request, e: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return _error_response(metrics, APIError(500, f"internal server error: {type(e).__name__}", type="server_error", code="internal_error"))
+        return _error_response(
+            metrics,
+            APIError(
+                500, f"internal server error: {type(e).__name__}", type="server_error", code="internal_error"
+            ),
+        )
 
     app.add_middleware(_Observe, metrics=metrics, api_key=api_key)
     return app
@@ -158,10 +179,18 @@ def library_error(e: BaseException) -> APIError:
     request's fault (400); anything else is ours (500)."""
     if isinstance(e, ShuttingDown):
         return APIError(503, str(e), type="server_error", code="shutting_down")
-    if isinstance(e, CompileError):  # the server's setup (--compile on a machine that cannot), not the request
+    if isinstance(
+        e, CompileError
+    ):  # the server's setup (--compile on a machine that cannot), not the request
         return APIError(500, str(e), type="server_error", code="compile_failed")
     if isinstance(e, ReFusionError):
-        code = "context_length_exceeded" if isinstance(e, ContextLengthError) else "missing_mask_token" if isinstance(e, MissingMaskTokenError) else "invalid_config"
+        code = (
+            "context_length_exceeded"
+            if isinstance(e, ContextLengthError)
+            else "missing_mask_token"
+            if isinstance(e, MissingMaskTokenError)
+            else "invalid_config"
+        )
         return bad(str(e), None, code)
     return APIError(500, f"decoding failed: {type(e).__name__}", type="server_error", code="internal_error")
 
@@ -174,17 +203,34 @@ class _Server:
     """Per-app state and the completion flow shared by both completion routes."""
 
     def __init__(self, engine: Engine, cfg: DecodeConfig, name: str, engine_loop: EngineLoop) -> None:
-        self.engine, self.tokenizer, self.cfg, self.name, self.engine_loop = engine, engine.tokenizer, cfg, name, engine_loop
+        self.engine, self.tokenizer, self.cfg, self.name, self.engine_loop = (
+            engine,
+            engine.tokenizer,
+            cfg,
+            name,
+            engine_loop,
+        )
         self.context = engine.model.config.max_position_embeddings
         self.vocab = engine.model.config.vocab_size
         self.created = int(time.time())
 
     def model_card(self) -> dict[str, Any]:
-        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "refusion", "max_model_len": self.context}
+        return {
+            "id": self.name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "refusion",
+            "max_model_len": self.context,
+        }
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.name:
-            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.name}`", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{name}` does not exist; this server serves `{self.name}`",
+                param="model",
+                code="model_not_found",
+            )
 
     # ---------------------------------------------------------------- request -> jobs
     async def complete(self, request: Request, kind: str) -> Response:
@@ -207,12 +253,24 @@ class _Server:
         try:
             self.engine_loop.submit(jobs)
         except QueueFull as e:
-            raise APIError(429, f"the server is busy ({self.engine_loop.max_queue} requests waiting); retry in {e.retry_after} s", type="rate_limit_error", code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
+            raise APIError(
+                429,
+                f"the server is busy ({self.engine_loop.max_queue} requests waiting); retry in {e.retry_after} s",
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(e.retry_after)},
+            ) from None
         except ShuttingDown as e:
             raise library_error(e) from None
-        flow = _Flow(request, req, jobs, events, self.name, sum(len(p) for p in prompts), watch=not req.stream)
+        flow = _Flow(
+            request, req, jobs, events, self.name, sum(len(p) for p in prompts), watch=not req.stream
+        )
         if req.stream:  # headers (and chat's role chunk) at once: a queued client knows it was accepted
-            return StreamingResponse(flow.sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                flow.sse(),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         try:
             return JSONResponse(await flow.collect())
         except _ClientGone:
@@ -236,7 +294,11 @@ class _Server:
                     raise bad(f"prompt token ids must be in [0, {self.vocab})", "prompt")
                 prompts.append(encode_prompt(tok, p, chat=False) if p != "" else [])
         if any(not p for p in prompts):
-            raise bad("the prompt is empty after tokenisation: give at least one token", "messages" if req.kind == "chat" else "prompt", "empty_prompt")
+            raise bad(
+                "the prompt is empty after tokenisation: give at least one token",
+                "messages" if req.kind == "chat" else "prompt",
+                "empty_prompt",
+            )
         return prompts
 
 
@@ -252,8 +314,17 @@ def _for_template(messages: list[dict[str, Any]], template: Any) -> list[dict[st
 class _Flow:
     """One request's events from the decode thread, until every choice is done."""
 
-    def __init__(self, request: Request, req: CompletionRequest, jobs: list[Job], events: asyncio.Queue, model: str, prompt_tokens: int,
-                 *, watch: bool) -> None:
+    def __init__(
+        self,
+        request: Request,
+        req: CompletionRequest,
+        jobs: list[Job],
+        events: asyncio.Queue,
+        model: str,
+        prompt_tokens: int,
+        *,
+        watch: bool,
+    ) -> None:
         self.request, self.req, self.jobs, self.events = request, req, jobs, events
         self.model, self.prompt_tokens = model, prompt_tokens
         self.id = new_id(req.kind)
@@ -305,7 +376,13 @@ class _Flow:
                 reasons[i] = ev[1]
                 self.open -= 1
         self._stop_watching()
-        return response_body(self.req.kind, self.id, self.model, [("".join(t), r) for t, r in zip(texts, reasons)], self.usage())
+        return response_body(
+            self.req.kind,
+            self.id,
+            self.model,
+            [("".join(t), r) for t, r in zip(texts, reasons)],
+            self.usage(),
+        )
 
     async def sse(self) -> AsyncIterator[str]:
         """The stream: chat's role chunks first, then each event as it comes; an error
@@ -364,14 +441,21 @@ def _loads(raw: bytes) -> Any:
         raise _too_deep() from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, and an integer over Python's digit limit
         if "integer string conversion" in str(e):
-            raise bad(f"the request body has an integer of more than {sys.get_int_max_str_digits()} digits; "
-                      "no field takes one that long", None, "invalid_json") from None
+            raise bad(
+                f"the request body has an integer of more than {sys.get_int_max_str_digits()} digits; "
+                "no field takes one that long",
+                None,
+                "invalid_json",
+            ) from None
         raise bad(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
 
 
 def _too_deep() -> APIError:
-    return bad(f"the request body nests arrays and objects more than {MAX_DEPTH} deep; no field of this API needs more than a few levels",
-               None, "invalid_json")
+    return bad(
+        f"the request body nests arrays and objects more than {MAX_DEPTH} deep; no field of this API needs more than a few levels",
+        None,
+        "invalid_json",
+    )
 
 
 def _deeper_than(obj: Any, limit: int) -> bool:
@@ -382,7 +466,12 @@ def _deeper_than(obj: Any, limit: int) -> bool:
         depth += 1
         if depth > limit:
             return True
-        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x) if isinstance(v, (list, dict))]
+        level = [
+            v
+            for x in level
+            for v in (x.values() if isinstance(x, dict) else x)
+            if isinstance(v, (list, dict))
+        ]
     return False
 
 
@@ -397,7 +486,9 @@ class _Observe:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        route = path if path in ROUTES else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+        route = (
+            path if path in ROUTES else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+        )
         t0, status, recorded = time.monotonic(), [500], [False]
 
         def record() -> None:
@@ -429,10 +520,17 @@ def authorised(scope: dict, api_key: str | None) -> bool:
     for k, v in scope["headers"]:
         if k == b"authorization":
             scheme, _, token = v.decode("latin-1").partition(" ")
-            return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+            return scheme.lower() == "bearer" and hmac.compare_digest(
+                token.strip().encode(), api_key.encode()
+            )
     return False
 
 
 def unauthorised() -> APIError:
-    return APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", type="authentication_error",
-                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return APIError(
+        401,
+        "invalid or missing API key: send 'Authorization: Bearer <key>'",
+        type="authentication_error",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )

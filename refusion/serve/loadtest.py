@@ -69,7 +69,11 @@ class Phase:
     wall: float = 0.0
 
     def summary(self) -> dict:
-        pct = lambda xs, q: statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else (xs[0] if xs else float("nan"))  # noqa: E731
+        pct = lambda xs, q: (
+            statistics.quantiles(xs, n=100, method="inclusive")[q - 1]
+            if len(xs) > 1
+            else (xs[0] if xs else float("nan"))
+        )  # noqa: E731
         return {
             "phase": self.label or str(self.clients),
             "clients": self.clients,
@@ -127,7 +131,9 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, phase: Ph
     phase.tokens += usage["completion_tokens"]
 
 
-async def run_phase(args: argparse.Namespace, model: str, clients: int, mixed: bool = False, label: str = "") -> Phase:
+async def run_phase(
+    args: argparse.Namespace, model: str, clients: int, mixed: bool = False, label: str = ""
+) -> Phase:
     phase = Phase(clients, args.seconds, label)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
@@ -142,8 +148,15 @@ async def run_phase(args: argparse.Namespace, model: str, clients: int, mixed: b
             # answers, finished sooner, would then be asked more often
             i = k
             while time.perf_counter() < end:
-                body = {"model": model, "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "max_tokens": args.max_tokens,
-                        "stream": True, "stream_options": {"include_usage": True}, **args.extra, **(MIXED[k % len(MIXED)] if mixed else {})}
+                body = {
+                    "model": model,
+                    "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                    "max_tokens": args.max_tokens,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                    **args.extra,
+                    **(MIXED[k % len(MIXED)] if mixed else {}),
+                }
                 await one_request(client, args.url, body, phase)
                 i += 1
 
@@ -178,18 +191,30 @@ def _phases(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple[
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m refusion.serve.loadtest", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m refusion.serve.loadtest", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--clients", type=int, default=32, help="concurrent streaming clients")
     p.add_argument("--seconds", type=float, default=60.0, help="how long clients start new requests")
-    p.add_argument("--compare", default=None, metavar="A,B",
-                   help="run one phase per client count (e.g. 1,16) and compare tokens/s; or 'same,mixed': --clients clients "
-                        "with identical settings, then with mixed per-client settings")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="with --compare: repeat the phases this many times, interleaved (A, B, A, B, ...); "
-                        "each count's figures are from its median round (tokens/s)")
+    p.add_argument(
+        "--compare",
+        default=None,
+        metavar="A,B",
+        help="run one phase per client count (e.g. 1,16) and compare tokens/s; or 'same,mixed': --clients clients "
+        "with identical settings, then with mixed per-client settings",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --compare: repeat the phases this many times, interleaved (A, B, A, B, ...); "
+        "each count's figures are from its median round (tokens/s)",
+    )
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--extra", type=json.loads, default={}, help='extra body fields as JSON, e.g. \'{"method": "ar"}\'')
+    p.add_argument(
+        "--extra", type=json.loads, default={}, help='extra body fields as JSON, e.g. \'{"method": "ar"}\''
+    )
     p.add_argument("--pid", type=int, default=None, help="server process id: report its RSS before and after")
     p.add_argument("--api-key", default=None)
     p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
@@ -204,11 +229,20 @@ def main(argv: list[str] | None = None) -> int:
     before = rss_kib(args.pid)
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
-    runs = [[asyncio.run(run_phase(args, model, n, mixed, label)).summary() for label, n, mixed in phases_spec]
-            for _ in range(args.rounds if args.compare else 1)]
+    runs = [
+        [asyncio.run(run_phase(args, model, n, mixed, label)).summary() for label, n, mixed in phases_spec]
+        for _ in range(args.rounds if args.compare else 1)
+    ]
     phases = [median_phase([r[i] for r in runs]) for i in range(len(phases_spec))]
     after = rss_kib(args.pid)
-    report = {"url": args.url, "model": model, "max_tokens": args.max_tokens, "phases": phases, "rss_kib_before": before, "rss_kib_after": after}
+    report = {
+        "url": args.url,
+        "model": model,
+        "max_tokens": args.max_tokens,
+        "phases": phases,
+        "rss_kib_before": before,
+        "rss_kib_after": after,
+    }
     if len(phases) > 1 and phases[0]["tokens_per_s"]:
         report["tokens_per_s_ratio"] = round(phases[-1]["tokens_per_s"] / phases[0]["tokens_per_s"], 2)
     if args.json:
@@ -223,9 +257,13 @@ def main(argv: list[str] | None = None) -> int:
                 + (f"; tokens/s by round {ph['rounds_tokens_per_s']}" if len(runs) > 1 else "")
             )
         if "tokens_per_s_ratio" in report:
-            print(f"tokens/s ratio, {phases[-1]['phase']} vs {phases[0]['phase']}: {report['tokens_per_s_ratio']}x")
+            print(
+                f"tokens/s ratio, {phases[-1]['phase']} vs {phases[0]['phase']}: {report['tokens_per_s_ratio']}x"
+            )
         if before:
-            print(f"server RSS before {before['VmRSS'] / 1024:.1f} MiB, after {after['VmRSS'] / 1024:.1f} MiB (peak {after['VmHWM'] / 1024:.1f} MiB)")
+            print(
+                f"server RSS before {before['VmRSS'] / 1024:.1f} MiB, after {after['VmRSS'] / 1024:.1f} MiB (peak {after['VmHWM'] / 1024:.1f} MiB)"
+            )
     failed = sum(ph["incomplete"] + sum(ph["errors"].values()) for r in runs for ph in r)
     return 1 if failed else 0
 

@@ -131,7 +131,9 @@ class EngineLoop:
         self._cv = threading.Condition()
         self._closing = False
         self._deadline = math.inf  # monotonic time at which running completions are cut (set by close)
-        self._last_step = 0.0  # seconds the last step took: a step that would end past the deadline is not begun
+        self._last_step = (
+            0.0  # seconds the last step took: a step that would end past the deadline is not begun
+        )
         self._request_seconds = 1.0  # running mean of a completion's time in the engine, for Retry-After
         self._thread = threading.Thread(target=self._run, name="refusion-engine", daemon=True)
 
@@ -143,7 +145,9 @@ class EngineLoop:
         """Queue every job or none."""
         with self._cv:
             if self._closing:
-                raise ShuttingDown("the server is shutting down and takes no new requests; retry on another replica or once it is back")
+                raise ShuttingDown(
+                    "the server is shutting down and takes no new requests; retry on another replica or once it is back"
+                )
             if self.queue_length + len(jobs) > self.max_queue:
                 self.metrics.rejected.inc()
                 raise QueueFull(self._retry_after())

@@ -71,7 +71,14 @@ class Gauge(Counter):
 class Histogram(_Metric):
     kind = "histogram"
 
-    def __init__(self, lock: threading.Lock, name: str, help_text: str, buckets: Sequence[float], labels: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        lock: threading.Lock,
+        name: str,
+        help_text: str,
+        buckets: Sequence[float],
+        labels: Sequence[str] = (),
+    ) -> None:
         super().__init__(lock, name, help_text, labels)
         self.buckets = tuple(buckets)
         self._series: dict[Labels, list[float]] = {}  # per label set: bucket counts..., +Inf count, sum
@@ -126,22 +133,86 @@ class Metrics(Registry):
     def __init__(self, prefix: str = "refusion") -> None:
         super().__init__()
         p = prefix + "_"
-        self.requests = self._add(Counter, p + "requests_total", "HTTP requests by route and status code", labels=("route", "status"))
-        self.errors = self._add(Counter, p + "errors_total", "Error responses by error type", labels=("type",))
-        self.latency = self._add(Histogram, p + "request_latency_seconds", "Time from request to the last byte of the response", buckets=LATENCY_BUCKETS, labels=("route",))
-        self.ttft = self._add(Histogram, p + "time_to_first_token_seconds", "Time from submission to the first text of a completion", buckets=LATENCY_BUCKETS)
-        self.queue_wait = self._add(Histogram, p + "queue_wait_seconds", "Time a completion waited before its first engine step", buckets=LATENCY_BUCKETS)
-        self.prompt_tokens = self._add(Counter, p + "prompt_tokens_total", "Prompt tokens of submitted completions")
-        self.completion_tokens = self._add(Counter, p + "completion_tokens_total", "Tokens returned to clients (after max_tokens and stop cuts)")
-        self.generated_tokens = self._add(Counter, p + "generated_tokens_total", "Tokens the decoder generated")
-        self.forwards = self._add(Counter, p + "forward_passes_total", "Forward passes summed over completions (generated_tokens_total / this = overall TPF)")
-        self.tpf = self._add(Histogram, p + "tokens_per_forward", "Tokens per forward pass (TPF) of each completion", buckets=TPF_BUCKETS)
-        self.joined = self._add(Counter, p + "joined_total", "Completions added while the engine was decoding others (continuous batching)")
-        self.rows_per_step = self._add(Histogram, p + "rows_per_step", "Requests (of any settings) that took part in one engine step", buckets=BATCH_BUCKETS)
+        self.requests = self._add(
+            Counter,
+            p + "requests_total",
+            "HTTP requests by route and status code",
+            labels=("route", "status"),
+        )
+        self.errors = self._add(
+            Counter, p + "errors_total", "Error responses by error type", labels=("type",)
+        )
+        self.latency = self._add(
+            Histogram,
+            p + "request_latency_seconds",
+            "Time from request to the last byte of the response",
+            buckets=LATENCY_BUCKETS,
+            labels=("route",),
+        )
+        self.ttft = self._add(
+            Histogram,
+            p + "time_to_first_token_seconds",
+            "Time from submission to the first text of a completion",
+            buckets=LATENCY_BUCKETS,
+        )
+        self.queue_wait = self._add(
+            Histogram,
+            p + "queue_wait_seconds",
+            "Time a completion waited before its first engine step",
+            buckets=LATENCY_BUCKETS,
+        )
+        self.prompt_tokens = self._add(
+            Counter, p + "prompt_tokens_total", "Prompt tokens of submitted completions"
+        )
+        self.completion_tokens = self._add(
+            Counter,
+            p + "completion_tokens_total",
+            "Tokens returned to clients (after max_tokens and stop cuts)",
+        )
+        self.generated_tokens = self._add(
+            Counter, p + "generated_tokens_total", "Tokens the decoder generated"
+        )
+        self.forwards = self._add(
+            Counter,
+            p + "forward_passes_total",
+            "Forward passes summed over completions (generated_tokens_total / this = overall TPF)",
+        )
+        self.tpf = self._add(
+            Histogram,
+            p + "tokens_per_forward",
+            "Tokens per forward pass (TPF) of each completion",
+            buckets=TPF_BUCKETS,
+        )
+        self.joined = self._add(
+            Counter,
+            p + "joined_total",
+            "Completions added while the engine was decoding others (continuous batching)",
+        )
+        self.rows_per_step = self._add(
+            Histogram,
+            p + "rows_per_step",
+            "Requests (of any settings) that took part in one engine step",
+            buckets=BATCH_BUCKETS,
+        )
         self.rows = self._add(Gauge, p + "rows_last_step", "Requests that took part in the last engine step")
-        self.step_seconds = self._add(Histogram, p + "step_duration_seconds", "Wall time of one engine step", buckets=LATENCY_BUCKETS)
-        self.engine_forwards = self._add(Gauge, p + "engine_forward_passes", "Model forward passes the engine has run (each shared by every row in it)")
-        self.finished = self._add(Counter, p + "completions_total", "Completions by finish reason (stop, length, cancelled, error)", labels=("reason",))
-        self.queue_length = self._add(Gauge, p + "queue_length", "Completions waiting to join the engine's batch")
+        self.step_seconds = self._add(
+            Histogram, p + "step_duration_seconds", "Wall time of one engine step", buckets=LATENCY_BUCKETS
+        )
+        self.engine_forwards = self._add(
+            Gauge,
+            p + "engine_forward_passes",
+            "Model forward passes the engine has run (each shared by every row in it)",
+        )
+        self.finished = self._add(
+            Counter,
+            p + "completions_total",
+            "Completions by finish reason (stop, length, cancelled, error)",
+            labels=("reason",),
+        )
+        self.queue_length = self._add(
+            Gauge, p + "queue_length", "Completions waiting to join the engine's batch"
+        )
         self.running = self._add(Gauge, p + "running_completions", "Completions the engine is decoding")
-        self.rejected = self._add(Counter, p + "rejected_total", "Requests refused because the queue was full")
+        self.rejected = self._add(
+            Counter, p + "rejected_total", "Requests refused because the queue was full"
+        )

@@ -168,7 +168,9 @@ def parse_request(body: Any, kind: str) -> CompletionRequest:
     body = {k: v for k, v in body.items() if v is not None}  # null = not given, as at OpenAI
     for name, ok in NEUTRAL.items():
         if name in body and not ok(body[name]):
-            raise bad(f"{name}={shown(body[name])} is not supported by this server", name, "unsupported_value")
+            raise bad(
+                f"{name}={shown(body[name])} is not supported by this server", name, "unsupported_value"
+            )
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model must be a string", "model", "invalid_type")
@@ -191,7 +193,9 @@ def parse_request(body: Any, kind: str) -> CompletionRequest:
     if opts is not None:
         if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
             raise bad("stream_options must be an object with include_usage", "stream_options", "invalid_type")
-        req.include_usage = _own_value("stream_options.include_usage", "bool", opts.get("include_usage", False))
+        req.include_usage = _own_value(
+            "stream_options.include_usage", "bool", opts.get("include_usage", False)
+        )
     if "preset" in body:
         req.preset = _own_value("preset", "str", body["preset"], choices=PRESETS)
     req.overrides = {name: _decode_value(f, body[name]) for name, f in DECODE_FIELDS.items() if name in body}
@@ -202,14 +206,26 @@ def _prompts(p: Any) -> list[str | list[int]]:
     if isinstance(p, str):
         return [_text("prompt", p)]
     if not isinstance(p, list) or not p:
-        raise bad("prompt must be a string, a list of strings, or token ids (a list of integers or of lists)", "prompt", "invalid_type")
+        raise bad(
+            "prompt must be a string, a list of strings, or token ids (a list of integers or of lists)",
+            "prompt",
+            "invalid_type",
+        )
     if all(_is_int(t) for t in p):
         return [list(p)]
-    if all(isinstance(t, str) for t in p) or all(isinstance(t, list) and t and all(_is_int(x) for x in t) for t in p):
+    if all(isinstance(t, str) for t in p) or all(
+        isinstance(t, list) and t and all(_is_int(x) for x in t) for t in p
+    ):
         if len(p) > MAX_PROMPTS:
             raise bad(f"at most {MAX_PROMPTS} prompts per request, got {len(p)}", "prompt")
-        return [_text(f"prompt[{i}]", t, "prompt") if isinstance(t, str) else list(t) for i, t in enumerate(p)]
-    raise bad("prompt must be a string, a list of strings, or token ids (a list of integers or of lists)", "prompt", "invalid_type")
+        return [
+            _text(f"prompt[{i}]", t, "prompt") if isinstance(t, str) else list(t) for i, t in enumerate(p)
+        ]
+    raise bad(
+        "prompt must be a string, a list of strings, or token ids (a list of integers or of lists)",
+        "prompt",
+        "invalid_type",
+    )
 
 
 def _messages(msgs: Any) -> list[dict[str, Any]]:
@@ -228,20 +244,29 @@ def _message(m: Any, where: str) -> dict[str, Any]:
         raise bad(f"{where} must be an object with role and content", where, "invalid_type")
     role = m.get("role")
     if role not in ROLES:
-        raise bad(f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {shown(role)}", f"{where}.role")
+        raise bad(
+            f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {shown(role)}", f"{where}.role"
+        )
     allowed = MESSAGE_FIELDS.get(role, {"name"})
     extra = sorted(set(m) - {"role", "content"} - allowed)
     if extra:
         name = extra[0]
         owner = next((r for r, fields in MESSAGE_FIELDS.items() if name in fields), None)
         why = f": only {owner} messages carry it" if owner else ""
-        raise bad(f"{where}.{name} is not a field of a {role} message{why}", f"{where}.{name}", "unknown_parameter")
-    out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": _content(m.get("content"), where)}
+        raise bad(
+            f"{where}.{name} is not a field of a {role} message{why}", f"{where}.{name}", "unknown_parameter"
+        )
+    out: dict[str, Any] = {
+        "role": "system" if role == "developer" else role,
+        "content": _content(m.get("content"), where),
+    }
     for name in ("name", "tool_call_id"):
         if m.get(name) is not None:
             out[name] = _string(f"{where}.{name}", m[name])
     if m.get("refusal") is not None:
-        _string(f"{where}.refusal", m["refusal"])  # the model's own earlier refusal: checked, not shown to the template
+        _string(
+            f"{where}.refusal", m["refusal"]
+        )  # the model's own earlier refusal: checked, not shown to the template
     if m.get("tool_calls") is not None:
         out["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
     return out
@@ -256,12 +281,19 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     for i, call in enumerate(calls):
         at = f"{where}[{i}]"
         if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-            raise bad(f"{at} must be an object with id, type and function: {{name, arguments}}", at, "invalid_type")
+            raise bad(
+                f"{at} must be an object with id, type and function: {{name, arguments}}", at, "invalid_type"
+            )
         if call.get("type", "function") != "function":
-            raise bad(f"{at}.type must be \"function\", got {shown(call['type'])}", f"{at}.type")
+            raise bad(f'{at}.type must be "function", got {shown(call["type"])}', f"{at}.type")
         fn = call["function"]
-        item = {"type": "function", "function": {"name": _string(f"{at}.function.name", fn.get("name")),
-                                                 "arguments": _string(f"{at}.function.arguments", fn.get("arguments", ""))}}
+        item = {
+            "type": "function",
+            "function": {
+                "name": _string(f"{at}.function.name", fn.get("name")),
+                "arguments": _string(f"{at}.function.arguments", fn.get("arguments", "")),
+            },
+        }
         if call.get("id") is not None:
             item["id"] = _string(f"{at}.id", call["id"])
         out.append(item)
@@ -278,8 +310,11 @@ def _text(where: str, v: str, param: str | None = None) -> str:
     try:
         v.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise bad(f"{where} has a lone surrogate ({v[e.start]!r} at {e.start}), which is not text; send valid UTF-8",
-                  param or where, "invalid_value") from None
+        raise bad(
+            f"{where} has a lone surrogate ({v[e.start]!r} at {e.start}), which is not text; send valid UTF-8",
+            param or where,
+            "invalid_value",
+        ) from None
     return v
 
 
@@ -291,8 +326,12 @@ def _content(c: Any, where: str) -> str:
     if isinstance(c, list):
         texts = []
         for part in c:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise bad(f"{where}.content: only text parts are supported", f"{where}.content", "invalid_type")
+            if not (
+                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            ):
+                raise bad(
+                    f"{where}.content: only text parts are supported", f"{where}.content", "invalid_type"
+                )
             texts.append(part["text"])
         return _text(f"{where}.content", "".join(texts))
     raise bad(f"{where}.content must be a string or a list of text parts", f"{where}.content", "invalid_type")
@@ -308,7 +347,9 @@ def request_config(base: DecodeConfig, req: CompletionRequest) -> DecodeConfig:
         return cfg.replace(**req.overrides, stop=tuple(req.stop) or cfg.stop)
 
 
-def fit_length(cfg: DecodeConfig, prompt_len: int, max_tokens: int | None, context: int, param: str) -> DecodeConfig:
+def fit_length(
+    cfg: DecodeConfig, prompt_len: int, max_tokens: int | None, context: int, param: str
+) -> DecodeConfig:
     """The config with gen_length set for one prompt (`fit_to_room`: max_tokens must fit
     as it is; omitted, the server's gen_length is capped to what fits), or a 400 whose
     `param` is the setting its advice changes (`param`, the prompt's field, when only a
@@ -325,24 +366,46 @@ def new_id(kind: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
-def response_body(kind: str, rid: str, model: str, choices: list[tuple[str, str]], use: dict[str, int]) -> dict[str, Any]:
+def response_body(
+    kind: str, rid: str, model: str, choices: list[tuple[str, str]], use: dict[str, int]
+) -> dict[str, Any]:
     """A whole (non-streamed) completion; choices = [(text, finish_reason), ...]."""
     if kind == "chat":
-        items = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r} for i, (t, r) in enumerate(choices)]
+        items = [
+            {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
+            for i, (t, r) in enumerate(choices)
+        ]
         obj = "chat.completion"
     else:
-        items = [{"index": i, "text": t, "logprobs": None, "finish_reason": r} for i, (t, r) in enumerate(choices)]
+        items = [
+            {"index": i, "text": t, "logprobs": None, "finish_reason": r} for i, (t, r) in enumerate(choices)
+        ]
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": items, "usage": use}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": items,
+        "usage": use,
+    }
 
 
-def chunk_body(kind: str, rid: str, model: str, index: int, text: str | None, finish: str | None, *, first: bool = False) -> dict[str, Any]:
+def chunk_body(
+    kind: str, rid: str, model: str, index: int, text: str | None, finish: str | None, *, first: bool = False
+) -> dict[str, Any]:
     """One server-sent event of a streamed completion."""
     if kind == "chat":
-        delta: dict[str, str] = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+        delta: dict[str, str] = (
+            {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+        )
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
@@ -353,4 +416,11 @@ def chunk_body(kind: str, rid: str, model: str, index: int, text: str | None, fi
 
 def usage_chunk(kind: str, rid: str, model: str, use: dict[str, int]) -> dict[str, Any]:
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [], "usage": use}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "usage": use,
+    }

@@ -54,8 +54,17 @@ from .protocol import APIError
 log = logging.getLogger("refusion.serve")
 
 # headers that describe one connection, not the message: never passed through
-HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
-              "host", "content-length"}
+HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "host",
+    "content-length",
+}
 OWN = {"date", "server"}  # a response's own, which the front's server writes
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
@@ -66,10 +75,12 @@ class Replica:
     def __init__(self, index: int, socket_path: str, proc: subprocess.Popen) -> None:
         self.index, self.socket, self.proc = index, socket_path, proc
         self.in_flight = 0
-        self.client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=socket_path), base_url="http://replica",
-                                        timeout=httpx.Timeout(None, connect=10.0),
-                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
-                                                            keepalive_expiry=2.0))  # under uvicorn's 5 s
+        self.client = httpx.AsyncClient(
+            transport=httpx.AsyncHTTPTransport(uds=socket_path),
+            base_url="http://replica",
+            timeout=httpx.Timeout(None, connect=10.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0),
+        )  # under uvicorn's 5 s
 
     @property
     def alive(self) -> bool:
@@ -88,11 +99,21 @@ class Replica:
 class FrontMetrics(Registry):
     def __init__(self) -> None:
         super().__init__()
-        self.up = self._add(Gauge, "refusion_replica_up", "1 while the replica's process runs", labels=("replica",))
-        self.in_flight = self._add(Gauge, "refusion_replica_requests_in_flight",
-                                   "Requests the front has sent to the replica that have not finished", labels=("replica",))
-        self.dispatched = self._add(Counter, "refusion_replica_requests_total", "Requests the front has sent to the replica",
-                                    labels=("replica",))
+        self.up = self._add(
+            Gauge, "refusion_replica_up", "1 while the replica's process runs", labels=("replica",)
+        )
+        self.in_flight = self._add(
+            Gauge,
+            "refusion_replica_requests_in_flight",
+            "Requests the front has sent to the replica that have not finished",
+            labels=("replica",),
+        )
+        self.dispatched = self._add(
+            Counter,
+            "refusion_replica_requests_total",
+            "Requests the front has sent to the replica",
+            labels=("replica",),
+        )
 
 
 class ReplicaPool:
@@ -118,8 +139,10 @@ class ReplicaPool:
         while waiting:
             for r in list(waiting):
                 if not r.alive:
-                    raise ReFusionError(f"replica {r.index} exited with code {r.proc.returncode} before it was ready "
-                                        "(its error is above)")
+                    raise ReFusionError(
+                        f"replica {r.index} exited with code {r.proc.returncode} before it was ready "
+                        "(its error is above)"
+                    )
                 try:
                     with httpx.Client(transport=httpx.HTTPTransport(uds=r.socket), timeout=2.0) as c:
                         if c.get("http://replica/health").status_code == 200:
@@ -161,8 +184,9 @@ class ReplicaPool:
             await r.client.aclose()
 
 
-def start_replicas(argv: list[str], size: int, tensor_parallel_size: int = 1, device: str = "cpu",
-                   api_key: str | None = None) -> ReplicaPool:
+def start_replicas(
+    argv: list[str], size: int, tensor_parallel_size: int = 1, device: str = "cpu", api_key: str | None = None
+) -> ReplicaPool:
     """Start `size` replicas of the `refusion serve` that `argv` (its arguments after
     `refusion`) describes, each on a socket of its own, with this machine's cores (or
     GPUs, `tensor_parallel_size` each) shared between them."""
@@ -177,7 +201,16 @@ def start_replicas(argv: list[str], size: int, tensor_parallel_size: int = 1, de
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i])
-        cmd = [sys.executable, "-m", "refusion.cli", *argv, "--data-parallel-size", "1", "--replica-socket", path]
+        cmd = [
+            sys.executable,
+            "-m",
+            "refusion.cli",
+            *argv,
+            "--data-parallel-size",
+            "1",
+            "--replica-socket",
+            path,
+        ]
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_end_with_parent)
         replicas.append(Replica(i, path, proc))
     return ReplicaPool(replicas, root, api_key)
@@ -190,15 +223,23 @@ def _gpus_per_replica(device: str, size: int, tensor_parallel_size: int) -> list
     import torch
 
     if str(device) != "cuda":
-        raise ConfigError(f"--device {device} names one GPU; with --data-parallel-size give --device cuda "
-                          "(each replica takes GPUs of its own)")
+        raise ConfigError(
+            f"--device {device} names one GPU; with --data-parallel-size give --device cuda "
+            "(each replica takes GPUs of its own)"
+        )
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [x for x in visible.split(",") if x.strip()] if visible else [str(i) for i in range(torch.cuda.device_count())]
+    ids = (
+        [x for x in visible.split(",") if x.strip()]
+        if visible
+        else [str(i) for i in range(torch.cuda.device_count())]
+    )
     need = size * tensor_parallel_size
     if len(ids) < need:
-        raise ConfigError(f"--data-parallel-size {size} x --tensor-parallel-size {tensor_parallel_size} needs {need} GPUs; "
-                          f"this machine shows {len(ids)}")
-    return [ids[i * tensor_parallel_size:(i + 1) * tensor_parallel_size] for i in range(size)]
+        raise ConfigError(
+            f"--data-parallel-size {size} x --tensor-parallel-size {tensor_parallel_size} needs {need} GPUs; "
+            f"this machine shows {len(ids)}"
+        )
+    return [ids[i * tensor_parallel_size : (i + 1) * tensor_parallel_size] for i in range(size)]
 
 
 def _end_with_parent() -> None:
@@ -234,9 +275,13 @@ def create_front(replicas: ReplicaPool, model_name: str, shutdown_timeout: float
     async def health() -> JSONResponse:
         states = await asyncio.gather(*(_replica_health(r) for r in replicas.all))
         ok = not replicas.closing and all(s["status"] == "ok" for s in states)
-        body = {"status": "ok" if ok else "unavailable", "model": model_name,
-                "queue_length": sum(s.get("queue_length", 0) for s in states),
-                "running": sum(s.get("running", 0) for s in states), "replicas": states}
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "model": model_name,
+            "queue_length": sum(s.get("queue_length", 0) for s in states),
+            "running": sum(s.get("running", 0) for s in states),
+            "replicas": states,
+        }
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -244,12 +289,18 @@ def create_front(replicas: ReplicaPool, model_name: str, shutdown_timeout: float
         headers = _passed_headers(request.headers.raw)
         answers = await asyncio.gather(*(_replica_metrics(r, headers) for r in replicas.all))
         for answer in answers:
-            if isinstance(answer, httpx.Response) and answer.status_code != 200:  # auth refused: the replica's answer
-                return Response(answer.content, status_code=answer.status_code, headers=_response_headers(answer))
+            if (
+                isinstance(answer, httpx.Response) and answer.status_code != 200
+            ):  # auth refused: the replica's answer
+                return Response(
+                    answer.content, status_code=answer.status_code, headers=_response_headers(answer)
+                )
         for r in replicas.all:
             replicas.metrics.up.set(1 if r.alive else 0, str(r.index))
             replicas.metrics.in_flight.set(r.in_flight, str(r.index))
-        texts = [(str(r.index), a.text) for r, a in zip(replicas.all, answers) if isinstance(a, httpx.Response)]
+        texts = [
+            (str(r.index), a.text) for r, a in zip(replicas.all, answers) if isinstance(a, httpx.Response)
+        ]
         body = merge_metrics(texts) + replicas.metrics.render()
         return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -285,8 +336,12 @@ async def _replica_health(r: Replica) -> dict[str, Any]:
     try:
         answer = await r.client.get("/health", timeout=5.0)
         body = answer.json()
-        return {**state, "status": body.get("status", "unavailable"), "queue_length": body.get("queue_length", 0),
-                "running": body.get("running", 0)}
+        return {
+            **state,
+            "status": body.get("status", "unavailable"),
+            "queue_length": body.get("queue_length", 0),
+            "running": body.get("running", 0),
+        }
     except (httpx.HTTPError, ValueError):
         return {**state, "status": "unavailable"}
 
@@ -330,16 +385,21 @@ async def _pass_on(request: Request, replicas: ReplicaPool) -> Response:
     try:
         raw = request.scope.get("raw_path") or request.url.path.encode()  # as sent: %3F stays %3F
         target = raw.decode("latin-1") + (f"?{request.url.query}" if request.url.query else "")
-        upstream = replica.client.build_request(request.method, target, headers=_passed_headers(request.headers.raw),
-                                                content=body)
+        upstream = replica.client.build_request(
+            request.method, target, headers=_passed_headers(request.headers.raw), content=body
+        )
         answer = await _until_disconnect(request, replica.client.send(upstream, stream=True))
     except BaseException as e:
         release()
         if isinstance(e, _ClientGone):
             return Response(status_code=499)
         if isinstance(e, httpx.HTTPError):
-            raise APIError(503, f"replica {replica.index} did not answer ({type(e).__name__}); retry",
-                           type="server_error", code="replica_unavailable") from None
+            raise APIError(
+                503,
+                f"replica {replica.index} did not answer ({type(e).__name__}); retry",
+                type="server_error",
+                code="replica_unavailable",
+            ) from None
         raise
 
     async def relay() -> AsyncIterator[bytes]:
@@ -350,8 +410,12 @@ async def _pass_on(request: Request, replicas: ReplicaPool) -> Response:
             log.warning("replica %d broke off a response", replica.index)
             if not answer.headers.get("content-type", "").startswith("text/event-stream"):
                 raise  # the client's connection is cut too, so a partial body does not pass for a whole one
-            error = APIError(502, f"replica {replica.index} stopped during the response", type="server_error",
-                             code="replica_failed")  # a stream ends as the server's own do
+            error = APIError(
+                502,
+                f"replica {replica.index} stopped during the response",
+                type="server_error",
+                code="replica_failed",
+            )  # a stream ends as the server's own do
             yield f"\n\ndata: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()  # after a cut event
         finally:
             release()
@@ -428,8 +492,13 @@ def run_front(args: argparse.Namespace, argv: list[str], model_name: str) -> int
 
     size, split = args.data_parallel_size, args.tensor_parallel_size or 1
     sock = _listen(args.host, args.port)  # a taken port fails before N models load
-    print(f"refusion serve: starting {size} replicas"
-          + (f" of {split} ranks each" if split > 1 else "") + " ...", file=sys.stderr, flush=True)
+    print(
+        f"refusion serve: starting {size} replicas"
+        + (f" of {split} ranks each" if split > 1 else "")
+        + " ...",
+        file=sys.stderr,
+        flush=True,
+    )
     replicas = start_replicas(argv, size, split, args.device, args.api_key)
     try:
         replicas.wait_ready()
@@ -442,7 +511,9 @@ def run_front(args: argparse.Namespace, argv: list[str], model_name: str) -> int
         sock.close()
     if replicas.all_gone:
         codes = ", ".join(str(r.proc.returncode) for r in replicas.all)
-        raise ReFusionError(f"every replica exited (exit codes {codes}; their errors are above), so the front stopped")
+        raise ReFusionError(
+            f"every replica exited (exit codes {codes}; their errors are above), so the front stopped"
+        )
     return 0
 
 
@@ -454,8 +525,10 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
     except OSError as e:
-        raise ReFusionError(f"cannot listen on {host}:{port} ({e.strerror or e}): pass --port with a free port "
-                            "(or --host with an address of this machine)") from None
+        raise ReFusionError(
+            f"cannot listen on {host}:{port} ({e.strerror or e}): pass --port with a free port "
+            "(or --host with an address of this machine)"
+        ) from None
     return sock
 
 
@@ -466,5 +539,5 @@ def served_name(args: argparse.Namespace) -> str:
     if args.served_model_name:
         return args.served_model_name
     if args.model and args.model.startswith(BUNDLED_PREFIX):
-        return args.model[len(BUNDLED_PREFIX):]
+        return args.model[len(BUNDLED_PREFIX) :]
     return Path(args.model).name if args.model else "refusion"

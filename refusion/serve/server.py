@@ -95,14 +95,23 @@ def exit_now(sig: int) -> None:
     os._exit(128 + sig)
 
 
-def make_server(app: Any, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-                uds: str | None = None) -> Server:
+def make_server(
+    app: Any, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", uds: str | None = None
+) -> Server:
     """The server for `app`; `server.run()` serves until a signal (or `should_exit`).
     With `uds` it listens on that Unix socket instead of host:port, logs no access
     lines and drains on SIGUSR1: a replica behind a front (which logs them)."""
     timeout = app.state.shutdown_timeout
-    config = uvicorn.Config(app, host=host, port=port, uds=uds, access_log=uds is None, log_level=log_level,
-                            log_config=_log_config(log_level), timeout_graceful_shutdown=timeout + BACKSTOP_SECONDS)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        uds=uds,
+        access_log=uds is None,
+        log_level=log_level,
+        log_config=_log_config(log_level),
+        timeout_graceful_shutdown=timeout + BACKSTOP_SECONDS,
+    )
     return Server(config, drain_on_usr1=uds is not None)
 
 

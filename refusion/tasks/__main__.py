@@ -1,8 +1,8 @@
 """Write task data and the tokenizer from the command line.
 
-    python -m refusion.tasks data train 100000 train.jsonl [--seed 0] [--fmt query]
-    python -m refusion.tasks data test 600 test.jsonl       # the fixed held-out set
-    python -m refusion.tasks tokenizer out_dir [--vocab-size 1024]
+python -m refusion.tasks data train 100000 train.jsonl [--seed 0] [--fmt query]
+python -m refusion.tasks data test 600 test.jsonl       # the fixed held-out set
+python -m refusion.tasks tokenizer out_dir [--vocab-size 1024]
 """
 
 from __future__ import annotations
@@ -13,15 +13,22 @@ from .splits import TEST_SEED, load_test_items, make_split, write_jsonl
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m refusion.tasks", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m refusion.tasks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     data = sub.add_parser("data", help="write a split as JSONL")
     data.add_argument("split", choices=("train", "test"))
     data.add_argument("n", type=int)
     data.add_argument("out")
-    data.add_argument("--seed", type=int, default=None,
-                      help=f"default: 0 for train; the fixed held-out set ({TEST_SEED}) for test")
+    data.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help=f"default: 0 for train; the fixed held-out set ({TEST_SEED}) for test",
+    )
     data.add_argument("--fmt", choices=("messages", "query"), default="messages")
     tok = sub.add_parser("tokenizer", help="train the default tokenizer and save it")
     tok.add_argument("out_dir")

@@ -40,21 +40,25 @@ def _worked(a: int, op: str, b: int) -> str:
 
 def _gain(rng: random.Random, cur: int, name: str, other: str, obj: str):
     k = rng.randint(2, min(MAX_ADD, MAX_VALUE - cur))
-    sentence = rng.choice((
-        f"{name} buys {k} more.",
-        f"{name} finds {k} more.",
-        f"{other} gives {name} {k} more.",
-    ))
+    sentence = rng.choice(
+        (
+            f"{name} buys {k} more.",
+            f"{name} finds {k} more.",
+            f"{other} gives {name} {k} more.",
+        )
+    )
     return cur + k, sentence, f"Add {k}: {_worked(cur, '+', k)}."
 
 
 def _loss(rng: random.Random, cur: int, name: str, other: str, obj: str):
     k = rng.randint(2, min(MAX_ADD, cur))
-    sentence = rng.choice((
-        f"{name} gives {k} to {other}.",
-        f"{name} loses {k}.",
-        f"{name} sells {k}.",
-    ))
+    sentence = rng.choice(
+        (
+            f"{name} gives {k} to {other}.",
+            f"{name} loses {k}.",
+            f"{name} sells {k}.",
+        )
+    )
     return cur - k, sentence, f"Take away {k}: {_worked(cur, '-', k)}."
 
 

@@ -40,7 +40,7 @@ class Item:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Item":
+    def from_dict(cls, d: dict) -> Item:
         return cls(d["family"], d["prompt"], d["response"], d["answer"], dict(d.get("meta") or {}))
 
 
@@ -74,7 +74,7 @@ def final_answer(text: str) -> str | None:
     last = lines[-1].strip()
     if not last.startswith(ANSWER_PREFIX):
         return None
-    return last[len(ANSWER_PREFIX):].strip()
+    return last[len(ANSWER_PREFIX) :].strip()
 
 
 def parse_int(s: str | None) -> int | None:

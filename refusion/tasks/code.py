@@ -82,6 +82,7 @@ def _aggregate(rng: random.Random, name: str):
 
         def fn(xs):
             return sum(1 for x in xs if pred(x))
+
     body = [f"def {name}(xs):", f"{IND}{var} = {init}", f"{IND}for x in xs:"]
     if filtered:
         body += [f"{IND * 2}if {cond}:", f"{IND * 3}{update}"]
@@ -110,8 +111,13 @@ def _range_sum(rng: random.Random, name: str):
     else:
         expr, f = _expression(rng, "i", identity=False)
     desc = f"Write a Python function {name}(n) that returns the sum of {expr} for i from 1 to n."
-    body = [f"def {name}(n):", f"{IND}total = 0", f"{IND}for i in range(1, n + 1):",
-            f"{IND * 2}total += {expr}", f"{IND}return total"]
+    body = [
+        f"def {name}(n):",
+        f"{IND}total = 0",
+        f"{IND}for i in range(1, n + 1):",
+        f"{IND * 2}total += {expr}",
+        f"{IND}return total",
+    ]
     tests = [[[n], sum(f(i) for i in range(1, n + 1))] for n in (0, 1, 2, 5, rng.randint(6, 12))]
     return desc, body, tests, "range_sum"
 

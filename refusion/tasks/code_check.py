@@ -20,15 +20,48 @@ import json
 
 from ..sandbox import Check, Limits, run_check
 
-SAFE_ATTRIBUTES = frozenset({
-    "append", "extend", "insert", "pop", "remove", "index", "count", "sort", "reverse",
-    "copy", "get", "keys", "values", "items", "add", "upper", "lower", "split", "join",
-    "strip",
-})
+SAFE_ATTRIBUTES = frozenset(
+    {
+        "append",
+        "extend",
+        "insert",
+        "pop",
+        "remove",
+        "index",
+        "count",
+        "sort",
+        "reverse",
+        "copy",
+        "get",
+        "keys",
+        "values",
+        "items",
+        "add",
+        "upper",
+        "lower",
+        "split",
+        "join",
+        "strip",
+    }
+)
 FORBIDDEN_NODES = (
-    ast.Import, ast.ImportFrom, ast.Global, ast.Nonlocal, ast.ClassDef, ast.With,
-    ast.AsyncWith, ast.AsyncFunctionDef, ast.AsyncFor, ast.Await, ast.Try, ast.Raise,
-    ast.Delete, ast.Yield, ast.YieldFrom, ast.JoinedStr, ast.NamedExpr,
+    ast.Import,
+    ast.ImportFrom,
+    ast.Global,
+    ast.Nonlocal,
+    ast.ClassDef,
+    ast.With,
+    ast.AsyncWith,
+    ast.AsyncFunctionDef,
+    ast.AsyncFor,
+    ast.Await,
+    ast.Try,
+    ast.Raise,
+    ast.Delete,
+    ast.Yield,
+    ast.YieldFrom,
+    ast.JoinedStr,
+    ast.NamedExpr,
 )
 TIMEOUT_S = 2.0
 MEMORY_BYTES = 512 * 2**20
@@ -73,6 +106,8 @@ def run_tests(source: str, func_name: str, tests: list, timeout: float = TIMEOUT
         validate(source)
     except UnsafeCode:
         return False
-    check = Check(program=source, test=_TEST.format(tests=json.dumps(tests), name=func_name), calls=(func_name,))
+    check = Check(
+        program=source, test=_TEST.format(tests=json.dumps(tests), name=func_name), calls=(func_name,)
+    )
     # the limit includes the interpreters' start (a few tens of ms in the sandbox)
     return run_check(check, Limits(timeout=timeout, memory_mb=MEMORY_BYTES >> 20)).passed

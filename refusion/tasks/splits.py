@@ -84,8 +84,12 @@ def to_record(item: Item, fmt: str = "messages", with_answer: bool = False) -> d
     """One JSONL record: chat ``messages`` or ``query``/``response``, plus
     ``family`` (and ``answer``/``meta`` when asked, to check it later)."""
     if fmt == "messages":
-        record: dict = {"messages": [{"role": "user", "content": item.prompt},
-                                     {"role": "assistant", "content": item.response}]}
+        record: dict = {
+            "messages": [
+                {"role": "user", "content": item.prompt},
+                {"role": "assistant", "content": item.response},
+            ]
+        }
     elif fmt == "query":
         record = {"query": item.prompt, "response": item.response}
     else:
@@ -107,8 +111,9 @@ def from_record(record: dict) -> Item:
     return Item(record["family"], prompt, response, record.get("answer"), dict(record.get("meta") or {}))
 
 
-def write_jsonl(items: Iterable[Item], path: str | Path, fmt: str = "messages",
-                with_answer: bool = False) -> Path:
+def write_jsonl(
+    items: Iterable[Item], path: str | Path, fmt: str = "messages", with_answer: bool = False
+) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:

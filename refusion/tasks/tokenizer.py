@@ -51,16 +51,19 @@ MODEL_MAX_LENGTH = 512  # the bundled config's max_position_embeddings (scripts/
 
 def _bare_tokenizer() -> Tokenizer:
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     return tok
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE,
-                    out_dir: str | Path | None = None) -> PreTrainedTokenizerFast:
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, out_dir: str | Path | None = None
+) -> PreTrainedTokenizerFast:
     """Train byte-level BPE on ``texts``; wrap it for ``transformers`` with the
     special tokens and chat template above; save it to ``out_dir`` (loadable
     offline with ``AutoTokenizer.from_pretrained(out_dir)``) when given."""
@@ -100,7 +103,8 @@ def task_texts(n: int = DEFAULT_N_TEXTS, seed: int = 0) -> list[str]:
     return texts
 
 
-def build_default_tokenizer(out_dir: str | Path | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE,
-                            n_texts: int = DEFAULT_N_TEXTS) -> PreTrainedTokenizerFast:
+def build_default_tokenizer(
+    out_dir: str | Path | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE, n_texts: int = DEFAULT_N_TEXTS
+) -> PreTrainedTokenizerFast:
     """The tokenizer for the bundled model, in one call."""
     return train_tokenizer(task_texts(n_texts), vocab_size, out_dir)

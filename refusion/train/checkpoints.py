@@ -30,10 +30,21 @@ _CKPT = re.compile(r"^step-(\d{8})$")
 # eval_fraction and eval_max_examples decide what is held out of training), the model and
 # tokenizer, the objective, the schedule, the optimizer, the batch, the precision and the
 # seed; resuming with one of those changed needs allow_config_change.
-RESUME_FREE = frozenset({
-    "out", "eval_every", "log_every", "save_every", "keep_checkpoints", "resume", "allow_config_change",
-    "tensorboard", "progress", "cpu", "gradient_checkpointing",
-})
+RESUME_FREE = frozenset(
+    {
+        "out",
+        "eval_every",
+        "log_every",
+        "save_every",
+        "keep_checkpoints",
+        "resume",
+        "allow_config_change",
+        "tensorboard",
+        "progress",
+        "cpu",
+        "gradient_checkpointing",
+    }
+)
 
 
 def list_checkpoints(out: Path) -> list[Path]:
@@ -68,8 +79,10 @@ def resume_changes(out: Path, cfg: TrainConfig, log: RunLog) -> dict[str, tuple[
         return {}
     listed = ", ".join(f"{flag_name(k)} {old} -> {new}" for k, (old, new) in changes.items())
     if not cfg.allow_config_change:
-        raise ConfigError(f"{ckpts[-1]} was trained with other settings ({listed}): pass --allow-config-change "
-                          "to resume with the new values, or give the old ones to continue the run as it was")
+        raise ConfigError(
+            f"{ckpts[-1]} was trained with other settings ({listed}): pass --allow-config-change "
+            "to resume with the new values, or give the old ones to continue the run as it was"
+        )
     log.print(f"resume: continuing with changed settings: {listed}")
     return changes
 
@@ -86,9 +99,24 @@ def drop_tied_copies(models: list, weights: list[dict[str, Any]], output_dir: st
 
 
 class Checkpoints:
-    def __init__(self, acc: Any, out: Path, cfg: TrainConfig, tokenizer: Any, model_config: ModelConfig, log: RunLog,
-                 recommended: Recommended | None = None) -> None:
-        self.acc, self.out, self.cfg, self.tokenizer, self.model_config, self.log = acc, out, cfg, tokenizer, model_config, log
+    def __init__(
+        self,
+        acc: Any,
+        out: Path,
+        cfg: TrainConfig,
+        tokenizer: Any,
+        model_config: ModelConfig,
+        log: RunLog,
+        recommended: Recommended | None = None,
+    ) -> None:
+        self.acc, self.out, self.cfg, self.tokenizer, self.model_config, self.log = (
+            acc,
+            out,
+            cfg,
+            tokenizer,
+            model_config,
+            log,
+        )
         self.main, self.world = acc.is_main_process, acc.num_processes
         # the base model's decode_config.json travels to every checkpoint of its fine-tune
         self.recommended = recommended or Recommended()
@@ -122,7 +150,9 @@ class Checkpoints:
         self.acc.wait_for_everyone()
         if self.main:
             state = {"step": step, "samples": samples, "world_size": self.world}
-            (tmp / "trainer_state.json").write_text(json.dumps({**state, "config": jsonable(self.cfg)}, indent=1))
+            (tmp / "trainer_state.json").write_text(
+                json.dumps({**state, "config": jsonable(self.cfg)}, indent=1)
+            )
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -160,13 +190,15 @@ class Checkpoints:
     def _prune(self) -> None:
         keep = self.cfg.keep_checkpoints
         ckpts = list_checkpoints(self.out)
-        for old in ckpts[: -keep] if keep else []:
+        for old in ckpts[:-keep] if keep else []:
             shutil.rmtree(old, ignore_errors=True)
 
     def _load(self, path: Path) -> tuple[int, int]:
         state = json.loads((path / "trainer_state.json").read_text())
         self.acc.load_state(str(path / "train_state"))
         if state.get("world_size") != self.world:
-            self.log.print(f"resume: the checkpoint was written by {state.get('world_size')} processes, now {self.world}")
+            self.log.print(
+                f"resume: the checkpoint was written by {state.get('world_size')} processes, now {self.world}"
+            )
         self.log.print(f"resumed from {path} at step {int(state['step'])}")
         return int(state["step"]), int(state["samples"])

@@ -30,7 +30,9 @@ class TrainConfig:
     add_mask_token: bool = False  # add <|mask|> to a base model that lacks it (as `refusion convert`)
     dtype: str = "float32"  # weights dtype: float32, or bfloat16 (halves memory; sensible with LoRA)
     # ---- objective
-    objective: str = "refusion"  # refusion (slot reorganisation + hybrid AR/MDM loss) or ar (plain next-token training)
+    objective: str = (
+        "refusion"  # refusion (slot reorganisation + hybrid AR/MDM loss) or ar (plain next-token training)
+    )
     slot_sizes: tuple[int, ...] = (4, 8, 16, 32)  # slot size drawn per example
     mask_eps: float = 1e-3  # p = (1 - eps) * t + eps
     ar_reduction: str = "token"  # AR CE averaged over all labels ("token") or per example ("example")
@@ -69,7 +71,9 @@ class TrainConfig:
     save_every: int = 500  # steps between checkpoints (and one at the end); 0 = only at the end
     keep_checkpoints: int = 2  # newest checkpoints kept; 0 = keep all
     resume: bool = False  # continue from the latest checkpoint in out/checkpoints
-    allow_config_change: bool = False  # with resume: accept settings that differ from the run's (listed when refused)
+    allow_config_change: bool = (
+        False  # with resume: accept settings that differ from the run's (listed when refused)
+    )
     seed: int = 0  # seeds initialisation, data order, the eval split and the objective's draws
     tensorboard: bool = True  # also log to out/tensorboard when tensorboard is installed
     progress: bool = True  # tqdm progress bar on the main process
@@ -88,8 +92,10 @@ class TrainConfig:
         if not self.out:
             raise ConfigError(f"no output directory given ({say('out', 'DIR')})")
         if (self.model is None) == (self.init_config is None):
-            raise ConfigError(f"give exactly one of {say('model', 'BASE')} or {say('init_config', 'config.json')}: "
-                              "a base model to train on, or a model config to initialise randomly")
+            raise ConfigError(
+                f"give exactly one of {say('model', 'BASE')} or {say('init_config', 'config.json')}: "
+                "a base model to train on, or a model config to initialise randomly"
+            )
         if self.init_config is not None and self.tokenizer is None:
             raise ConfigError(
                 f"training from {say('init_config')} needs a tokenizer directory ({say('tokenizer', 'DIR')})"
@@ -98,13 +104,25 @@ class TrainConfig:
             (self.objective in OBJECTIVES, f"{say('objective')} must be one of {OBJECTIVES}"),
             (self.precision in PRECISIONS, f"{say('precision')} must be one of {PRECISIONS}"),
             (self.dtype in DTYPE_NAMES, f"{say('dtype')} must be one of {DTYPE_NAMES}"),
-            (self.batch_size >= 1 and self.grad_accum >= 1, f"{say('batch_size')} and {say('grad_accum')} must be >= 1"),
+            (
+                self.batch_size >= 1 and self.grad_accum >= 1,
+                f"{say('batch_size')} and {say('grad_accum')} must be >= 1",
+            ),
             (self.max_length >= 2, f"{say('max_length')} must be >= 2"),
-            (self.max_steps >= 0 and self.epochs > 0, f"{say('max_steps')} must be >= 0 and {say('epochs')} > 0"),
-            (self.lr > 0 and 0 <= self.min_lr_ratio <= 1, f"need {say('lr')} > 0 and 0 <= {say('min_lr_ratio')} <= 1"),
+            (
+                self.max_steps >= 0 and self.epochs > 0,
+                f"{say('max_steps')} must be >= 0 and {say('epochs')} > 0",
+            ),
+            (
+                self.lr > 0 and 0 <= self.min_lr_ratio <= 1,
+                f"need {say('lr')} > 0 and 0 <= {say('min_lr_ratio')} <= 1",
+            ),
             (0 <= self.eval_fraction < 1, f"{say('eval_fraction')} must lie in [0, 1)"),
             (self.log_every >= 1, f"{say('log_every')} must be >= 1"),
-            (self.eval_every >= 0 and self.save_every >= 0, f"{say('eval_every')} and {say('save_every')} must be >= 0"),
+            (
+                self.eval_every >= 0 and self.save_every >= 0,
+                f"{say('eval_every')} and {say('save_every')} must be >= 0",
+            ),
             (self.lora_r >= 1, f"{say('lora_r')} must be >= 1"),
         ]
         for ok, message in checks:
@@ -115,9 +133,11 @@ class TrainConfig:
             if path and not Path(path).exists():
                 raise DataError(f"data file {path} does not exist")
 
-    def objective_config(self) -> "ObjectiveConfig":
+    def objective_config(self) -> ObjectiveConfig:
         """The objective's settings (validated)."""
-        return ObjectiveConfig(self.slot_sizes, self.mask_eps, self.ar_reduction, self.boundary_labels, self.ar_mix)
+        return ObjectiveConfig(
+            self.slot_sizes, self.mask_eps, self.ar_reduction, self.boundary_labels, self.ar_mix
+        )
 
 
 def config_fields() -> list:

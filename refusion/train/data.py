@@ -16,8 +16,15 @@ from .log import RunLog
 
 
 class RunData:
-    def __init__(self, cfg: TrainConfig, tokenizer, model_config: ModelConfig, eos: int | None, pad_id: int,
-                 log: RunLog) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        tokenizer,
+        model_config: ModelConfig,
+        eos: int | None,
+        pad_id: int,
+        log: RunLog,
+    ) -> None:
         self.cfg, self.pad_id = cfg, pad_id
         context = model_config.max_position_embeddings
         max_length = min(cfg.max_length, context)
@@ -39,14 +46,18 @@ class RunData:
     def start_stream(self) -> None:
         self.stream = IndexStream(len(self.train), self.cfg.seed)
 
-    def micro_batch(self, samples: int, k: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def micro_batch(
+        self, samples: int, k: int, rank: int, world: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Micro-batch k of this process: its share of the k-th global window of the stream
         from position `samples` (examples consumed by all processes so far)."""
         B = self.cfg.batch_size
         start = samples + k * B * world + rank * B
         return collate(self.train, self.stream.take(start, B), self.pad_id)
 
-    def eval_batches(self, rank: int, world: int) -> Iterator[tuple[int, int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    def eval_batches(
+        self, rank: int, world: int
+    ) -> Iterator[tuple[int, int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
         """(batch index, examples it counts for, batch) of this process's share of the held-out
         set. Every process runs the same number of batches (a collective under FSDP /
         DeepSpeed): the padding batches repeat batch 0 and count for nothing."""

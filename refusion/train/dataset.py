@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -78,8 +79,10 @@ class DataStats:
             return text
         fit = sum(n <= context for n in lengths)
         if self.max_length >= context or not fit:
-            return (f"{text}; {context} tokens is the model's context (max_position_embeddings), which --max-length "
-                    "cannot exceed: shorten those records or train a model with a longer context")
+            return (
+                f"{text}; {context} tokens is the model's context (max_position_embeddings), which --max-length "
+                "cannot exceed: shorten those records or train a model with a longer context"
+            )
         if fit == len(lengths):
             return f"{text}; pass --max-length {longest} to keep them"
         return f"{text}; pass --max-length {context} (the model's context, the most it allows) to keep {fit} of them"
@@ -103,7 +106,7 @@ class TokenizedDataset:
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
-    def subset(self, indices: np.ndarray) -> "TokenizedDataset":
+    def subset(self, indices: np.ndarray) -> TokenizedDataset:
         lens = self.lengths()[indices]
         offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
         parts = [self.tokens[self.offsets[i] : self.offsets[i + 1]] for i in indices]
@@ -170,13 +173,20 @@ def record_messages(record: Any) -> tuple[list[dict[str, str]], str]:
         if not isinstance(msgs, list) or not msgs:
             raise ValueError("'messages' is not a non-empty list")
         for msg in msgs:
-            if not (isinstance(msg, dict) and isinstance(msg.get("role"), str) and isinstance(msg.get("content"), str)):
+            if not (
+                isinstance(msg, dict)
+                and isinstance(msg.get("role"), str)
+                and isinstance(msg.get("content"), str)
+            ):
                 raise ValueError("a message lacks a string 'role' or 'content'")
         if msgs[-1]["role"] != "assistant":
             raise ValueError("the last message is not the assistant's")
         if len(msgs) < 2:
             raise ValueError("no prompt message before the assistant's")
-        prompt, response = [{"role": m["role"], "content": m["content"]} for m in msgs[:-1]], msgs[-1]["content"]
+        prompt, response = (
+            [{"role": m["role"], "content": m["content"]} for m in msgs[:-1]],
+            msgs[-1]["content"],
+        )
     else:
         missing = [k for k in ("query", "response") if k not in record]
         if missing:
@@ -288,7 +298,9 @@ class IndexStream:
         return out
 
 
-def collate(ds: TokenizedDataset, indices, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def collate(
+    ds: TokenizedDataset, indices, pad_id: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded tokens (B, T) int64 with prompt_lens (B,) and lengths (B,)."""
     rows = [ds[int(i)] for i in indices]
     T = max(len(t) for t, _ in rows)

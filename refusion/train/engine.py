@@ -20,8 +20,11 @@ from typing import Any
 
 from ..errors import ConfigError
 
-_CONFIGS = {"ddp": "configs/ddp.yaml", "fsdp": "configs/fsdp.yaml",
-            "deepspeed": "configs/deepspeed_zero2.yaml / configs/deepspeed_zero3.yaml"}
+_CONFIGS = {
+    "ddp": "configs/ddp.yaml",
+    "fsdp": "configs/fsdp.yaml",
+    "deepspeed": "configs/deepspeed_zero2.yaml / configs/deepspeed_zero3.yaml",
+}
 
 
 def _flag(name: str) -> bool:
@@ -42,17 +45,23 @@ def check_engine(engine: str, cpu: bool, has_gpu: bool) -> None:
     """Refuse, in one line, an engine this machine cannot run, before accelerate tries and
     fails with a stack trace (or, on the CPU, silently runs another engine)."""
     if engine != "ddp" and cpu and has_gpu:  # the engines would place their shards on the GPU regardless
-        raise ConfigError(f"--cpu with a {engine} launch config ({_CONFIGS[engine]}) on a machine with a GPU is not "
-                          f"supported: drop --cpu, or launch with {_CONFIGS['ddp']}")
+        raise ConfigError(
+            f"--cpu with a {engine} launch config ({_CONFIGS[engine]}) on a machine with a GPU is not "
+            f"supported: drop --cpu, or launch with {_CONFIGS['ddp']}"
+        )
     if engine == "fsdp" and cpu and os.environ.get("FSDP_VERSION", "1") != "2":
         # accelerate's FSDP1 plugin asks for a GPU's current device (sync_module_states)
-        raise ConfigError("FSDP1 (fsdp_version: 1 in the launch config) does not run on the CPU through accelerate: "
-                          "set fsdp_version: 2, as configs/fsdp.yaml does")
+        raise ConfigError(
+            "FSDP1 (fsdp_version: 1 in the launch config) does not run on the CPU through accelerate: "
+            "set fsdp_version: 2, as configs/fsdp.yaml does"
+        )
     if engine != "deepspeed":
         return
     if importlib.util.find_spec("deepspeed") is None:
-        raise ConfigError(f"the launch config ({_CONFIGS['deepspeed']}) uses DeepSpeed, which is not installed: "
-                          f"pip install --no-build-isolation deepspeed, or launch with {_CONFIGS['ddp']} or {_CONFIGS['fsdp']}")
+        raise ConfigError(
+            f"the launch config ({_CONFIGS['deepspeed']}) uses DeepSpeed, which is not installed: "
+            f"pip install --no-build-isolation deepspeed, or launch with {_CONFIGS['ddp']} or {_CONFIGS['fsdp']}"
+        )
 
 
 def make_accelerator(cpu: bool, has_gpu: bool, **kwargs: Any) -> Any:

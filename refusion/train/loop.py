@@ -62,9 +62,19 @@ def _loop(run: Run, on_step: Callable[[int], None] | None) -> TrainResult:
     cfg = run.cfg
     start_step = last_saved = run.step
     if run.main:
-        run.log.log({"event": "start", "step": run.step, "total_steps": run.total_steps, "world_size": run.world,
-                     "train_examples": len(run.data.train), "eval_examples": len(run.data.eval or []),
-                     "parameters": run.lm.num_parameters(), **run.data.summary, "config": jsonable(cfg)})
+        run.log.log(
+            {
+                "event": "start",
+                "step": run.step,
+                "total_steps": run.total_steps,
+                "world_size": run.world,
+                "train_examples": len(run.data.train),
+                "eval_examples": len(run.data.eval or []),
+                "parameters": run.lm.num_parameters(),
+                **run.data.summary,
+                "config": jsonable(cfg),
+            }
+        )
     bar = _progress(cfg, run, start_step)
     t_start = time.perf_counter()
     window = _Window(run.acc.device)
@@ -80,8 +90,12 @@ def _loop(run: Run, on_step: Callable[[int], None] | None) -> TrainResult:
             record = window.record(run, out, t_start, start_step)
             run.log.log(record)
             if bar is not None:
-                bar.set_postfix(loss=f"{record['loss']:.3f}", ar=f"{record['ar_loss']:.3f}",
-                                mdm=f"{record['mdm_loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                bar.set_postfix(
+                    loss=f"{record['loss']:.3f}",
+                    ar=f"{record['ar_loss']:.3f}",
+                    mdm=f"{record['mdm_loss']:.3f}",
+                    tok_s=f"{record['tokens_per_s']:.0f}",
+                )
             window = _Window(run.acc.device)
         t_pause = time.perf_counter()
         if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < run.total_steps:
@@ -110,7 +124,9 @@ def _progress(cfg: TrainConfig, run: Run, start: int):
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=run.total_steps, initial=start, desc=f"train ({cfg.objective})", unit="step", dynamic_ncols=True)
+    return tqdm(
+        total=run.total_steps, initial=start, desc=f"train ({cfg.objective})", unit="step", dynamic_ncols=True
+    )
 
 
 class _Window:

@@ -37,10 +37,10 @@ class SlotDraws:
     order_key: torch.Tensor  # (B, S) float32, clean slots are fed by increasing key
     plain: torch.Tensor  # (B,) bool, the example is a plain next-token one (ar_mix)
 
-    def __getitem__(self, rows) -> "SlotDraws":
+    def __getitem__(self, rows) -> SlotDraws:
         return SlotDraws(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
 
-    def to(self, device: torch.device | str) -> "SlotDraws":
+    def to(self, device: torch.device | str) -> SlotDraws:
         return SlotDraws(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
@@ -77,7 +77,7 @@ class TrainBatch:
     def batch_size(self) -> int:
         return self.input_ids.shape[0]
 
-    def to(self, device: torch.device | str) -> "TrainBatch":
+    def to(self, device: torch.device | str) -> TrainBatch:
         return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
@@ -87,7 +87,9 @@ def _check_lengths(tokens: torch.Tensor, prompt_lens: torch.Tensor, lengths: tor
     if prompt_lens.shape != (tokens.shape[0],) or lengths.shape != (tokens.shape[0],):
         raise ValueError("prompt_lens and lengths must be (B,) for tokens (B, T)")
     if bool((prompt_lens < 0).any() | (lengths <= prompt_lens).any() | (lengths > tokens.shape[1]).any()):
-        raise ValueError("need 0 <= prompt_len < length <= T for every row (a response of at least one token)")
+        raise ValueError(
+            "need 0 <= prompt_len < length <= T for every row (a response of at least one token)"
+        )
 
 
 def refusion_batch(
@@ -162,7 +164,9 @@ def ar_batch(tokens: torch.Tensor, prompt_lens: torch.Tensor, lengths: torch.Ten
     predicts_response = (col + 1 >= m) & (col + 1 < length)  # the token after c is a response token
     ar_labels = torch.where(predicts_response, next_tok, IGNORE)
     none = torch.full_like(tokens, IGNORE)
-    return TrainBatch(tokens, col.expand(B, T).contiguous(), ar_labels, none, torch.zeros(B, T, device=tokens.device))
+    return TrainBatch(
+        tokens, col.expand(B, T).contiguous(), ar_labels, none, torch.zeros(B, T, device=tokens.device)
+    )
 
 
 # --------------------------------------------------------------------------------- the loss
@@ -175,7 +179,7 @@ class LossTargets:
     ar_weight: torch.Tensor  # (N,) weight of the token's CE in the AR part, 0 for MASK tokens
     mdm_weight: torch.Tensor  # (N,) weight in the MDM part, 0 for clean tokens
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "LossTargets":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> LossTargets:
         moved = {f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)}
         return LossTargets(**moved)
 

@@ -44,8 +44,12 @@ class Run:
         self.out = Path(cfg.out)
         gpu = has_accelerator()
         # on the engine the launch config names (DDP, FSDP, DeepSpeed), on the CPU too
-        self.acc = make_accelerator(cfg.cpu or not gpu, gpu, mixed_precision=precision(cfg),
-                                    gradient_accumulation_steps=cfg.grad_accum)
+        self.acc = make_accelerator(
+            cfg.cpu or not gpu,
+            gpu,
+            mixed_precision=precision(cfg),
+            gradient_accumulation_steps=cfg.grad_accum,
+        )
         self.main = self.acc.is_main_process
         self.rank, self.world = self.acc.process_index, self.acc.num_processes
         self.obj_cfg = cfg.objective_config()
@@ -75,11 +79,15 @@ class Run:
             apply_lora(self.lm, cfg)
         per_step = cfg.batch_size * cfg.grad_accum * self.world
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * len(self.data.train) / per_step))
-        warmup = cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_ratio * self.total_steps)
+        warmup = (
+            cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_ratio * self.total_steps)
+        )
         self.warmup = max(1, warmup)
         self._prepare_model()
         self.data.start_stream()
-        self.checkpoints = Checkpoints(acc, self.out, cfg, tokenizer, self.lm.config, self.log, recommended_of(self.lm))
+        self.checkpoints = Checkpoints(
+            acc, self.out, cfg, tokenizer, self.lm.config, self.log, recommended_of(self.lm)
+        )
         restored = self.checkpoints.prepare()
         if restored is not None:
             self.step, self.samples = restored
@@ -104,8 +112,10 @@ class Run:
                 problem = f"cannot write {self.out} ({e}): choose another --out"
             else:
                 if holder is not None:
-                    problem = (f"another trainer (pid {holder}) is writing {self.out}: wait for it to finish, "
-                               "or choose another --out")
+                    problem = (
+                        f"another trainer (pid {holder}) is writing {self.out}: wait for it to finish, "
+                        "or choose another --out"
+                    )
         problem = broadcast_object_list([problem])[0]
         if problem is not None:
             raise ConfigError(problem)
@@ -160,7 +170,13 @@ class Run:
         self.samples += cfg.grad_accum * cfg.batch_size * self.world
         self.step += 1
         t_step = _clock(timed, acc.device) - t0
-        return {"sums": sums / cfg.grad_accum, "tokens": tokens_seen, "grad_norm": grad_norm, "t_obj": t_obj, "t_step": t_step}
+        return {
+            "sums": sums / cfg.grad_accum,
+            "tokens": tokens_seen,
+            "grad_norm": grad_norm,
+            "t_obj": t_obj,
+            "t_step": t_step,
+        }
 
     # ---- evaluation
     @torch.no_grad()

@@ -36,7 +36,9 @@ class LossModel(nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, flat_index: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, flat_index: torch.Tensor
+    ) -> torch.Tensor:
         h = self.lm.hidden(input_ids, position_ids)  # (B, T, hidden)
         return self.lm.lm_head(h.flatten(0, 1)[flat_index])  # (N, vocab)
 
@@ -99,12 +101,17 @@ def apply_lora(model: Transformer, cfg: TrainConfig) -> Transformer:
     except ImportError:
         raise ConfigError("lora=True needs peft: pip install 'refusion[train]'") from None
     lc = LoraConfig(
-        r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=list(cfg.lora_targets)
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=list(cfg.lora_targets),
     )
     return inject_adapter_in_model(lc, model)
 
 
-def merged_state_dict(state: dict[str, torch.Tensor], cfg: TrainConfig, prefix: str = "lm.") -> dict[str, torch.Tensor]:
+def merged_state_dict(
+    state: dict[str, torch.Tensor], cfg: TrainConfig, prefix: str = "lm."
+) -> dict[str, torch.Tensor]:
     """Hugging Face names and plain weights from the wrapped model's state dict, with LoRA
     adapters folded in: W + (alpha / r) * B @ A."""
     state = {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in state.items()}

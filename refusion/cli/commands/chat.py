@@ -30,8 +30,10 @@ if TYPE_CHECKING:
 
 Message = dict[str, str]
 Turn = tuple[str, str]  # (user, assistant)
-SINGLE_TURN_NOTE = ("this model knows single turns only: each message is answered on its own "
-                    "(--history to keep the conversation)")
+SINGLE_TURN_NOTE = (
+    "this model knows single turns only: each message is answered on its own "
+    "(--history to keep the conversation)"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,10 +42,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", default=None, help="a system message")
     parser.add_argument("--stats", action="store_true", help="print NFE, TPF and TPS after each reply")
     g = parser.add_mutually_exclusive_group()
-    g.add_argument("--history", action="store_true", default=None,
-                   help="keep the conversation, even for a model that knows single turns only")
-    g.add_argument("--no-history", dest="history", action="store_false", default=None,
-                   help="answer each message on its own (the system message and that message)")
+    g.add_argument(
+        "--history",
+        action="store_true",
+        default=None,
+        help="keep the conversation, even for a model that knows single turns only",
+    )
+    g.add_argument(
+        "--no-history",
+        dest="history",
+        action="store_false",
+        default=None,
+        help="answer each message on its own (the system message and that message)",
+    )
     add_decode_arguments(parser)
 
 
@@ -90,9 +101,18 @@ def enable_line_editing() -> None:
 
 
 # ---------------------------------------------------------------------- the loop
-def chat_loop(engine: Engine, tokenizer: Any, cfg: DecodeConfig, *, keep_history: bool = True, system: str | None = None,
-              stats: bool = False, read: Callable[[str], str] | None = None, write: TextIO | None = None,
-              err: TextIO | None = None) -> list[Turn]:
+def chat_loop(
+    engine: Engine,
+    tokenizer: Any,
+    cfg: DecodeConfig,
+    *,
+    keep_history: bool = True,
+    system: str | None = None,
+    stats: bool = False,
+    read: Callable[[str], str] | None = None,
+    write: TextIO | None = None,
+    err: TextIO | None = None,
+) -> list[Turn]:
     """Read a message, stream its reply, until an empty line or end of input. Returns the
     turns kept (empty without history). `read` defaults to input(), `write` and `err` to
     stdout and stderr, looked up at call time (so a redirected stream is honoured)."""
@@ -111,7 +131,9 @@ def chat_loop(engine: Engine, tokenizer: Any, cfg: DecodeConfig, *, keep_history
         if not user.strip():
             break
         try:
-            kept = answer(engine, tokenizer, cfg, system, turns if keep_history else [], user, stats, write, err)
+            kept = answer(
+                engine, tokenizer, cfg, system, turns if keep_history else [], user, stats, write, err
+            )
         except ReFusionError as e:
             print(f"error: {e}", file=err)
             continue
@@ -120,16 +142,28 @@ def chat_loop(engine: Engine, tokenizer: Any, cfg: DecodeConfig, *, keep_history
     return turns
 
 
-def answer(engine: Engine, tokenizer: Any, cfg: DecodeConfig, system: str | None, turns: list[Turn], user: str, stats: bool,
-           write: TextIO, err: TextIO) -> list[Turn]:
+def answer(
+    engine: Engine,
+    tokenizer: Any,
+    cfg: DecodeConfig,
+    system: str | None,
+    turns: list[Turn],
+    user: str,
+    stats: bool,
+    write: TextIO,
+    err: TextIO,
+) -> list[Turn]:
     """One turn: fit the prompt into the context, stream the reply, and return the turns
     with this one added. A cancelled reply returns `turns` unchanged (nothing dropped,
     nothing added); errors propagate with the conversation untouched."""
     context = engine.model.config.max_position_embeddings
     ids, fitted, dropped = fit_prompt(tokenizer, cfg, context, system, turns, user)
     if dropped:
-        print(f"[dropped {dropped} earlier turn{'s' if dropped > 1 else ''} to fit the model's context "
-              f"of {context} positions]", file=err)
+        print(
+            f"[dropped {dropped} earlier turn{'s' if dropped > 1 else ''} to fit the model's context "
+            f"of {context} positions]",
+            file=err,
+        )
     out = stream_reply(engine, ids, fitted, write)
     if out is None:
         print("[reply cancelled]", file=err)
@@ -148,8 +182,9 @@ def messages_of(system: str | None, turns: list[Turn], user: str) -> list[Messag
     return msgs + [{"role": "user", "content": user}]
 
 
-def fit_prompt(tokenizer: Any, cfg: DecodeConfig, context: int, system: str | None, turns: list[Turn],
-               user: str) -> tuple[list[int], DecodeConfig, int]:
+def fit_prompt(
+    tokenizer: Any, cfg: DecodeConfig, context: int, system: str | None, turns: list[Turn], user: str
+) -> tuple[list[int], DecodeConfig, int]:
     """The prompt ids, the config fitted to the room they leave, and how many of the oldest
     turns were dropped to make room. Earlier turns go before the reply is shortened: a
     full-length answer to the new message matters more than the oldest context. Raises

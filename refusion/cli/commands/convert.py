@@ -12,7 +12,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", help="directory to write the ReFusion checkpoint to")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists and is not empty")
     parser.add_argument(
-        "--dtype", default="auto", choices=["auto", *DTYPE_NAMES], help="dtype to save in (default: the base model's)"
+        "--dtype",
+        default="auto",
+        choices=["auto", *DTYPE_NAMES],
+        help="dtype to save in (default: the base model's)",
     )
     parser.add_argument("--device", default="cpu", help="device to load the model on (default: cpu)")
 
@@ -24,9 +27,13 @@ def run(args: argparse.Namespace) -> int:
     mask_id = convert(args.base, args.out, device=args.device, dtype=args.dtype, overwrite=args.force)
     print(f"wrote {args.out} (MASK token <|mask|> = id {mask_id})")
     if had_mask:
-        print("The base already had <|mask|>: its weights are copied as they are. If it was trained with "
-              f"ReFusion it decodes with ReFusion at once; if not, train it first: refusion train --model {args.out} ...")
+        print(
+            "The base already had <|mask|>: its weights are copied as they are. If it was trained with "
+            f"ReFusion it decodes with ReFusion at once; if not, train it first: refusion train --model {args.out} ..."
+        )
     else:
-        print("It decodes as it is with --method ar. ReFusion and MDM decoding need ReFusion training first: "
-              f"refusion train --model {args.out} --data FILE --out RUN")
+        print(
+            "It decodes as it is with --method ar. ReFusion and MDM decoding need ReFusion training first: "
+            f"refusion train --model {args.out} --data FILE --out RUN"
+        )
     return 0

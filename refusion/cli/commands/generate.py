@@ -27,16 +27,37 @@ EPILOG = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("inputs", nargs="*", metavar="[MODEL] PROMPT", help="prompts; with two or more, the first is the model")
+    parser.add_argument(
+        "inputs",
+        nargs="*",
+        metavar="[MODEL] PROMPT",
+        help="prompts; with two or more, the first is the model",
+    )
     add_model_arguments(parser)
-    parser.add_argument("--prompt-file", type=Path, help="one prompt per line ('-' for stdin), decoded as one batch")
-    parser.add_argument("--examples", action="store_true", help="print prompts the model answers (from its checkpoint) and exit")
+    parser.add_argument(
+        "--prompt-file", type=Path, help="one prompt per line ('-' for stdin), decoded as one batch"
+    )
+    parser.add_argument(
+        "--examples",
+        action="store_true",
+        help="print prompts the model answers (from its checkpoint) and exit",
+    )
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    parser.add_argument("--json", action="store_true", help="print text and stats as JSON (one object per prompt)")
-    parser.add_argument("--stats", action="store_true", help="print tokens, NFE, TPF, wall time and TPS (of a second decode: "
-                        "the first, untimed, pays the process's one-time setup and any compilation)")
-    parser.add_argument("--stream", action="store_true", help="print text as soon as a left-to-right prefix is final")
-    parser.add_argument("--trace", type=Path, metavar="FILE.html", help="write a page that replays the decoding order")
+    parser.add_argument(
+        "--json", action="store_true", help="print text and stats as JSON (one object per prompt)"
+    )
+    parser.add_argument(
+        "--stats",
+        action="store_true",
+        help="print tokens, NFE, TPF, wall time and TPS (of a second decode: "
+        "the first, untimed, pays the process's one-time setup and any compilation)",
+    )
+    parser.add_argument(
+        "--stream", action="store_true", help="print text as soon as a left-to-right prefix is final"
+    )
+    parser.add_argument(
+        "--trace", type=Path, metavar="FILE.html", help="write a page that replays the decoding order"
+    )
     add_decode_arguments(parser)
 
 
@@ -50,8 +71,10 @@ def split_inputs(args: argparse.Namespace) -> list[str]:
         text = sys.stdin.read() if str(args.prompt_file) == "-" else args.prompt_file.read_text()
         inputs += [line for line in text.splitlines() if line.strip()]
     if not inputs:
-        raise ConfigError("no prompt given: refusion generate [MODEL] \"your prompt\" (or --prompt-file FILE; "
-                          "--examples prints prompts to try)")
+        raise ConfigError(
+            'no prompt given: refusion generate [MODEL] "your prompt" (or --prompt-file FILE; '
+            "--examples prints prompts to try)"
+        )
     return inputs
 
 
@@ -75,7 +98,10 @@ def print_examples(args: argparse.Namespace) -> int:
 
     examples = describe(args.model)["recommended"].get("examples") or {}
     if not examples:
-        print("this checkpoint lists no example prompts (its decode_config.json has no \"examples\")", file=sys.stderr)
+        print(
+            'this checkpoint lists no example prompts (its decode_config.json has no "examples")',
+            file=sys.stderr,
+        )
         return 1
     model = f" {shlex.quote(args.model)}" if args.model else ""
     width = max(map(len, examples))
@@ -107,28 +133,53 @@ def run(args: argparse.Namespace) -> int:
             print(note, file=sys.stderr)
     on_output = None
     if args.stream and not args.json and len(prompts) == 1:
+
         def on_output(_i: int, out) -> None:
             print(out.delta, end="\n" if out.finished else "", flush=True)
 
     def decode(callback=None):
-        return generate(model, tokenizer, ids, cfgs, engine_config=engine_cfg, chat=not args.no_chat,
-                        trace=args.trace is not None, on_output=callback)
+        return generate(
+            model,
+            tokenizer,
+            ids,
+            cfgs,
+            engine_config=engine_cfg,
+            chat=not args.no_chat,
+            trace=args.trace is not None,
+            on_output=callback,
+        )
 
     if args.stats:  # the first forwards of a process pay one-time setup (and compilation): not counted
         if engine_cfg.compile:
-            print("compiling (a warm-up decode of the same prompts, not counted in the stats) ...", file=sys.stderr)
+            print(
+                "compiling (a warm-up decode of the same prompts, not counted in the stats) ...",
+                file=sys.stderr,
+            )
         decode()
     outs = decode(on_output)
     for prompt, out in zip(prompts, outs):
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                              "stats": out.stats.as_dict(), "config": dataclasses.asdict(cfg)}))
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "text": out.text,
+                        "token_ids": out.token_ids,
+                        "finish_reason": out.finish_reason,
+                        "stats": out.stats.as_dict(),
+                        "config": dataclasses.asdict(cfg),
+                    }
+                )
+            )
             continue
         if not (args.stream and len(prompts) == 1):
             print(out.text)
         if args.stats:
             s = out.stats
-            print(f"[{cfg.method}] tokens={s.tokens} nfe={s.nfe} tpf={s.tpf:.2f} time={s.wall_time:.3f}s tps={s.tps:.1f}", file=sys.stderr)
+            print(
+                f"[{cfg.method}] tokens={s.tokens} nfe={s.nfe} tpf={s.tpf:.2f} time={s.wall_time:.3f}s tps={s.tps:.1f}",
+                file=sys.stderr,
+            )
     if args.trace is not None and is_main():
         from ...decode.trace import write_trace_html
 

@@ -13,15 +13,25 @@ from typing import Any
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "model", nargs="?", default=None, help="model directory, hub id or .gguf file (default: the bundled model)"
+        "model",
+        nargs="?",
+        default=None,
+        help="model directory, hub id or .gguf file (default: the bundled model)",
     )
     parser.add_argument("--json", action="store_true", help="print the facts as one JSON object")
     memory = parser.add_argument_group("memory per device (with --batch-size and --context)")
     memory.add_argument("--batch-size", type=int, default=None, help="requests decoded together")
-    memory.add_argument("--context", type=int, default=None, help="positions per request (prompt + generation)")
+    memory.add_argument(
+        "--context", type=int, default=None, help="positions per request (prompt + generation)"
+    )
     # its own dest: here the flag sizes a split, it does not launch one
-    memory.add_argument("--tensor-parallel-size", dest="split", type=int, default=1,
-                        help="devices the model is split over (default 1)")
+    memory.add_argument(
+        "--tensor-parallel-size",
+        dest="split",
+        type=int,
+        default=1,
+        help="devices the model is split over (default 1)",
+    )
     memory.add_argument("--dtype", default=None, help="weights and cache dtype (default: the checkpoint's)")
 
 
@@ -84,8 +94,14 @@ def format_info(info: dict[str, Any]) -> str:
     ]
     rec = info.get("recommended") or {}
     decode = rec.get("decode")
-    rows.append(("decoding", ", ".join(f"{k}={v}" for k, v in decode.items()) if decode
-                 else "no decode_config.json: DecodeConfig's defaults"))
+    rows.append(
+        (
+            "decoding",
+            ", ".join(f"{k}={v}" for k, v in decode.items())
+            if decode
+            else "no decode_config.json: DecodeConfig's defaults",
+        )
+    )
     if rec.get("about"):
         rows.append(("about", rec["about"]))
     if rec.get("single_turn"):
@@ -93,10 +109,14 @@ def format_info(info: dict[str, Any]) -> str:
     if rec.get("examples"):
         rows.append(("examples", f"{len(rec['examples'])} prompts: `refusion generate --examples`"))
     for plan in info.get("memory") or []:
-        rows.append((f"memory, {plan['decoding']}",
-                     f"{_size(plan['total_bytes'])} per device = weights {_size(plan['weights_bytes'])} + KV cache "
-                     f"{_size(plan['kv_cache_bytes'])} ({plan['batch_size']} requests x {plan['context']} positions, "
-                     f"{plan['cache_rows']} cache rows of {plan['row_capacity']} entries, {plan['dtype']}, tensor-parallel size {plan['tensor_parallel_size']})"))
+        rows.append(
+            (
+                f"memory, {plan['decoding']}",
+                f"{_size(plan['total_bytes'])} per device = weights {_size(plan['weights_bytes'])} + KV cache "
+                f"{_size(plan['kv_cache_bytes'])} ({plan['batch_size']} requests x {plan['context']} positions, "
+                f"{plan['cache_rows']} cache rows of {plan['row_capacity']} entries, {plan['dtype']}, tensor-parallel size {plan['tensor_parallel_size']})",
+            )
+        )
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
 

@@ -21,16 +21,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_pos", nargs="?", metavar="MODEL", help="model (default: the bundled model)")
     add_model_arguments(parser)
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    g.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)"
+    )
     g.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    g.add_argument("--served-model-name", default=None, help="the model id clients use (default: the model directory's name)")
-    g.add_argument("--api-key", default=os.environ.get("REFUSION_API_KEY"), help="require 'Authorization: Bearer KEY' (default: $REFUSION_API_KEY; none = no auth)")
-    g.add_argument("--max-queue", type=int, default=256, help="completions that may wait to join the batch; more get 429 (default: 256)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM/SIGINT, seconds running requests get to finish before they are cut "
-                        "(new and queued ones get 503 at once; a second signal exits now) (default: 30)")
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients use (default: the model directory's name)",
+    )
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("REFUSION_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $REFUSION_API_KEY; none = no auth)",
+    )
+    g.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="completions that may wait to join the batch; more get 429 (default: 256)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds running requests get to finish before they are cut "
+        "(new and queued ones get 503 at once; a second signal exits now) (default: 30)",
+    )
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_data_parallel_argument(g, "behind this one address; each request goes to the least-loaded")
-    g.add_argument("--replica-socket", default=None, help=argparse.SUPPRESS)  # a replica: serve on this Unix socket
+    g.add_argument(
+        "--replica-socket", default=None, help=argparse.SUPPRESS
+    )  # a replica: serve on this Unix socket
     add_decode_arguments(parser)
 
 
@@ -38,8 +60,10 @@ def _check_web_stack() -> None:
     """The `serve` extra, asked for by name before anything else loads."""
     missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
-        raise MissingExtraError(f"refusion serve needs {' and '.join(missing)} (the serve extra): "
-                                "scripts/setup.sh serve in a checkout, or pip install 'refusion[serve]'")
+        raise MissingExtraError(
+            f"refusion serve needs {' and '.join(missing)} (the serve extra): "
+            "scripts/setup.sh serve in a checkout, or pip install 'refusion[serve]'"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,10 +77,18 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_from_args(args)
     cfg = decode_config_from_args(args, model=model)
     serve(
-        model, tokenizer, cfg, engine_config=engine_cfg,
-        host=args.host, port=args.port, model_name=served_name(args), api_key=args.api_key,
-        max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
-        log_level=args.log_level, uds=args.replica_socket,
+        model,
+        tokenizer,
+        cfg,
+        engine_config=engine_cfg,
+        host=args.host,
+        port=args.port,
+        model_name=served_name(args),
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        shutdown_timeout=args.shutdown_timeout,
+        log_level=args.log_level,
+        uds=args.replica_socket,
     )
     return 0
 

@@ -23,7 +23,12 @@ from ...train.config import (
     flag_name,
 )
 
-_CHOICES = {"objective": OBJECTIVES, "precision": PRECISIONS, "dtype": DTYPE_NAMES, "ar_reduction": AR_REDUCTIONS}
+_CHOICES = {
+    "objective": OBJECTIVES,
+    "precision": PRECISIONS,
+    "dtype": DTYPE_NAMES,
+    "ar_reduction": AR_REDUCTIONS,
+}
 _COMMENT = re.compile(r"^\s+(\w+):[^#]*#\s*(.+)$")
 
 
