@@ -110,3 +110,23 @@ def test_generate_help_says_what_the_bundled_model_answers():
     parser = build_parser(["generate"])
     help_text = parser._subparsers._group_actions[0].choices["generate"].format_help()
     assert "four families" in help_text and "--examples" in help_text
+
+
+def _source_tree() -> str:
+    """The annotated tree under the README's "The source" heading."""
+    section = README.split("## The source", 1)[1]
+    return re.search(r"```\n(.*?)```", section, flags=re.S).group(1)
+
+
+def test_the_source_tree_names_every_package_and_only_files_that_exist():
+    tree = _source_tree()
+    package = ROOT / "refusion"
+    for sub in sorted(p.name for p in package.iterdir() if p.is_dir() and p.name != "__pycache__"):
+        assert f"  {sub}/" in tree, f"refusion/{sub}/ is missing from the README's source tree"
+    for stage in ("model", "decode"):  # the stages whose modules the tree lists one by one
+        for module in sorted((package / stage).glob("*.py")):
+            if module.name != "__init__.py":
+                assert module.name in tree, f"refusion/{stage}/{module.name} is missing from the README's source tree"
+    named = set(re.findall(r"\b([a-z_]+\.py)\b", tree))
+    existing = {p.name for p in [*package.rglob("*.py"), *(ROOT / "tests").glob("*.py")]}
+    assert named <= existing, f"the README's source tree names files that do not exist: {sorted(named - existing)}"
