@@ -326,7 +326,10 @@ class Violation:
     line: int
 
     def __str__(self) -> str:
-        return f"{self.module} (layer {self.layer}) imports {self.imported} (layer {self.imported_layer}) at line {self.line}"
+        return (
+            f"{self.module} (layer {self.layer}) imports {self.imported} (layer {self.imported_layer}) "
+            f"at line {self.line}"
+        )
 
 
 def layer_violations(graph: dict[str, list[Import]], table: LayerTable) -> list[Violation]:
@@ -621,8 +624,10 @@ def test_a_package_that_runs_higher_imports_on_the_way_down_is_reported(tmp_path
     only(
         found,
         heavy=[
-            "toy (the top package) holds a module of layer 1 but imports toy.mid (layer 2) when it runs, at line 4",
-            "toy.sub (layer 2) holds a module of layer 1 but imports toy.sub.worker (layer 2) when it runs, at line 2",
+            "toy (the top package) holds a module of layer 1 but imports toy.mid (layer 2) "
+            "when it runs, at line 4",
+            "toy.sub (layer 2) holds a module of layer 1 but imports toy.sub.worker (layer 2) "
+            "when it runs, at line 2",
         ],
     )
 

@@ -114,8 +114,8 @@ def test_table_has_every_row_on_the_same_items(small_run) -> None:
         "AR decoding of ReFusion weights",
         "ReFusion + AR correction",
         "ReFusion + AR correction + first-token check",
-        "ReFusion, the checkpoint's settings (slot 32, 4 blocks, 0.7/0.5 + AR correction + first-token check, "
-        "infill window 12)",
+        "ReFusion, the checkpoint's settings "
+        "(slot 32, 4 blocks, 0.7/0.5 + AR correction + first-token check, infill window 12)",
     ]
     assert [r["method"] for r in result["table"]] == ["ar", "refusion", "refusion", "mdm", "ar"] + [
         "refusion"
@@ -201,9 +201,8 @@ def test_the_checkpoints_own_settings_get_a_row_unless_a_row_has_them() -> None:
         )
     )
     row = suite.recommended_run(base, own, runs)
-    assert (
-        row.label
-        == "ReFusion, the checkpoint's settings (slot 32, 2 blocks, 0.9/0.4 + AR correction + first-token check)"
+    assert row.label == (
+        "ReFusion, the checkpoint's settings (slot 32, 2 blocks, 0.9/0.4 + AR correction + first-token check)"
     )
     # the layout, thresholds and options are the checkpoint's; length and sampling the suite's
     assert (row.cfg.slot_size, row.cfg.serial_blocks, row.cfg.ar_correction, row.cfg.first_token_check) == (

@@ -120,7 +120,8 @@ def test_generate_until_gives_each_request_its_config_in_one_batch(lm_parts):
     )  # lm-eval formats (and chat-templates) the context itself
     assert engine.max_batch_size == 2
     cfg_a, cfg_b = cfgs[0], cfgs[1]
-    # the preset's length wins over the task's max_gen_toks, as the authors generated 512 tokens for every task
+    # the preset's length wins over the task's max_gen_toks, as the authors generated 512 tokens for
+    # every task
     assert (cfg_a.gen_length, cfg_a.temperature, cfg_a.slot_size, cfg_a.serial_blocks) == (512, 0.0, 32, 4)
     assert cfg_a.stop == ("Q:",) and cfgs[2] == cfg_a
     assert (cfg_b.temperature, cfg_b.gen_length, cfg_b.stop) == (0.5, 512, ("more",))
@@ -133,7 +134,8 @@ def test_generation_length_model_args_then_preset_then_task(lm_parts):
     def length(**model_args):
         return ReFusionLM(model=model, tokenizer=tok, **model_args)._config(kwargs)
 
-    # gen_length=task: the task's max_gen_toks is cut at 64 tokens; the region is whole slots in 4 blocks of 32
+    # gen_length=task: the task's max_gen_toks is cut at 64 tokens; the region is whole slots in 4 blocks
+    # of 32
     task = length(preset="gsm8k", gen_length="task")
     assert (task.gen_length, task.region_length) == (64, 128)
     assert length(preset="gsm8k").gen_length == 512

@@ -28,15 +28,18 @@ from refusion.evaluate.paper_rules import (
 # a final assistant turn after the last user turn opened with an empty think block.
 QWEN3_STYLE = (
     "{%- set ns = namespace(last_user=-1) -%}"
-    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}"
+    "{%- endif -%}{%- endfor -%}"
     "{%- for m in messages -%}"
-    "{%- if m['role'] in ('system', 'user') -%}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}"
+    "{%- if m['role'] in ('system', 'user') -%}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}"
     "{%- elif m['role'] == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}"
     "{%- if loop.last and loop.index0 > ns.last_user -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
     "{{- m['content'] + '<|im_end|>\\n' -}}{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
     "{%- endif -%}"
 )
 OPEN = "<|im_start|>assistant\n"
@@ -87,8 +90,9 @@ GSM = {"question": "Janet has 3 apples and buys 15 more. How many apples?", "ans
 def test_gsm8k_prompt_has_their_literal_backslash_n(qwen3_tok):
     _, s = one("gsm8k", GSM)
     assert s.request.text(qwen3_tok) == (
-        "<|im_start|>user\nSolve the following math problem. You need to think step-by-step, show your detailed "
-        'reasoning, and end with "The answer is [result]," where [result] is the answer you get.\\nQ: Janet has 3 '
+        "<|im_start|>user\nSolve the following math problem. You need to think step-by-step, "
+        'show your detailed reasoning, and end with "The answer is [result]," '
+        "where [result] is the answer you get.\\nQ: Janet has 3 "
         "apples and buys 15 more. How many apples?\nA:<|im_end|>\n" + OPEN
     )
     assert s.request.until == ("Q:", "</s>", "<|im_end|>") and s.gold == "18"
@@ -183,8 +187,10 @@ def test_arc_prompt_shows_four_options_with_literal_backslash_n(qwen3_tok):
     _, s = one("arc_challenge", ARC[1])
     user = s.request.messages[0]["content"]
     assert user == (
-        "Given the following question and four candidate answers (A, B, C and D), choose the best answer.\\nQuestion: "
-        'Which is fifth?\\nA. one\\nB. two\\nC. three\\nD. four\\nYour response should end with "The best answer is '
+        "Given the following question and four candidate answers (A, B, C and D), "
+        "choose the best answer.\\nQuestion: "
+        "Which is fifth?\\nA. one\\nB. two\\nC. three\\nD. four\\n"
+        'Your response should end with "The best answer is '
         '[the_answer_letter]" where the [the_answer_letter] is one of A, B, C or D.'
     )
     assert s.gold == "B" and s.request.until == ("\n\n", ".")
@@ -235,7 +241,8 @@ def test_gpqa_system_turn_cleaned_options_and_one_seeded_shuffle_in_dataset_orde
     s = samples[0]
     listed = "".join(f"({x}) {o}\n" for x, o in zip("ABCD", s.data["options"]))
     assert s.request.text(qwen3_tok) == (
-        "<|im_start|>system\nAnswer the following multiple-choice question. Your response should be the letter of the "
+        "<|im_start|>system\nAnswer the following multiple-choice question. "
+        "Your response should be the letter of the "
         "correct option, enclosed in parentheses ((A), (B), (C), or (D)).\n<|im_end|>\n<|im_start|>user\n"
         f"Question: Question 0: which one? \nChoices:\n{listed}Answer:<|im_end|>\n{OPEN}"
     )
@@ -277,9 +284,12 @@ MMLU = {
 def test_mmlu_pro_subject_in_a_system_turn(qwen3_tok):
     _, s = one("mmlu_pro", MMLU)
     assert s.request.text(qwen3_tok) == (
-        "<|im_start|>system\nThe following are multiple choice questions (with answers) about computer science. Think "
-        'step by step and then finish your answer with "the answer is (X)" where X is the correct letter choice.\n'
-        "<|im_end|>\n<|im_start|>user\nQuestion:\n2 + 2?\nOptions:\nA. 3\nB. 4\nC. 5\nAnswer: Let's think step by "
+        "<|im_start|>system\nThe following are multiple choice questions (with answers) "
+        "about computer science. Think "
+        'step by step and then finish your answer with "the answer is (X)" '
+        "where X is the correct letter choice.\n"
+        "<|im_end|>\n<|im_start|>user\nQuestion:\n2 + 2?\nOptions:\nA. 3\nB. 4\nC. 5\n"
+        "Answer: Let's think step by "
         f"step.<|im_end|>\n{OPEN}"
     )
 
@@ -317,7 +327,8 @@ HE = {
 def test_humaneval_prompt_plain_fence_and_prefill(qwen3_tok):
     _, s = one("humaneval", HE)
     assert s.request.text(qwen3_tok) == (
-        "<|im_start|>user\nWrite a solution to the following problem and make sure that it passes the tests:\n```"
+        "<|im_start|>user\n"
+        "Write a solution to the following problem and make sure that it passes the tests:\n```"
         f"{HE['prompt']}```<|im_end|>\n{OPEN}<think>\n\n</think>\n\n```python\n"
     )
     assert s.request.until == ("\nassert", "\n# Test")
@@ -372,11 +383,14 @@ def test_mbpp_runs_the_raw_output_with_the_three_asserts():
         {
             "role": "user",
             "content": (
-                "You are an expert Python programmer. Your task is to write a single Python function to solve the problem "
-                "described below, and here is your task: Write a function to add one.\n\nDirectly after the '[BEGIN]' marker, "
-                "you must write only the Python code for the function. Do not provide any explanations, comments, or "
-                "introductory text. The function must include the 'def' line, its arguments, the function body, and a "
-                "'return' statement. Your code should pass these tests:\n\nassert add_one(1) == 2\nassert add_one(2) == 3\n"
+                "You are an expert Python programmer. Your task is to write a single Python function "
+                "to solve the problem described below, and here is your task: "
+                "Write a function to add one.\n\nDirectly after the '[BEGIN]' marker, "
+                "you must write only the Python code for the function. "
+                "Do not provide any explanations, comments, or introductory text. "
+                "The function must include the 'def' line, its arguments, the function body, "
+                "and a 'return' statement. Your code should pass these tests:\n\n"
+                "assert add_one(1) == 2\nassert add_one(2) == 3\n"
                 "assert math.floor(add_one(0.5)) == 1\n[BEGIN]\n"
             ),
         },

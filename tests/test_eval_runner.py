@@ -282,7 +282,10 @@ def test_mbpp_full_and_sanitized_records_run_their_tests(tmp_path):
     data = write_jsonl(tmp_path / "mbpp.jsonl", [full, sanitized])
     answers = {
         "11": "[BEGIN]\ndef add(a, b):\n    return a + b\n[DONE]",
-        "12": "Here you go:\n```python\ndef hsort(xs):\n    heapq.heapify(xs)\n    return [heapq.heappop(xs) for _ in range(len(xs))]\n\nprint(hsort([2, 1]))\n```",
+        "12": (
+            "Here you go:\n```python\ndef hsort(xs):\n    heapq.heapify(xs)\n"
+            "    return [heapq.heappop(xs) for _ in range(len(xs))]\n\nprint(hsort([2, 1]))\n```"
+        ),
     }
     bench = get_benchmark("mbpp")
     samples = bench.load(str(data))

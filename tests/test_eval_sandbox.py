@@ -188,7 +188,10 @@ def test_guards_alone_block_deletes_processes_and_network(guards_only, tmp_path)
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
-        src = f"import socket\nsocket.create_connection(('127.0.0.1', {listener.getsockname()[1]}), timeout=1)\n"
+        src = (
+            "import socket\n"
+            f"socket.create_connection(('127.0.0.1', {listener.getsockname()[1]}), timeout=1)\n"
+        )
         result = run(src)
     assert result.status == "failed" and "network access is disabled" in result.reason
 

@@ -178,7 +178,10 @@ def test_extract_code_unclosed_fence_and_mbpp_markers():
 
 
 def test_sanitize_drops_top_level_calls_and_trailing_prose():
-    code = "import math\n\ndef f(x):\n    return math.sqrt(x)\n\nprint(f(4))\nassert f(4) == 3\nThis works because..."
+    code = (
+        "import math\n\ndef f(x):\n    return math.sqrt(x)\n\n"
+        "print(f(4))\nassert f(4) == 3\nThis works because..."
+    )
     out = programs.sanitize(code)
     assert "def f" in out and "import math" in out
     assert "print" not in out and "assert" not in out and "because" not in out

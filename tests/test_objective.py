@@ -48,9 +48,10 @@ def naive_example(
     mask_id: int = MASK,
     boundary: bool = False,
 ) -> dict:
-    """One example's training sequence from draws row b, written out as docs/algorithm.md#slot-reorganisation says; with
-    `boundary`, a clean token's label is the next response token even across a slot's end,
-    and the prompt's last token is labelled with the first response token."""
+    """One example's training sequence from draws row b, written out as
+    docs/algorithm.md#slot-reorganisation says; with `boundary`, a clean token's label is the
+    next response token even across a slot's end, and the prompt's last token is labelled with
+    the first response token."""
     s = int(draws.slot_size[b])
     p = float(draws.p[b])
     boundary = boundary or bool(draws.plain[b])  # a plain next-token example: every slot clean, in order
@@ -148,8 +149,8 @@ def test_transform_equals_the_naive_reading_of_the_spec(examples, sizes, seed, b
 @settings(max_examples=300, deadline=None)
 @given(examples=examples_st, sizes=slot_sets, seed=st.integers(0, 2**31 - 1))
 def test_transform_properties(examples, sizes, seed):
-    """The properties docs/algorithm.md#slot-reorganisation names, checked directly (not through the naive builder), given
-    the draws (slot size s and mask ratio p of each row)."""
+    """The properties docs/algorithm.md#slot-reorganisation names, checked directly (not through
+    the naive builder), given the draws (slot size s and mask ratio p of each row)."""
     cfg = ObjectiveConfig(slot_sizes=tuple(sizes))
     tokens, prompt_lens, lengths = padded(examples)
     draws = draw_slots(

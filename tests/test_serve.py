@@ -52,7 +52,7 @@ class LiveServer:
         self.app = app
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
-        self.url = "http://127.0.0.1:%d" % sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.server = make_server(app, log_level="warning")
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()

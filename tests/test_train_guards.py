@@ -192,9 +192,9 @@ def test_the_too_long_count_says_the_limit_the_lengths_and_the_flag(tmp_path, ca
     below = summary(300)
     assert "over the limit of 300 tokens" in below
     assert (
-        f"pass --max-length 512 (the model's context, the most it allows) to keep {kept(at_context) - kept(below)} of them"
-        in below
-    )
+        "pass --max-length 512 (the model's context, the most it allows) "
+        f"to keep {kept(at_context) - kept(below)} of them"
+    ) in below
     roomy = summary(512, context=longest)
     assert f"pass --max-length {longest} to keep them" in roomy
 

@@ -244,7 +244,8 @@ def print_curve(curve: dict[str, Any]) -> None:
     rows = curve["points"]
     families = list(rows[0]["per_family"])
     print(
-        f"held-out suite, {curve['items']} items, {curve['config']['method']} decoding (greedy, batch size 1) at each checkpoint"
+        f"held-out suite, {curve['items']} items, {curve['config']['method']} decoding "
+        "(greedy, batch size 1) at each checkpoint"
     )
     print(
         f"{'step':>6} {'acc%':>6}" + "".join(f" {f[:6]:>6}" for f in families) + f" {'TPF':>5} {'tok/s':>7}"

@@ -227,13 +227,15 @@ def _run(args: argparse.Namespace, report: bool) -> int:
     ar_tps = table.get("ar", {}).get("tps")
     threads = f", {torch.get_num_threads()} CPU threads" if model.device.type == "cpu" else ""
     print(
-        f"{len(prompts)} prompts, batch size 1, gen_length {base.gen_length}, median of {args.rounds} interleaved rounds{threads}"
+        f"{len(prompts)} prompts, batch size 1, gen_length {base.gen_length}, "
+        f"median of {args.rounds} interleaved rounds{threads}"
     )
     print(f"{'method':10} {'tokens':>7} {'NFE':>6} {'TPF':>6} {'tok/s':>8} {'vs AR':>6} {'overhead':>9}")
     for m, r in table.items():
         ratio = f"{r['tps'] / ar_tps:.2f}x" if ar_tps else "-"
         print(
-            f"{m:10} {r['tokens']:7.0f} {r['nfe']:6.0f} {r['tpf']:6.2f} {r['tps']:8.1f} {ratio:>6} {r['overhead']:8.1%}"
+            f"{m:10} {r['tokens']:7.0f} {r['nfe']:6.0f} {r['tpf']:6.2f} {r['tps']:8.1f} "
+            f"{ratio:>6} {r['overhead']:8.1%}"
         )
     print(
         "overhead: share of decode time spent outside forward passes (decoder logic, sampling, bookkeeping)"
@@ -255,7 +257,8 @@ def _run(args: argparse.Namespace, report: bool) -> int:
         )
     peak = statistics.median(r["peak_gflops"] for per in full.values() for r in per.values())
     print(
-        f"\nwhat the sweep asks of the machine: tokens fed per token committed, and the linear layers' GFLOP/s; "
+        "\nwhat the sweep asks of the machine: tokens fed per token committed, "
+        "and the linear layers' GFLOP/s; "
         f"a matmul of the model's shapes reaches {peak:.1f} GFLOP/s in this run"
     )
     for m in methods:
@@ -293,8 +296,10 @@ def print_ceilings(
     rates = shape_rates(model)
     out: dict[str, Any] = {"shape_gflops": {f"{o}x{i}": r for (o, i), r in rates.items()}}
     print(
-        "\nceiling: tokens/s if every linear layer ran at its shape's best rate here (512 rows) and attention, norms,\n"
-        "sampling and bookkeeping took no time; no batch size can beat it for this many tokens fed per token committed"
+        "\nceiling: tokens/s if every linear layer ran at its shape's best rate here (512 rows) "
+        "and attention, norms,\n"
+        "sampling and bookkeeping took no time; no batch size can beat it "
+        "for this many tokens fed per token committed"
     )
     print(f"{'method':10} {'ceiling':>9} {'/ b=1':>7} {'best b':>7} {'share':>6}")
     for m in methods:

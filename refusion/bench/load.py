@@ -237,7 +237,8 @@ def format_report(report: dict) -> str:
     gb = report["weight_bytes"] / 1e9
     written = "reused" if report["write_s"] is None else f"written in {report['write_s']:.0f} s"
     lines = [
-        f"random {report['shape']} checkpoint ({report['layers']} layers, bf16): weights {gb:.2f} GB, {written}"
+        f"random {report['shape']} checkpoint ({report['layers']} layers, bf16): "
+        f"weights {gb:.2f} GB, {written}"
     ]
     lines.append(
         f"{'TP':>3} {'rank':>4} {'load s':>7} {'peak RSS above baseline':>24} {'x weights':>9} "
@@ -248,7 +249,8 @@ def format_report(report: dict) -> str:
             ratio = x["load_peak_above_baseline"] / report["weight_bytes"]
             lines.append(
                 f"{run_['tensor_parallel_size']:>3} {r:>4} {x['load_s']:>7.1f} "
-                f"{x['load_peak_above_baseline'] / 1e9:>21.2f} GB {ratio:>9.2f} {x['held_bytes'] / 1e9:>6.2f} GB "
+                f"{x['load_peak_above_baseline'] / 1e9:>21.2f} GB {ratio:>9.2f} "
+                f"{x['held_bytes'] / 1e9:>6.2f} GB "
                 f"{x['tokens']} tok {x['decode_s']:>5.1f} s"
             )
     lines.append(

@@ -457,11 +457,13 @@ def print_report(fig: dict[str, Any]) -> None:
         if "compiled_ms" in r:
             vs_hf = f", hf/compiled {r['hf_ms'] / r['compiled_ms']:.2f}x" if has_hf else ""
             print(
-                f"{'':6} compiled (--compile): {r['compiled_ms']:.3f} ms, {r['compiled_vs_floor']:.2f}x the floor{vs_hf}"
+                f"{'':6} compiled (--compile): {r['compiled_ms']:.3f} ms, "
+                f"{r['compiled_vs_floor']:.2f}x the floor{vs_hf}"
             )
     a = fig["ar_decode"]
     print(
-        f"\nc. greedy AR decode, batch 1, {a['new_tokens']} new tokens after {a['prompt_tokens']} prompt tokens (EOS ignored)"
+        f"\nc. greedy AR decode, batch 1, {a['new_tokens']} new tokens "
+        f"after {a['prompt_tokens']} prompt tokens (EOS ignored)"
     )
     print(f"ours {a['ours_tps']:.1f} tok/s", end="")
     if "hf_tps" in a:
@@ -485,7 +487,8 @@ def print_report(fig: dict[str, Any]) -> None:
             r = d[m]
             overhead = f"{r['overhead']:9.1%}" if "overhead" in r else f"{'-':>9}"
             print(
-                f"{m:10} {r['tokens']:7.0f} {r['nfe']:6.0f} {r['tpf']:6.2f} {r['tps']:8.1f} {1e3 * r['wall'] / r['nfe']:7.2f} {overhead}"
+                f"{m:10} {r['tokens']:7.0f} {r['nfe']:6.0f} {r['tpf']:6.2f} {r['tps']:8.1f} "
+                f"{1e3 * r['wall'] / r['nfe']:7.2f} {overhead}"
             )
         print("overhead: share of decode time outside forward passes (decoder logic, sampling, bookkeeping)")
         print(f"ReFusion / AR tokens/s: {d['refusion']['vs_ar']:.2f}x")

@@ -403,10 +403,12 @@ def print_table(rows: list[dict[str, Any]], items: Sequence, base: DecodeConfig,
     counts = ", ".join(f"{f} {sum(it.family == f for it in items)}" for f in families)
     decoding = "greedy" if base.greedy else f"temperature {base.temperature:g}"
     print(
-        f"held-out suite: {len(items)} items ({counts}); {decoding}, batch size 1, {device}, one interleaved run"
+        f"held-out suite: {len(items)} items ({counts}); {decoding}, batch size 1, {device}, "
+        "one interleaved run"
     )
     print(
-        f"gen_length {base.gen_length}; ReFusion slot_size {base.slot_size}, serial_blocks {base.serial_blocks}, "
+        f"gen_length {base.gen_length}; ReFusion slot_size {base.slot_size}, "
+        f"serial_blocks {base.serial_blocks}, "
         f"slot_threshold {base.slot_threshold:g}, token_threshold {base.token_threshold:g}; "
         f"MDM block {base.mdm_block_length}, steps {base.mdm_steps or 'one token each'}"
         + (f", threshold {base.mdm_threshold:g}" if base.mdm_threshold is not None else "")
@@ -429,7 +431,8 @@ def print_sweep(points: list[dict[str, Any]], aups: dict[str, float], n_items: i
     print(f"{'method':12} {'setting':22} {'acc%':>6} {'tok/s':>8} {'TPF':>5}")
     for p in points:
         print(
-            f"{p['method']:12} {p['label']:22} {100 * p['accuracy']:6.1f} {p['tokens_per_s']:8.1f} {p['tpf']:5.2f}"
+            f"{p['method']:12} {p['label']:22} {100 * p['accuracy']:6.1f} "
+            f"{p['tokens_per_s']:8.1f} {p['tpf']:5.2f}"
         )
     print("AUP: " + ", ".join(f"{g} {v:.1f}" for g, v in aups.items()))
 
@@ -440,7 +443,8 @@ def pyplot():
         import matplotlib
     except ImportError:
         raise MissingExtraError(
-            "the sweep plot needs matplotlib: pip install 'refusion[plot]', or scripts/setup.sh plot in a checkout (or pass --no-sweep)"
+            "the sweep plot needs matplotlib: pip install 'refusion[plot]', "
+            "or scripts/setup.sh plot in a checkout (or pass --no-sweep)"
         ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

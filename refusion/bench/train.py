@@ -3,8 +3,9 @@ plain next-token (AR) training of the same model on the same batch, side by side
 
 A step is what `refusion train` does per micro-batch: build the objective's batch (on the
 CPU, copied to the device), forward to the logits of the labelled tokens, weighted
-cross-entropy, backward, clip, AdamW. The two objectives alternate in ABBA order over the repeats, so drift of a
-noisy machine (clock, neighbours) falls on both; the figures are medians over repeats.
+cross-entropy, backward, clip, AdamW. The two objectives alternate in ABBA order over the
+repeats, so drift of a noisy machine (clock, neighbours) falls on both; the figures are
+medians over repeats.
 Tokens are the non-padding tokens fed (prompt + response), the same count both ways.
 """
 

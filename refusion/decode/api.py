@@ -78,7 +78,8 @@ def lowered_note(
     source = f"preset {preset}" if preset else "the checkpoint's recommendation or the default"
     to = f"{min(lowered)}" if min(lowered) == max(lowered) else f"{min(lowered)}-{max(lowered)}"
     return (
-        f"note: gen_length {cfg.gen_length} ({source}) lowered to {to} to fit the model's context of {context} "
+        f"note: gen_length {cfg.gen_length} ({source}) lowered to {to} "
+        f"to fit the model's context of {context} "
         f"positions after the prompt, for {len(lowered)} of {total} prompt{'s' if total > 1 else ''}; "
         "--gen-length N sets it (and errors if it does not fit)"
     )

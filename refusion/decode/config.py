@@ -22,7 +22,8 @@ from ..errors import ConfigError
 
 METHODS = ("refusion", "ar", "mdm")
 
-# The authors' settings (docs/algorithm.md#presets): gen_length 512; (slot_size, serial_blocks, slot_threshold, token_threshold).
+# The authors' settings (docs/algorithm.md#presets): gen_length 512;
+# (slot_size, serial_blocks, slot_threshold, token_threshold).
 _PAPER = {
     "gsm8k": (32, 4, 0.9, 0.4),
     "math": (32, 8, 0.8, 0.6),
@@ -114,7 +115,8 @@ class DecodeConfig:
     )
     stop_token_ids: tuple[int, ...] | None = knob(
         None,
-        "token ids that end the generation instead of the model's EOS ids (empty: nothing ends it before gen_length)",
+        "token ids that end the generation instead of the model's EOS ids "
+        "(empty: nothing ends it before gen_length)",
         lo=0,
         hi=2**31 - 1,
     )

@@ -102,8 +102,8 @@ def _unit_text(cfg: DecodeConfig) -> str:
     if cfg.method == "ar":
         return "ar decodes one position at a time"
     return (
-        f"{cfg.method} decodes in whole units of slot_size {cfg.slot_size} x serial_blocks {cfg.serial_blocks} "
-        f"= {cfg.unit} positions"
+        f"{cfg.method} decodes in whole units of slot_size {cfg.slot_size} "
+        f"x serial_blocks {cfg.serial_blocks} = {cfg.unit} positions"
     )
 
 

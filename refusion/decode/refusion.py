@@ -159,7 +159,8 @@ class ReFusionRow:
         if eos is not None:
             toks = toks[: (len(sel) - 1) * s + eos + 1]
         positions = [P + self.undecoded[j] * s + i for j in sel for i in range(s)][: len(toks)]
-        # the logits that score the fed tokens (each token's predict the next), and any the rule reads past them
+        # the logits that score the fed tokens (each token's predict the next), and any the rule reads
+        # past them
         return toks, positions, (0, len(toks) - 1 + self.rule.global_next)
 
     def take_verify(self, logits: torch.Tensor, toks: list[int]) -> int:
@@ -271,7 +272,8 @@ class Infill:
             toks, pos = self._feed(f, tail) if not f.complete else ([], [])
             tokens.append(toks)
             positions.append(pos)
-            # the logits that score the fed tokens (each token's predict the next), and any the rule reads past them
+            # the logits that score the fed tokens (each token's predict the next), and any the rule
+            # reads past them
             want.append((0, len(toks) - 1 + f.row.rule.infill_next) if toks else (0, 0))
         logits = self.fwd.run([f.row.req for f in forks], tokens, positions, fcache, want)
         advance = []

@@ -17,7 +17,8 @@ _PAGE = """<!doctype html>
 <style>
 body{font-family:system-ui,sans-serif;margin:2em;max-width:70em;color:#222}
 .grid{display:flex;flex-wrap:wrap;gap:2px;margin:.5em 0 1em}
-.cell{font-family:ui-monospace,monospace;font-size:12px;min-width:1.6em;padding:2px 3px;border-radius:3px;background:#eee;color:#999;white-space:pre}
+.cell{font-family:ui-monospace,monospace;font-size:12px;min-width:1.6em;padding:2px 3px;border-radius:3px;
+  background:#eee;color:#999;white-space:pre}
 .fast{background:#b7e4c7;color:#123}.infill{background:#a9c9f5;color:#123}.ar{background:#ddd;color:#123}.mdm{background:#f6c99b;color:#123}
 .new{outline:2px solid #d00}
 .legend span{margin-right:1em;padding:2px 6px;border-radius:3px}
@@ -26,7 +27,9 @@ button{margin-right:.5em}
 </style></head><body>
 <h1>Decoding trace</h1>
 <p>__CONFIG__</p>
-<p class="legend"><span class="fast">fast path (global verification)</span><span class="infill">parallel AR infilling</span><span class="ar">AR</span><span class="mdm">MDM</span> the red outline marks the latest commit.</p>
+<p class="legend"><span class="fast">fast path (global verification)</span><span
+  class="infill">parallel AR infilling</span><span class="ar">AR</span><span class="mdm">MDM</span>
+  the red outline marks the latest commit.</p>
 <div id="rows"></div>
 <script>
 const DATA = __DATA__;
@@ -34,7 +37,9 @@ function render(r, upto) {
   const d = DATA[r], cells = d.tokens.map(() => null), newest = new Set();
   for (let k = 0; k < upto && k < d.events.length; k++) {
     const ev = d.events[k];
-    ev.spans.forEach(([s, n]) => { for (let i = s; i < s + n; i++) { cells[i] = ev.path; if (k === upto - 1) newest.add(i); } });
+    ev.spans.forEach(([s, n]) => {
+      for (let i = s; i < s + n; i++) { cells[i] = ev.path; if (k === upto - 1) newest.add(i); }
+    });
   }
   const grid = document.getElementById('grid' + r);
   grid.innerHTML = '';
@@ -45,13 +50,16 @@ function render(r, upto) {
     c.title = 'position +' + i;
     grid.appendChild(c);
   });
-  document.getElementById('step' + r).textContent = 'commit ' + Math.min(upto, d.events.length) + ' / ' + d.events.length;
+  document.getElementById('step' + r).textContent =
+    'commit ' + Math.min(upto, d.events.length) + ' / ' + d.events.length;
 }
 DATA.forEach((d, r) => {
   const box = document.createElement('div');
   box.innerHTML = '<h2>Prompt ' + (r + 1) + '</h2><pre class="text"></pre>' +
-    '<button id="play' + r + '">play</button><button id="back' + r + '">&larr;</button><button id="fwd' + r + '">&rarr;</button>' +
-    '<span id="step' + r + '"></span><div class="grid" id="grid' + r + '"></div><h3>Output</h3><pre class="text out"></pre>' +
+    '<button id="play' + r + '">play</button><button id="back' + r + '">&larr;</button>' +
+    '<button id="fwd' + r + '">&rarr;</button>' +
+    '<span id="step' + r + '"></span><div class="grid" id="grid' + r + '"></div>' +
+    '<h3>Output</h3><pre class="text out"></pre>' +
     '<p>' + d.stats + '</p>';
   box.querySelector('pre.text').textContent = d.prompt;
   box.querySelector('pre.out').textContent = d.text;
@@ -109,8 +117,9 @@ def write_trace_html(
     """Write the replay page; needs outputs generated with `trace=True`."""
     data = json.dumps(trace_payload(tokenizer, prompts, outs)).replace("</", "<\\/")
     conf = html.escape(
-        f"method {cfg.method}, gen_length {cfg.gen_length}, slot_size {cfg.slot_size}, serial_blocks {cfg.serial_blocks}, "
-        f"slot_threshold {cfg.slot_threshold}, token_threshold {cfg.token_threshold}, temperature {cfg.temperature}"
+        f"method {cfg.method}, gen_length {cfg.gen_length}, slot_size {cfg.slot_size}, "
+        f"serial_blocks {cfg.serial_blocks}, slot_threshold {cfg.slot_threshold}, "
+        f"token_threshold {cfg.token_threshold}, temperature {cfg.temperature}"
     )
     path = Path(path)
     path.write_text(_PAGE.replace("__DATA__", data).replace("__CONFIG__", conf), encoding="utf-8")

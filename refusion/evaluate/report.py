@@ -103,7 +103,10 @@ def one_line(task: str, summary: dict) -> str:
     if not summary["n"]:
         return f"{task}: no samples"
     lo, hi = summary["ci95"]
-    line = f"{task}: accuracy {100 * summary['accuracy']:.2f}% ({summary['correct']}/{summary['n']}, 95% CI {100 * lo:.1f}-{100 * hi:.1f})"
+    line = (
+        f"{task}: accuracy {100 * summary['accuracy']:.2f}% ({summary['correct']}/{summary['n']}, "
+        f"95% CI {100 * lo:.1f}-{100 * hi:.1f})"
+    )
     if summary.get("tps") is not None:
         line += f", {summary['tps']:.1f} tok/s, TPF {summary['tpf']:.2f}, NFE {summary['nfe_mean']:.1f}"
     if len(summary.get("metrics") or {}) > 1:

@@ -239,7 +239,8 @@ def evaluate(
     with _progress(len(samples), len(records), bench.name, progress) as bar:
         if records:
             bar.write(
-                f"{bench.name}: resuming {results.path}: {len(records)} of {len(samples)} samples already scored "
+                f"{bench.name}: resuming {results.path}: "
+                f"{len(records)} of {len(samples)} samples already scored "
                 "(--overwrite starts afresh)",
                 file=sys.stderr,
             )

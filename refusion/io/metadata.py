@@ -52,7 +52,8 @@ def _check_tokenizer_fits(config: ModelConfig, tokenizer: Any, where: str) -> No
     if tokenizer is not None and len(tokenizer) > config.vocab_size:
         raise CheckpointError(
             f"the tokenizer in {where} has {len(tokenizer)} tokens, more than the config's "
-            f"vocab_size={config.vocab_size}: its ids past {config.vocab_size - 1} would index past the embedding; "
+            f"vocab_size={config.vocab_size}: its ids past {config.vocab_size - 1} "
+            "would index past the embedding; "
             "use the tokenizer the weights were made with"
         )
 

@@ -79,7 +79,8 @@ def remove_stale_staging(out: Path) -> None:
     if removed:
         folders = "folder" if removed == 1 else "folders"
         log.warning(
-            f"removed {removed} staging {folders} of {out} left by an interrupted save ({freed / 1e6:,.1f} MB)"
+            f"removed {removed} staging {folders} of {out} left by an interrupted save "
+            f"({freed / 1e6:,.1f} MB)"
         )
 
 

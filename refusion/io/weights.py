@@ -99,7 +99,8 @@ def check_tensors(model: Transformer, found: dict[str, tuple[Any, tuple[int, ...
             raise CheckpointError(f"tensor {name} is missing from {where}")
         if found[name][1] != tuple(shape):
             raise CheckpointError(
-                f"tensor {name} in {where} has shape {list(found[name][1])}, but the config implies {list(shape)}"
+                f"tensor {name} in {where} has shape {list(found[name][1])}, "
+                f"but the config implies {list(shape)}"
             )
     allowed = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     for name in found:

@@ -171,7 +171,8 @@ def _check_architectures(architectures: Any, model_type: str) -> None:
     expected = _ARCHITECTURE_NAMES[model_type]
     if not isinstance(names, list) or any(name != expected for name in names):
         raise UnsupportedArchitectureError(
-            f"config.json's architectures={architectures!r} does not agree with its model_type={model_type!r} "
+            f"config.json's architectures={architectures!r} "
+            f"does not agree with its model_type={model_type!r} "
             f"(which is {expected}); supported: {_supported()}; fix config.json or use a supported checkpoint"
         )
 

@@ -157,7 +157,7 @@ def spawn(
                     p.kill()
                 raise RuntimeError(
                     f"rank {dead[0]} of {size} exited with code {procs[dead[0]].exitcode} and no result"
-                )
+                ) from None
             continue
         reported.add(rank)
         try:

@@ -4,8 +4,10 @@ One mechanism for every caller: the evaluator's code benchmarks (HumanEval, MBPP
 the synthetic suite's code family (`refusion.tasks`) both hand it a `Check`.
 
     from refusion.sandbox import Check, Limits, run_check
-    result = run_check(Check(program="def f(n):\n    return n + 1\n", test="assert f(1) == 2\n", calls=("f",)),
-                       Limits(timeout=3.0))
+    result = run_check(
+        Check(program="def f(n):\n    return n + 1\n", test="assert f(1) == 2\n", calls=("f",)),
+        Limits(timeout=3.0),
+    )
     result.passed, result.reason
 
 `checks.py` starts the processes and reads the verdict; `_harness.py` (the program's

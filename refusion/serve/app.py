@@ -79,9 +79,9 @@ def create_app(
     engine: Engine | None = None,
 ) -> FastAPI:
     """The server for one model. `cfg` is the server's default DecodeConfig (requests
-    override it field by field; default: the engine's, what the checkpoint recommends); `engine_config` its resources; `api_key` turns on
-    bearer-token auth for everything but /health; `engine` replaces the engine made from
-    the model (tests wrap its step)."""
+    override it field by field; default: the engine's, what the checkpoint recommends);
+    `engine_config` its resources; `api_key` turns on bearer-token auth for everything but
+    /health; `engine` replaces the engine made from the model (tests wrap its step)."""
     if tokenizer is None:
         raise ReFusionError("serving needs a tokenizer: this checkpoint has none")
     engine = engine or engine_for(model, tokenizer, engine_config)
@@ -255,7 +255,8 @@ class _Server:
         except QueueFull as e:
             raise APIError(
                 429,
-                f"the server is busy ({self.engine_loop.max_queue} requests waiting); retry in {e.retry_after} s",
+                f"the server is busy ({self.engine_loop.max_queue} requests waiting); "
+                f"retry in {e.retry_after} s",
                 type="rate_limit_error",
                 code="queue_full",
                 headers={"Retry-After": str(e.retry_after)},
@@ -452,7 +453,8 @@ def _loads(raw: bytes) -> Any:
 
 def _too_deep() -> APIError:
     return bad(
-        f"the request body nests arrays and objects more than {MAX_DEPTH} deep; no field of this API needs more than a few levels",
+        f"the request body nests arrays and objects more than {MAX_DEPTH} deep; "
+        "no field of this API needs more than a few levels",
         None,
         "invalid_json",
     )

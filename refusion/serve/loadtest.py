@@ -31,7 +31,8 @@ import httpx
 from ..model.sizing import process_memory_kib
 
 PROMPTS = [
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did she sell altogether?",
     "Write a Python function that returns the n-th Fibonacci number.",
     "Explain in two sentences why the sky is blue.",
     "List three prime numbers larger than 100.",
@@ -69,11 +70,13 @@ class Phase:
     wall: float = 0.0
 
     def summary(self) -> dict:
-        pct = lambda xs, q: (
-            statistics.quantiles(xs, n=100, method="inclusive")[q - 1]
-            if len(xs) > 1
-            else (xs[0] if xs else float("nan"))
-        )  # noqa: E731
+        def pct(xs, q):
+            return (
+                statistics.quantiles(xs, n=100, method="inclusive")[q - 1]
+                if len(xs) > 1
+                else (xs[0] if xs else float("nan"))
+            )
+
         return {
             "phase": self.label or str(self.clients),
             "clients": self.clients,
@@ -201,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         "--compare",
         default=None,
         metavar="A,B",
-        help="run one phase per client count (e.g. 1,16) and compare tokens/s; or 'same,mixed': --clients clients "
-        "with identical settings, then with mixed per-client settings",
+        help="run one phase per client count (e.g. 1,16) and compare tokens/s; "
+        "or 'same,mixed': --clients clients with identical settings, then with mixed per-client settings",
     )
     p.add_argument(
         "--rounds",
@@ -251,18 +254,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model {model} at {args.url}, max_tokens {args.max_tokens}")
         for ph in phases:
             print(
-                f"{ph['phase']:>6} ({ph['clients']} clients): {ph['requests_ok']} ok in {ph['seconds']} s = {ph['requests_per_s']} req/s, "
-                f"{ph['tokens_per_s']} tokens/s; latency p50 {ph['latency_p50_s']} s p95 {ph['latency_p95_s']} s; "
-                f"TTFT p50 {ph['ttft_p50_s']} s p95 {ph['ttft_p95_s']} s; incomplete {ph['incomplete']}; errors {ph['errors'] or 0}"
+                f"{ph['phase']:>6} ({ph['clients']} clients): {ph['requests_ok']} ok in {ph['seconds']} s "
+                f"= {ph['requests_per_s']} req/s, {ph['tokens_per_s']} tokens/s; "
+                f"latency p50 {ph['latency_p50_s']} s p95 {ph['latency_p95_s']} s; "
+                f"TTFT p50 {ph['ttft_p50_s']} s p95 {ph['ttft_p95_s']} s; incomplete {ph['incomplete']}; "
+                f"errors {ph['errors'] or 0}"
                 + (f"; tokens/s by round {ph['rounds_tokens_per_s']}" if len(runs) > 1 else "")
             )
         if "tokens_per_s_ratio" in report:
             print(
-                f"tokens/s ratio, {phases[-1]['phase']} vs {phases[0]['phase']}: {report['tokens_per_s_ratio']}x"
+                f"tokens/s ratio, {phases[-1]['phase']} vs {phases[0]['phase']}: "
+                f"{report['tokens_per_s_ratio']}x"
             )
         if before:
             print(
-                f"server RSS before {before['VmRSS'] / 1024:.1f} MiB, after {after['VmRSS'] / 1024:.1f} MiB (peak {after['VmHWM'] / 1024:.1f} MiB)"
+                f"server RSS before {before['VmRSS'] / 1024:.1f} MiB, after {after['VmRSS'] / 1024:.1f} MiB "
+                f"(peak {after['VmHWM'] / 1024:.1f} MiB)"
             )
     failed = sum(ph["incomplete"] + sum(ph["errors"].values()) for r in runs for ph in r)
     return 1 if failed else 0

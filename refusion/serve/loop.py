@@ -37,7 +37,10 @@ from .metrics import Metrics
 
 log = logging.getLogger("refusion.serve")
 
-QUEUED = "the server is shutting down and this request had not started; retry it (on another replica, or once the server is back)"
+QUEUED = (
+    "the server is shutting down and this request had not started; "
+    "retry it (on another replica, or once the server is back)"
+)
 CUT = "the server shut down before this request finished (its shutdown timeout ran out); retry it"
 
 # ("text", str) | ("done", finish_reason, completion_tokens) | ("error", exception)
@@ -146,7 +149,8 @@ class EngineLoop:
         with self._cv:
             if self._closing:
                 raise ShuttingDown(
-                    "the server is shutting down and takes no new requests; retry on another replica or once it is back"
+                    "the server is shutting down and takes no new requests; "
+                    "retry on another replica or once it is back"
                 )
             if self.queue_length + len(jobs) > self.max_queue:
                 self.metrics.rejected.inc()

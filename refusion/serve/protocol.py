@@ -311,7 +311,8 @@ def _text(where: str, v: str, param: str | None = None) -> str:
         v.encode("utf-8")
     except UnicodeEncodeError as e:
         raise bad(
-            f"{where} has a lone surrogate ({v[e.start]!r} at {e.start}), which is not text; send valid UTF-8",
+            f"{where} has a lone surrogate ({v[e.start]!r} at {e.start}), "
+            "which is not text; send valid UTF-8",
             param or where,
             "invalid_value",
         ) from None

@@ -30,14 +30,12 @@ class TrainConfig:
     add_mask_token: bool = False  # add <|mask|> to a base model that lacks it (as `refusion convert`)
     dtype: str = "float32"  # weights dtype: float32, or bfloat16 (halves memory; sensible with LoRA)
     # ---- objective
-    objective: str = (
-        "refusion"  # refusion (slot reorganisation + hybrid AR/MDM loss) or ar (plain next-token training)
-    )
+    objective: str = "refusion"  # refusion (slot reorganisation + hybrid AR/MDM loss) or ar (next-token)
     slot_sizes: tuple[int, ...] = (4, 8, 16, 32)  # slot size drawn per example
     mask_eps: float = 1e-3  # p = (1 - eps) * t + eps
     ar_reduction: str = "token"  # AR CE averaged over all labels ("token") or per example ("example")
-    boundary_labels: bool = False  # beyond the paper: AR labels across slot boundaries too (each clean slot's last token, the prompt's last)
-    ar_mix: float = 0.0  # beyond the paper: share of examples trained as plain next-token prediction (keeps the AR head's skill)
+    boundary_labels: bool = False  # beyond the paper: AR labels on clean slots' and the prompt's last tokens
+    ar_mix: float = 0.0  # beyond the paper: share of examples trained as plain AR (keeps the AR head's skill)
     max_length: int = 2048  # longer examples (prompt + response + EOS) are skipped and counted
     # ---- optimisation
     batch_size: int = 8  # examples per micro-batch per process
@@ -71,9 +69,7 @@ class TrainConfig:
     save_every: int = 500  # steps between checkpoints (and one at the end); 0 = only at the end
     keep_checkpoints: int = 2  # newest checkpoints kept; 0 = keep all
     resume: bool = False  # continue from the latest checkpoint in out/checkpoints
-    allow_config_change: bool = (
-        False  # with resume: accept settings that differ from the run's (listed when refused)
-    )
+    allow_config_change: bool = False  # with resume: accept settings unlike the run's (listed when refused)
     seed: int = 0  # seeds initialisation, data order, the eval split and the objective's draws
     tensorboard: bool = True  # also log to out/tensorboard when tensorboard is installed
     progress: bool = True  # tqdm progress bar on the main process

@@ -74,18 +74,25 @@ class DataStats:
         if not lengths:  # counted by hand, lengths not recorded
             return f"over the limit of {self.max_length} tokens"
         longest, context = lengths[-1], self.context
-        text = f"over the limit of {self.max_length} tokens: median {lengths[len(lengths) // 2]}, longest {longest}"
+        text = (
+            f"over the limit of {self.max_length} tokens: median {lengths[len(lengths) // 2]}, "
+            f"longest {longest}"
+        )
         if context is None:
             return text
         fit = sum(n <= context for n in lengths)
         if self.max_length >= context or not fit:
             return (
-                f"{text}; {context} tokens is the model's context (max_position_embeddings), which --max-length "
-                "cannot exceed: shorten those records or train a model with a longer context"
+                f"{text}; {context} tokens is the model's context (max_position_embeddings), "
+                "which --max-length cannot exceed: shorten those records "
+                "or train a model with a longer context"
             )
         if fit == len(lengths):
             return f"{text}; pass --max-length {longest} to keep them"
-        return f"{text}; pass --max-length {context} (the model's context, the most it allows) to keep {fit} of them"
+        return (
+            f"{text}; pass --max-length {context} (the model's context, the most it allows) "
+            f"to keep {fit} of them"
+        )
 
 
 @dataclass

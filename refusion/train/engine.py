@@ -60,7 +60,8 @@ def check_engine(engine: str, cpu: bool, has_gpu: bool) -> None:
     if importlib.util.find_spec("deepspeed") is None:
         raise ConfigError(
             f"the launch config ({_CONFIGS['deepspeed']}) uses DeepSpeed, which is not installed: "
-            f"pip install --no-build-isolation deepspeed, or launch with {_CONFIGS['ddp']} or {_CONFIGS['fsdp']}"
+            "pip install --no-build-isolation deepspeed, "
+            f"or launch with {_CONFIGS['ddp']} or {_CONFIGS['fsdp']}"
         )
 
 

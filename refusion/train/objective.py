@@ -1,5 +1,5 @@
-"""Training objectives: ReFusion's slot reorganisation with the hybrid AR/MDM loss (docs/algorithm.md#training),
-and plain next-token training of the same model.
+"""Training objectives: ReFusion's slot reorganisation with the hybrid AR/MDM loss
+(docs/algorithm.md#training), and plain next-token training of the same model.
 
 Input is a right-padded batch in text order: `tokens` (B, T) holding prompt then response
 (EOS included), `prompt_lens` (B,) and `lengths` (B,) (prompt + response). Column c of that
@@ -25,6 +25,7 @@ from ..errors import ConfigError
 from .config import AR_REDUCTIONS, ObjectiveConfig
 
 IGNORE = -100  # label of a token that carries no loss
+_DEFAULT_CFG = ObjectiveConfig()  # frozen: one shared instance serves as the default
 
 
 @dataclass
@@ -47,7 +48,8 @@ class SlotDraws:
 def draw_slots(
     batch_size: int, max_slots: int, cfg: ObjectiveConfig, generator: torch.Generator | None = None
 ) -> SlotDraws:
-    """Draw slot sizes, mask ratios, masked slots and the clean-slot order (docs/algorithm.md#slot-reorganisation, steps 1-2)."""
+    """Draw slot sizes, mask ratios, masked slots and the clean-slot order
+    (docs/algorithm.md#slot-reorganisation, steps 1-2)."""
     sizes = torch.tensor(cfg.slot_sizes, dtype=torch.int64)
     slot_size = sizes[torch.randint(len(sizes), (batch_size,), generator=generator)]
     t = torch.rand(batch_size, generator=generator)
@@ -97,7 +99,7 @@ def refusion_batch(
     prompt_lens: torch.Tensor,  # (B,) int64
     lengths: torch.Tensor,  # (B,) int64, prompt + response
     mask_id: int,
-    cfg: ObjectiveConfig = ObjectiveConfig(),
+    cfg: ObjectiveConfig = _DEFAULT_CFG,
     generator: torch.Generator | None = None,
     draws: SlotDraws | None = None,
 ) -> TrainBatch:

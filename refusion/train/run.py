@@ -64,7 +64,8 @@ class Run:
         self._lock_out()
         if list_checkpoints(self.out) and not cfg.resume:
             raise ConfigError(
-                f"{self.out} holds checkpoints of an earlier run: pass --resume to continue it, or choose another --out"
+                f"{self.out} holds checkpoints of an earlier run: "
+                "pass --resume to continue it, or choose another --out"
             )
         changes = resume_changes(self.out, cfg, self.log)  # refused here, before anything is loaded
         self.lm, tokenizer = load_model_and_tokenizer(cfg)

@@ -10,7 +10,10 @@ BENCHES = {
     "train": "training tokens/s: ReFusion objective vs plain next-token training",
     "speed": "forward and AR decode against the machine's floors and transformers, side by side",
     "suite": "Table 1 and Figure 1 on the held-out suite: accuracy, tokens/s, TPF, NFE, AUP",
-    "curve": "a training run's learning curve: held-out accuracy and TPF of ReFusion decoding, and the losses, per checkpoint",
+    "curve": (
+        "a training run's learning curve: held-out accuracy and TPF of ReFusion decoding, "
+        "and the losses, per checkpoint"
+    ),
     "load": "load a random Qwen3-8B-shaped checkpoint (bf16, sharded): time and peak memory, TP=1 and TP=2",
 }
 

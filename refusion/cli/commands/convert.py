@@ -29,7 +29,8 @@ def run(args: argparse.Namespace) -> int:
     if had_mask:
         print(
             "The base already had <|mask|>: its weights are copied as they are. If it was trained with "
-            f"ReFusion it decodes with ReFusion at once; if not, train it first: refusion train --model {args.out} ..."
+            "ReFusion it decodes with ReFusion at once; if not, train it first: "
+            f"refusion train --model {args.out} ..."
         )
     else:
         print(

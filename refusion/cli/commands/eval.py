@@ -224,7 +224,8 @@ def _show_prompt(args: argparse.Namespace, bench) -> int:
     sys.stdout.flush()
     gap = "" if text.endswith("\n") else "\n"
     print(
-        f"{gap}--- {bench.name} document {n} ({sample.id}), protocol {bench.protocol}; gold: {sample.gold!r}{after}",
+        f"{gap}--- {bench.name} document {n} ({sample.id}), protocol {bench.protocol}; "
+        f"gold: {sample.gold!r}{after}",
         file=sys.stderr,
     )
     return 0

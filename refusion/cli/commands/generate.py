@@ -86,9 +86,9 @@ def _load(args: argparse.Namespace):
         if not getattr(args, "model_from_positional", False) or Path(args.model).exists():
             raise
         raise ConfigError(
-            f"{e}. With two or more positionals the first is the model, and {args.model!r} is none: to decode "
-            "several prompts with the bundled model, put them one per line in a file and pass --prompt-file FILE "
-            "(or - for stdin)"
+            f"{e}. With two or more positionals the first is the model, and {args.model!r} is none: "
+            "to decode several prompts with the bundled model, put them one per line in a file "
+            "and pass --prompt-file FILE (or - for stdin)"
         ) from None
 
 
@@ -177,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
         if args.stats:
             s = out.stats
             print(
-                f"[{cfg.method}] tokens={s.tokens} nfe={s.nfe} tpf={s.tpf:.2f} time={s.wall_time:.3f}s tps={s.tps:.1f}",
+                f"[{cfg.method}] tokens={s.tokens} nfe={s.nfe} tpf={s.tpf:.2f} "
+                f"time={s.wall_time:.3f}s tps={s.tps:.1f}",
                 file=sys.stderr,
             )
     if args.trace is not None and is_main():

@@ -112,9 +112,11 @@ def format_info(info: dict[str, Any]) -> str:
         rows.append(
             (
                 f"memory, {plan['decoding']}",
-                f"{_size(plan['total_bytes'])} per device = weights {_size(plan['weights_bytes'])} + KV cache "
-                f"{_size(plan['kv_cache_bytes'])} ({plan['batch_size']} requests x {plan['context']} positions, "
-                f"{plan['cache_rows']} cache rows of {plan['row_capacity']} entries, {plan['dtype']}, tensor-parallel size {plan['tensor_parallel_size']})",
+                f"{_size(plan['total_bytes'])} per device = weights {_size(plan['weights_bytes'])} "
+                f"+ KV cache {_size(plan['kv_cache_bytes'])} "
+                f"({plan['batch_size']} requests x {plan['context']} positions, "
+                f"{plan['cache_rows']} cache rows of {plan['row_capacity']} entries, {plan['dtype']}, "
+                f"tensor-parallel size {plan['tensor_parallel_size']})",
             )
         )
     width = max(len(label) for label, _ in rows)
