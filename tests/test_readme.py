@@ -126,7 +126,9 @@ def test_the_source_tree_names_every_package_and_only_files_that_exist():
     for stage in ("model", "decode"):  # the stages whose modules the tree lists one by one
         for module in sorted((package / stage).glob("*.py")):
             if module.name != "__init__.py":
-                assert module.name in tree, f"refusion/{stage}/{module.name} is missing from the README's source tree"
+                missing = f"refusion/{stage}/{module.name} is missing from the README's source tree"
+                assert module.name in tree, missing
     named = set(re.findall(r"\b([a-z_]+\.py)\b", tree))
     existing = {p.name for p in [*package.rglob("*.py"), *(ROOT / "tests").glob("*.py")]}
-    assert named <= existing, f"the README's source tree names files that do not exist: {sorted(named - existing)}"
+    unknown = sorted(named - existing)
+    assert not unknown, f"the README's source tree names files that do not exist: {unknown}"
