@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from refusion.cli.main import main
+from refusion.cli.dispatch import main
 from refusion.io import BUNDLED_DIR
 
 pytest.importorskip("matplotlib")

@@ -8,7 +8,7 @@ import json
 import torch
 
 from refusion.bench.load import SHAPES, write_random_checkpoint
-from refusion.cli.main import main
+from refusion.cli.dispatch import main
 from refusion.io import load
 from refusion.model.config import ModelConfig
 

@@ -11,7 +11,7 @@ import torch
 
 from refusion import ModelConfig, Transformer
 from refusion.bench.speed import floor_ms, forward_cost, random_model
-from refusion.cli.main import main
+from refusion.cli.dispatch import main
 
 TINY_RUN = [
     "--repeats",

@@ -15,7 +15,7 @@ import pytest
 
 from refusion.bench import suite
 from refusion.bench.aup import aup, aup_weight
-from refusion.cli.main import main
+from refusion.cli.dispatch import main
 from refusion.decode.recommended import Recommended
 from refusion.io import BUNDLED_DIR
 

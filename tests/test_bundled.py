@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import refusion
-from refusion.cli.main import main
+from refusion.cli.dispatch import main
 from refusion.errors import CheckpointError
 from refusion.io import BUNDLED_DIR, BUNDLED_ROOT, bundled_names
 from refusion.tasks import check, load_test_items

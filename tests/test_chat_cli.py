@@ -13,7 +13,7 @@ import pytest
 
 import refusion
 from refusion.cli.commands.chat import SINGLE_TURN_NOTE, chat_loop, keeps_history
-from refusion.cli.main import main
+from refusion.cli.dispatch import main
 from refusion.decode import Engine
 from refusion.decode.recommended import recommended_of
 from refusion.model.prompts import chat_ids

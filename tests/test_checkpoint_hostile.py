@@ -18,7 +18,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from refusion.cli.main import EXIT_BROKEN_PIPE, main
+from refusion.cli.dispatch import EXIT_BROKEN_PIPE, main
 from refusion.errors import CheckpointError, UnsupportedArchitectureError
 from refusion.io import convert, describe, load, loading, save, save_pretrained
 from refusion.io import staging as staging_dirs

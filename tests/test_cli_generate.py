@@ -6,7 +6,7 @@ import re
 import pytest
 
 import refusion
-from refusion.cli.main import main
+from refusion.cli.dispatch import main
 
 
 def test_generate_json_matches_the_library(model_dir, capsys):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from refusion.cli.main import VERBS
+from refusion.cli.dispatch import VERBS
 
 PROBE = """
 import contextlib, io, sys

@@ -1,4 +1,4 @@
-"""`refusion info` and `refusion convert` through `refusion.cli.main`, as a user runs them."""
+"""`refusion info` and `refusion convert` through `refusion.cli.dispatch`, as a user runs them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 from transformers import AutoModelForCausalLM
 
-from refusion.cli.main import main
+from refusion.cli.dispatch import main
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from refusion.cli.main import main
+from refusion.cli.dispatch import main
 from refusion.evaluate import Limits, evaluate, get_benchmark
 from refusion.evaluate.benchmarks import Chat
 from refusion.evaluate.paper_rules import (

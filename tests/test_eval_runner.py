@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from refusion.cli.main import main
+from refusion.cli.dispatch import main
 from refusion.evaluate import (
     DatasetUnavailableError,
     PredictionsError,

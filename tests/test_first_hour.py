@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import refusion
-from refusion.cli.main import main
+from refusion.cli.dispatch import main
 from refusion.decode import DecodeConfig, Engine
 from refusion.decode.recommended import FILE, Recommended, recommended_of
 from refusion.errors import CheckpointError, ConfigError, ContextLengthError

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from refusion.cli.main import main
+from refusion.cli.dispatch import main
 
 KEYS = ("id", "index", "prompt", "output", "extracted", "gold", "correct")
 

@@ -111,7 +111,7 @@ def test_engine_refuses_a_split_it_was_not_given():
 def test_cli_generate_and_eval_split_over_two_processes(tmp_path, capfd):
     import json
 
-    from refusion.cli.main import main
+    from refusion.cli.dispatch import main
 
     prompt = "Sort these numbers from smallest to largest: 55, 25, 75, 93"
     assert main(["generate", prompt, "--json"]) == 0
@@ -191,7 +191,7 @@ def _shard_bytes(path: str) -> tuple[int, int]:
 def test_info_sizes_what_the_ranks_hold(make_hf_dir, capsys):
     import json
 
-    from refusion.cli.main import main
+    from refusion.cli.dispatch import main
     from refusion.decode import DecodeConfig
     from refusion.io import load_metadata
     from refusion.model.sizing import memory_plan

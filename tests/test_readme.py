@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import refusion
-from refusion.cli.main import VERBS, build_parser, main
+from refusion.cli.dispatch import VERBS, build_parser, main
 from refusion.decode.recommended import recommended_of
 
 ROOT = Path(__file__).resolve().parents[1]

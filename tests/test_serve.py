@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai")
 from transformers import AutoTokenizer  # noqa: E402
 
 import refusion  # noqa: E402
-from refusion.cli.main import main as cli_main  # noqa: E402
+from refusion.cli.dispatch import main as cli_main  # noqa: E402
 from refusion.decode import DecodeConfig, Engine, EngineConfig, generate  # noqa: E402
 from refusion.serve import create_app  # noqa: E402
 from refusion.serve.server import make_server  # noqa: E402

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from test_objective import naive_example
 
-from refusion.cli import main as cli
+from refusion.cli import dispatch as cli
 from refusion.errors import ConfigError, MissingMaskTokenError
 from refusion.io import load
 from refusion.train import TrainConfig, init_weights, list_checkpoints, train

@@ -1,5 +1,5 @@
 import sys
 
-from .main import main
+from .dispatch import main
 
 sys.exit(main())
