@@ -502,13 +502,42 @@ def run(args: argparse.Namespace) -> int:
     base, engine = base_config(args), engine_config_from_args(args)
     items = select_items(args.limit, args.families)
     ar_path, note = resolve_ar_model(args.ar_model)
-    sweep = None if args.no_sweep else sweep_runs(base, args, ar_path is not None)
+    sweep = planned_sweep(base, args, ar_path is not None)
+    json_path, plot_path = output_paths(args)
+    models = load_models(args, ar_path)
+    main = is_main()
+    if note and main:
+        print(note, file=sys.stderr)
+    result = run_table(base, items, models, args, engine, ar_path)
     if sweep is not None:
-        pyplot()  # a missing extra fails now, not after the table's minutes of decoding
+        swept = run_sweep(sweep, items[: args.sweep_limit], models, args, engine, plot_path)
+        if main:
+            result["sweep"] = swept
+    if main:
+        write_json(json_path, result)
+    return 0
+
+
+def planned_sweep(base: DecodeConfig, args: argparse.Namespace, with_ar: bool) -> list[Run] | None:
+    """The sweep's runs (None with --no-sweep). A missing plotting extra fails now, not
+    after the table's minutes of decoding."""
+    if args.no_sweep:
+        return None
+    sweep = sweep_runs(base, args, with_ar)
+    pyplot()
+    return sweep
+
+
+def output_paths(args: argparse.Namespace) -> tuple[Path, Path]:
+    """(the JSON's path, the sweep plot's path): given, or in the output directory."""
     out = Path(args.out)
     json_path = Path(args.json_out) if args.json_out else out / "suite.json"
     plot_path = Path(args.plot) if args.plot else out / "sweep.png"
+    return json_path, plot_path
 
+
+def load_models(args: argparse.Namespace, ar_path: str | None) -> dict[str, tuple]:
+    """(model, tokenizer) by weights: "refusion", and "ar" where the baseline is run."""
     models = {"refusion": load_from_args(args)}
     if ar_path is not None:
         from ..io import load
@@ -516,15 +545,43 @@ def run(args: argparse.Namespace) -> int:
         models["ar"] = load(
             ar_path, device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size or 1
         )
-    main = is_main()
-    if note and main:
-        print(note, file=sys.stderr)
+    return models
 
-    runs = table_runs(base, ar_path is not None)
+
+def all_table_runs(base: DecodeConfig, models: dict[str, tuple], with_ar: bool) -> list[Run]:
+    """The table's rows, then the ReFusion checkpoint's own settings where they differ."""
+    runs = table_runs(base, with_ar)
     own = recommended_run(base, recommended_of(models["refusion"][0]), runs)
-    runs += [own] if own else []
+    return runs + ([own] if own else [])
+
+
+def run_table(
+    base: DecodeConfig,
+    items: Sequence,
+    models: dict[str, tuple],
+    args: argparse.Namespace,
+    engine: EngineConfig,
+    ar_path: str | None,
+) -> dict[str, Any]:
+    """The table measured (collective, as `measure`); the result so far, with the table's
+    rows, printed, on the first process: it reports, the others take part in measuring only."""
+    from ..parallel import is_main
+
+    runs = all_table_runs(base, models, ar_path is not None)
     records = measure(runs, items, models, args.chunk, "table", engine)
-    result: dict[str, Any] = {
+    result = run_settings(args, ar_path, items, base)
+    if is_main():
+        result["table"] = table_rows(runs, records)
+        print_table(result["table"], items, base, args.device)
+    return result
+
+
+def run_settings(
+    args: argparse.Namespace, ar_path: str | None, items: Sequence, base: DecodeConfig
+) -> dict[str, Any]:
+    """What the JSON records before the figures: the models, the machine, the items and
+    the base config."""
+    return {
         "models": {"refusion": args.model or "bundled", "ar": ar_path},
         "device": args.device,
         "data_parallel_size": args.data_parallel_size,
@@ -534,32 +591,31 @@ def run(args: argparse.Namespace) -> int:
         "chunk": args.chunk,
         "config": dataclasses.asdict(base),
     }
-    if main:  # the first process reports; the others take part in measuring only
-        result["table"] = table_rows(runs, records)
-        print_table(result["table"], items, base, args.device)
-    if sweep is not None:
-        sweep_items = items[: args.sweep_limit]
-        sweep_records = measure(sweep, sweep_items, models, args.chunk, "sweep", engine)
-        if main:
-            points, aups, y_max = sweep_points(sweep, sweep_records)
-            print_sweep(points, aups, len(sweep_items))
-            plot_sweep(
-                points,
-                aups,
-                plot_path,
-                f"held-out suite, {len(sweep_items)} items, batch size 1, {args.device}",
-            )
-            print(f"figure: {plot_path}")
-            result["sweep"] = {
-                "items": len(sweep_items),
-                "points": points,
-                "aup": aups,
-                "y_max": y_max,
-                "plot": str(plot_path),
-            }
-    if not main:
-        return 0
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(result, indent=1))
-    print(f"figures and per-item records: {json_path}")
-    return 0
+
+
+def run_sweep(
+    sweep: Sequence[Run],
+    items: Sequence,
+    models: dict[str, tuple],
+    args: argparse.Namespace,
+    engine: EngineConfig,
+    plot_path: Path,
+) -> dict[str, Any] | None:
+    """The sweep measured, printed and plotted; its JSON part on the first process (None
+    on the others, which take part in measuring only). Collective, as `measure`."""
+    from ..parallel import is_main
+
+    records = measure(sweep, items, models, args.chunk, "sweep", engine)
+    if not is_main():
+        return None
+    points, aups, y_max = sweep_points(sweep, records)
+    print_sweep(points, aups, len(items))
+    plot_sweep(points, aups, plot_path, f"held-out suite, {len(items)} items, batch size 1, {args.device}")
+    print(f"figure: {plot_path}")
+    return {"items": len(items), "points": points, "aup": aups, "y_max": y_max, "plot": str(plot_path)}
+
+
+def write_json(path: Path, result: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"figures and per-item records: {path}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import json
 import os
 import sys
@@ -205,86 +206,173 @@ def evaluate(
     bench = get_benchmark(task) if isinstance(task, str) else task
     if (generate_fn is None) == (predictions is None):
         raise ValueError("pass exactly one of generate_fn and predictions")
+    samples, complete, missing = _samples_and_source(bench, samples, data, limit, generate_fn, predictions)
+    config_dict = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
+    settings = _settings(bench, model, config_dict, data, predictions, limit)
+    out = out_dir or Path("runs") / "eval" / bench.name
+    results, done = _open_results(out, settings, overwrite, part)
+    records = [done[s.id] for s in samples if s.id in done]
+    chunk = max(1, batch_size) if predictions is None else 64  # predictions: batch the sandbox
+    started = time.perf_counter()
+    score = functools.partial(
+        _batch_records, bench, complete=complete, limits=limits, workers=workers, timed=predictions is None
+    )
+    _run_pending(bench.name, samples, done, records, results, part, chunk, score, progress and part.first)
+    records = _all_records(results, samples, records, part)
+    resumed = len({s.id for s in samples} & done.keys())
+    summary = _summary(bench, settings, records, resumed, missing, started, part, results)
+    if part.first:  # the others hold their share only
+        results.write_summary(summary)
+    summary["line"] = one_line(bench.name, summary)
+    return summary
+
+
+def _samples_and_source(
+    bench: Benchmark,
+    samples: Sequence[Sample] | None,
+    data: str | None,
+    limit: int | None,
+    generate_fn: GenerateFn | None,
+    predictions: str | os.PathLike | None,
+) -> tuple[list[Sample], Callable[[list[Sample]], list[Completion]], int]:
+    """(the samples to run, what completes a batch of them, how many samples have no
+    prediction): with a predictions file, only the samples it answers are run."""
     if samples is None:
         samples = bench.load(data, limit)
     samples = _unique_ids(samples)
-    missing = 0
     if predictions is not None:
-        samples, complete, missing = _from_predictions(samples, predictions)
-    else:
-        complete = _from_generate(generate_fn)
-    config_dict = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
-    settings = {
+        return _from_predictions(samples, predictions)
+    return samples, _from_generate(generate_fn), 0
+
+
+def _settings(
+    bench: Benchmark,
+    model: str | None,
+    config: Any,
+    data: str | None,
+    predictions: str | os.PathLike | None,
+    limit: int | None,
+) -> dict:
+    """What run.json records: a resumed run must match it."""
+    return {
         "task": bench.name,
         "protocol": bench.protocol,
         "model": model,
-        "config": config_dict,
+        "config": config,
         "data": data or "default",
         "predictions": str(predictions) if predictions else None,
         "limit": limit,
     }
-    out = out_dir or Path("runs") / "eval" / bench.name
-    if part.first:  # prepares the directory (overwrite, a line cut short) before anyone reads it
+
+
+def _open_results(
+    out: str | os.PathLike, settings: dict, overwrite: bool, part: ReplicaShare
+) -> tuple[ResultsDir, dict[str, dict]]:
+    """The results directory and the records already in it. The first replica prepares
+    the directory (overwrite, a line cut short) before anyone reads it; the others read
+    what was there, and their own appends come later."""
+    if part.first:
         results = ResultsDir(out, settings, overwrite)
         done = results.done()
     part.barrier()
-    if not part.first:  # the others read what was there; their own appends come later
+    if not part.first:
         results = ResultsDir(out, settings, writes=part.writes, prepare=False)
         done = results.done(repair=False)
-    wanted = {s.id for s in samples}
-    records = [done[s.id] for s in samples if s.id in done]
-    chunk = max(1, batch_size) if predictions is None else 64  # predictions: batch the sandbox
-    started = time.perf_counter()
-    progress = progress and part.first
-    with _progress(len(samples), len(records), bench.name, progress) as bar:
+    return results, done
+
+
+def _run_pending(
+    name: str,
+    samples: Sequence[Sample],
+    done: dict[str, dict],
+    records: list[dict],
+    results: ResultsDir,
+    part: ReplicaShare,
+    chunk: int,
+    score: Callable[[list[Sample]], list[dict]],
+    progress: bool,
+) -> None:
+    """The samples not yet done, batch by batch: each batch's records are appended to the
+    results as soon as it is scored, and to `records`."""
+    with _progress(len(samples), len(records), name, progress) as bar:
         if records:
             bar.write(
-                f"{bench.name}: resuming {results.path}: "
+                f"{name}: resuming {results.path}: "
                 f"{len(records)} of {len(samples)} samples already scored "
                 "(--overwrite starts afresh)",
                 file=sys.stderr,
             )
         for batch in _batches(samples, done, chunk, part.claim):
-            t0 = time.perf_counter()
-            completions = complete(batch)
-            gen_seconds = (time.perf_counter() - t0) if predictions is None else None
-            scored = _score(bench, batch, completions, limits, workers)
-            share = None if gen_seconds is None else gen_seconds / len(batch)
-            new = [_record(s, c, sc, share) for s, c, sc in zip(batch, completions, scored)]
+            new = score(batch)
             results.append(new)
             records.extend(new)
             bar.update(
                 min(len(batch) * part.count, bar.total - bar.n)
             )  # the other replicas keep about the same pace
             bar.set_postfix(acc=f"{sum(r['correct'] for r in records) / len(records):.3f}")
-    new_records = len(records) - len(wanted & done.keys())
+
+
+def _batch_records(
+    bench: Benchmark,
+    batch: list[Sample],
+    *,
+    complete: Callable[[list[Sample]], list[Completion]],
+    limits: Limits | None,
+    workers: int | None,
+    timed: bool,
+) -> list[dict]:
+    """A batch completed, scored and recorded; when `timed` (the completions were
+    generated here), each record holds its share of the batch's generation time."""
+    t0 = time.perf_counter()
+    completions = complete(batch)
+    gen_seconds = (time.perf_counter() - t0) if timed else None
+    scored = _score(bench, batch, completions, limits, workers)
+    share = None if gen_seconds is None else gen_seconds / len(batch)
+    return [_record(s, c, sc, share) for s, c, sc in zip(batch, completions, scored)]
+
+
+def _all_records(
+    results: ResultsDir, samples: Sequence[Sample], records: list[dict], part: ReplicaShare
+) -> list[dict]:
+    """The records the summary covers, once every replica is done: with replicas, the
+    first one takes every replica's records and rewrites samples.jsonl in dataset order
+    (earlier runs' other records after)."""
     part.barrier()
-    if (
-        part.count > 1 and part.first
-    ):  # every replica's records, in dataset order (earlier runs' others after)
+    if part.count > 1 and part.first:
+        wanted = {s.id for s in samples}
         everyone = results.done()
         records = [everyone[s.id] for s in samples if s.id in everyone]
         results.rewrite(records + [r for k, r in everyone.items() if k not in wanted])
-        new_records = len(records) - len(wanted & done.keys())
-    first_error = next(
-        (r["detail"]["error"] for r in records if (r.get("detail") or {}).get("reason") == GENERATION_ERROR),
-        None,
-    )
+    return records
+
+
+def _summary(
+    bench: Benchmark,
+    settings: dict,
+    records: list[dict],
+    resumed: int,
+    missing: int,
+    started: float,
+    part: ReplicaShare,
+    results: ResultsDir,
+) -> dict:
+    """summary.json: the scores with the settings, the speed and where the files are.
+    `resumed` records were there before the run; the speed counts the others only."""
     summary = {
         "task": bench.name,
         "protocol": bench.protocol,
-        "model": model,
+        "model": settings["model"],
         **summarize(records, bench.extracts),
-        "config": config_dict,
-        "first_generation_error": first_error,
+        "config": settings["config"],
+        "first_generation_error": _first_generation_error(records),
         "data": settings["data"],
         "predictions": settings["predictions"],
-        "limit": limit,
-        "resumed": len(wanted & done.keys()),
+        "limit": settings["limit"],
+        "resumed": resumed,
         "missing_predictions": missing,
         "elapsed_s": time.perf_counter() - started,
         "replicas": part.count,
-        "samples_per_s": new_records / max(time.perf_counter() - started, 1e-9),
+        "samples_per_s": (len(records) - resumed) / max(time.perf_counter() - started, 1e-9),
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "files": {"samples": str(results.samples), "summary": str(results.summary)},
     }
@@ -292,10 +380,15 @@ def evaluate(
         summary["sandbox"] = isolation().describe()
     if bench.notes():
         summary["scoring"] = bench.notes()
-    if part.first:  # the others hold their share only
-        results.write_summary(summary)
-    summary["line"] = one_line(bench.name, summary)
     return summary
+
+
+def _first_generation_error(records: list[dict]) -> str | None:
+    """The first sample's generation error, if any sample failed to generate."""
+    return next(
+        (r["detail"]["error"] for r in records if (r.get("detail") or {}).get("reason") == GENERATION_ERROR),
+        None,
+    )
 
 
 def _batches(samples: Sequence[Sample], done: dict, chunk: int, claim: Callable[[], int] | None):

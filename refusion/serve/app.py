@@ -19,7 +19,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -89,7 +89,22 @@ def create_app(
     metrics = Metrics()
     engine_loop = EngineLoop(engine, max_queue=max_queue, metrics=metrics)
     server = _Server(engine, cfg, model_name, engine_loop)
+    app = FastAPI(
+        title="ReFusion",
+        lifespan=_lifespan(engine, engine_loop, shutdown_timeout),
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    _set_state(app, engine_loop, metrics, shutdown_timeout)
+    _add_status_routes(app, engine_loop, metrics, model_name)
+    _add_api_routes(app, server)
+    _add_error_handlers(app, metrics)
+    app.add_middleware(_Observe, metrics=metrics, api_key=api_key)
+    return app
 
+
+def _lifespan(engine: Engine, engine_loop: EngineLoop, shutdown_timeout: float) -> Callable[[FastAPI], Any]:
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         """The engine loop runs while the app does. uvicorn sends the shutdown event only
@@ -98,18 +113,24 @@ def create_app(
         engine_loop.start()
         yield
         await asyncio.get_running_loop().run_in_executor(None, engine_loop.shutdown, shutdown_timeout)
-        if hasattr(
-            engine, "close"
-        ):  # a split model's leader lets the other ranks go (uvicorn then re-raises the signal)
+        # a split model's leader lets the other ranks go (uvicorn then re-raises the signal)
+        if hasattr(engine, "close"):
             await asyncio.get_running_loop().run_in_executor(None, engine.close)
 
-    app = FastAPI(title="ReFusion", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.engine_loop, app.state.metrics, app.state.shutdown_timeout = (
-        engine_loop,
-        metrics,
-        shutdown_timeout,
-    )
+    return lifespan
+
+
+def _set_state(app: FastAPI, engine_loop: EngineLoop, metrics: Metrics, shutdown_timeout: float) -> None:
+    """What the app holds for others: `refusion.serve.server.Server` reads the shutdown
+    timeout and calls `begin_drain` when the drain begins."""
+    app.state.engine_loop = engine_loop
+    app.state.metrics = metrics
+    app.state.shutdown_timeout = shutdown_timeout
     app.state.begin_drain = engine_loop.close
+
+
+def _add_status_routes(app: FastAPI, engine_loop: EngineLoop, metrics: Metrics, model_name: str) -> None:
+    """/health (503 once the engine loop has stopped or is closing) and /metrics."""
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -125,6 +146,10 @@ def create_app(
     @app.get("/metrics")
     async def metrics_text() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _add_api_routes(app: FastAPI, server: _Server) -> None:
+    """The OpenAI routes: the model list, one model, and both completion routes."""
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -143,17 +168,18 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         return await server.complete(request, "chat")
 
+
+def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    """Every error answers in OpenAI's error shape, counted by type: the API's own,
+    Starlette's (an unknown route, a wrong method) and anything unexpected (a 500)."""
+
     @app.exception_handler(APIError)
     async def api_error(_request: Request, e: APIError) -> JSONResponse:
         return _error_response(metrics, e)
 
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, e: HTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return _error_response(
-            metrics,
-            APIError(e.status_code, str(e.detail), param=None, code=code, headers=dict(e.headers or {})),
-        )
+        return _error_response(metrics, _http_error(e))
 
     @app.exception_handler(Exception)
     async def internal_error(_request: Request, e: Exception) -> JSONResponse:
@@ -165,8 +191,10 @@ def create_app(
             ),
         )
 
-    app.add_middleware(_Observe, metrics=metrics, api_key=api_key)
-    return app
+
+def _http_error(e: HTTPException) -> APIError:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+    return APIError(e.status_code, str(e.detail), param=None, code=code, headers=dict(e.headers or {}))
 
 
 def _error_response(metrics: Metrics, e: APIError) -> JSONResponse:
@@ -234,13 +262,27 @@ class _Server:
 
     # ---------------------------------------------------------------- request -> jobs
     async def complete(self, request: Request, kind: str) -> Response:
+        """A completion request of either route, from its body to its response; every
+        check runs before any job is queued, so a bad request fails alone."""
         req = parse_request(await _read_json(request), kind)
         self.check_model(req.model)
         base = request_config(self.cfg, req)
         prompts = self.encode(req)
-        loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        param = "messages" if kind == "chat" else "prompt"
+        jobs = self.make_jobs(req, base, prompts, events)
+        self.submit(jobs)
+        flow = _Flow(
+            request, req, jobs, events, self.name, sum(len(p) for p in prompts), watch=not req.stream
+        )
+        return await _respond(flow)
+
+    def make_jobs(
+        self, req: CompletionRequest, base: DecodeConfig, prompts: list[list[int]], events: asyncio.Queue
+    ) -> list[Job]:
+        """One job per prompt, its length fitted to the context and checked by the engine;
+        each pushes its events, tagged with its choice's index, into `events`."""
+        loop = asyncio.get_running_loop()
+        param = "messages" if req.kind == "chat" else "prompt"
         jobs = []
         for i, ids in enumerate(prompts):
             cfg = fit_length(base, len(ids), req.max_tokens, self.context, param)
@@ -250,6 +292,10 @@ class _Server:
                 raise library_error(e) from None
             notify = lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev))  # noqa: E731
             jobs.append(Job(ids, cfg, notify))
+        return jobs
+
+    def submit(self, jobs: list[Job]) -> None:
+        """Queue the jobs, or a 429 when the queue is full (503 when shutting down)."""
         try:
             self.engine_loop.submit(jobs)
         except QueueFull as e:
@@ -263,23 +309,6 @@ class _Server:
             ) from None
         except ShuttingDown as e:
             raise library_error(e) from None
-        flow = _Flow(
-            request, req, jobs, events, self.name, sum(len(p) for p in prompts), watch=not req.stream
-        )
-        if req.stream:  # headers (and chat's role chunk) at once: a queued client knows it was accepted
-            return StreamingResponse(
-                flow.sse(),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        try:
-            return JSONResponse(await flow.collect())
-        except _ClientGone:
-            flow.close()
-            return Response(status_code=499)
-        except BaseException:
-            flow.close()
-            raise
 
     def encode(self, req: CompletionRequest) -> list[list[int]]:
         tok = self.tokenizer
@@ -301,6 +330,26 @@ class _Server:
                 "empty_prompt",
             )
         return prompts
+
+
+async def _respond(flow: _Flow) -> Response:
+    """A stream starts at once (headers, and chat's role chunk): a queued client knows it
+    was accepted. A plain response waits for the whole completion; a client that left
+    meanwhile gets a 499 and its jobs are cancelled."""
+    if flow.req.stream:
+        return StreamingResponse(
+            flow.sse(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    try:
+        return JSONResponse(await flow.collect())
+    except _ClientGone:
+        flow.close()
+        return Response(status_code=499)
+    except BaseException:
+        flow.close()
+        raise
 
 
 def _for_template(messages: list[dict[str, Any]], template: Any) -> list[dict[str, Any]]:

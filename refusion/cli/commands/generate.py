@@ -7,7 +7,9 @@ import dataclasses
 import json
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ...errors import CheckpointError, ConfigError
 from ..flags import (
@@ -111,31 +113,48 @@ def print_examples(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...decode import generate
-    from ...decode.api import fit_to_context, lowered_note
-    from ...parallel import is_main
-
     if args.examples:
-        if len(args.inputs) > 1 or (args.inputs and args.model):
-            raise ConfigError("--examples takes at most a model: refusion generate [MODEL] --examples")
-        args.model = args.model or (args.inputs[0] if args.inputs else None)
-        return print_examples(args)
+        return _examples(args)
     prompts = split_inputs(args)
     decode_config_from_args(args)  # bad flags fail before the model loads
     engine_cfg = engine_config_from_args(args)
     model, tokenizer = _load(args)
     cfg = decode_config_from_args(args, model=model)
-    ids, cfgs = prompts, cfg
-    if args.gen_length is None:  # a length not asked for by number is lowered to fit, and said so
-        ids, cfgs, lowered = fit_to_context(model, tokenizer, prompts, cfg, chat=not args.no_chat)
-        note = lowered_note(cfg, lowered, len(prompts), model.config.max_position_embeddings, args.preset)
-        if note:
-            print(note, file=sys.stderr)
-    on_output = None
-    if args.stream and not args.json and len(prompts) == 1:
+    ids, cfgs = _fitted(args, model, tokenizer, prompts, cfg)
+    decode = _decoder(args, model, tokenizer, ids, cfgs, engine_cfg)
+    if args.stats:
+        _warm_up(decode, engine_cfg)
+    outs = decode(_streamer(args, len(prompts)))
+    _print_outputs(args, prompts, outs, cfg)
+    _write_trace(args, tokenizer, prompts, outs, cfg)
+    return 0
 
-        def on_output(_i: int, out) -> None:
-            print(out.delta, end="\n" if out.finished else "", flush=True)
+
+def _examples(args: argparse.Namespace) -> int:
+    """--examples: the model may come as the one positional."""
+    if len(args.inputs) > 1 or (args.inputs and args.model):
+        raise ConfigError("--examples takes at most a model: refusion generate [MODEL] --examples")
+    args.model = args.model or (args.inputs[0] if args.inputs else None)
+    return print_examples(args)
+
+
+def _fitted(args: argparse.Namespace, model, tokenizer, prompts: list[str], cfg) -> tuple[list, Any]:
+    """The prompts and config(s) to decode: a length not asked for by number is lowered to
+    fit the context, and said so."""
+    from ...decode.api import fit_to_context, lowered_note
+
+    if args.gen_length is not None:
+        return prompts, cfg
+    ids, cfgs, lowered = fit_to_context(model, tokenizer, prompts, cfg, chat=not args.no_chat)
+    note = lowered_note(cfg, lowered, len(prompts), model.config.max_position_embeddings, args.preset)
+    if note:
+        print(note, file=sys.stderr)
+    return ids, cfgs
+
+
+def _decoder(args: argparse.Namespace, model, tokenizer, ids, cfgs, engine_cfg) -> Callable[..., list]:
+    """A decode of the prompts that can be repeated (--stats times the second one)."""
+    from ...decode import generate
 
     def decode(callback=None):
         return generate(
@@ -149,41 +168,69 @@ def run(args: argparse.Namespace) -> int:
             on_output=callback,
         )
 
-    if args.stats:  # the first forwards of a process pay one-time setup (and compilation): not counted
-        if engine_cfg.compile:
-            print(
-                "compiling (a warm-up decode of the same prompts, not counted in the stats) ...",
-                file=sys.stderr,
-            )
-        decode()
-    outs = decode(on_output)
+    return decode
+
+
+def _warm_up(decode: Callable[..., list], engine_cfg) -> None:
+    """The first forwards of a process pay one-time setup (and compilation): a decode
+    that the stats do not count."""
+    if engine_cfg.compile:
+        print(
+            "compiling (a warm-up decode of the same prompts, not counted in the stats) ...",
+            file=sys.stderr,
+        )
+    decode()
+
+
+def _streamer(args: argparse.Namespace, n_prompts: int) -> Callable[[int, Any], None] | None:
+    """With --stream, a single prompt's text is printed as its prefixes become final."""
+    if not (args.stream and not args.json and n_prompts == 1):
+        return None
+
+    def on_output(_i: int, out) -> None:
+        print(out.delta, end="\n" if out.finished else "", flush=True)
+
+    return on_output
+
+
+def _print_outputs(args: argparse.Namespace, prompts: list[str], outs, cfg) -> None:
+    """Each prompt's text (unless it was streamed) and stats, or one JSON object."""
     for prompt, out in zip(prompts, outs):
         if args.json:
-            print(
-                json.dumps(
-                    {
-                        "prompt": prompt,
-                        "text": out.text,
-                        "token_ids": out.token_ids,
-                        "finish_reason": out.finish_reason,
-                        "stats": out.stats.as_dict(),
-                        "config": dataclasses.asdict(cfg),
-                    }
-                )
-            )
+            print(json.dumps(_as_json(prompt, out, cfg)))
             continue
         if not (args.stream and len(prompts) == 1):
             print(out.text)
         if args.stats:
-            s = out.stats
-            print(
-                f"[{cfg.method}] tokens={s.tokens} nfe={s.nfe} tpf={s.tpf:.2f} "
-                f"time={s.wall_time:.3f}s tps={s.tps:.1f}",
-                file=sys.stderr,
-            )
-    if args.trace is not None and is_main():
-        from ...decode.trace import write_trace_html
+            _print_stats(out.stats, cfg)
 
-        write_trace_html(args.trace, tokenizer, prompts, outs, cfg)
-        print(f"trace written to {args.trace}", file=sys.stderr)
-    return 0
+
+def _as_json(prompt: str, out, cfg) -> dict[str, Any]:
+    return {
+        "prompt": prompt,
+        "text": out.text,
+        "token_ids": out.token_ids,
+        "finish_reason": out.finish_reason,
+        "stats": out.stats.as_dict(),
+        "config": dataclasses.asdict(cfg),
+    }
+
+
+def _print_stats(s, cfg) -> None:
+    print(
+        f"[{cfg.method}] tokens={s.tokens} nfe={s.nfe} tpf={s.tpf:.2f} "
+        f"time={s.wall_time:.3f}s tps={s.tps:.1f}",
+        file=sys.stderr,
+    )
+
+
+def _write_trace(args: argparse.Namespace, tokenizer, prompts: list[str], outs, cfg) -> None:
+    """--trace: the page that replays the decoding order, written by the main process."""
+    from ...parallel import is_main
+
+    if args.trace is None or not is_main():
+        return
+    from ...decode.trace import write_trace_html
+
+    write_trace_html(args.trace, tokenizer, prompts, outs, cfg)
+    print(f"trace written to {args.trace}", file=sys.stderr)
