@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 from conftest import randomise_
-from golden_data import CASES, load_tiny
+from golden_data import CASES, golden_config, load_tiny
 
 from refusion import ModelConfig, Transformer
 from refusion.cli.flags import add_decode_arguments, engine_config_from_args
@@ -162,18 +162,6 @@ def test_compiled_ar_decodes_what_eager_decodes(monkeypatch):
     assert [o.stats.fed for o in compiled] == [o.stats.fed for o in eager]
 
 
-def _case_config(c: dict) -> DecodeConfig:
-    return DecodeConfig(
-        method="refusion",
-        gen_length=c["gen_length"],
-        slot_size=c["slot_size"],
-        serial_blocks=c["serial_blocks"],
-        slot_threshold=c["slot_threshold"],
-        token_threshold=c["token_threshold"],
-        stop_token_ids=(c["eos_id"],),
-    )
-
-
 def test_compiled_refusion_reproduces_the_golden_decodings(monkeypatch):
     """ReFusion with every forward compiled (plan, verify, infill forks), the golden cases
     batched by config (prompts of different lengths, up to 4 rows, joins): the authors'
@@ -188,13 +176,13 @@ def test_compiled_refusion_reproduces_the_golden_decodings(monkeypatch):
     )
     groups = collections.defaultdict(list)
     for c in CASES:
-        groups[json.dumps(dataclasses.asdict(_case_config(c)), sort_keys=True, default=str)].append(c)
+        groups[json.dumps(dataclasses.asdict(golden_config(c)), sort_keys=True, default=str)].append(c)
     for cs in groups.values():
         outs = generate(
             tiny,
             None,
             [c["prompt_ids"] for c in cs],
-            _case_config(cs[0]),
+            golden_config(cs[0]),
             engine_config=EngineConfig(max_batch_size=4, compile=True),
         )
         assert [o.token_ids for o in outs] == [c["expected_ids"] for c in cs]

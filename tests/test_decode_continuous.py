@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from golden_data import CASES, load_tiny
+from golden_data import CASES, golden_config, load_tiny
 
 from refusion.decode import DecodeConfig, Engine, EngineConfig, generate
 from refusion.errors import ContextLengthError
@@ -17,18 +17,6 @@ from refusion.model.sizing import cache_bytes, entry_bytes, request_need
 @pytest.fixture(scope="module")
 def tiny():
     return load_tiny()
-
-
-def golden_config(c: dict, **changes) -> DecodeConfig:
-    return DecodeConfig(
-        method="refusion",
-        gen_length=c["gen_length"],
-        slot_size=c["slot_size"],
-        serial_blocks=c["serial_blocks"],
-        slot_threshold=c["slot_threshold"],
-        token_threshold=c["token_threshold"],
-        stop_token_ids=(c["eos_id"],),
-    ).replace(**changes)
 
 
 def run(engine: Engine, between=None) -> dict:

@@ -12,10 +12,10 @@ a lossless drafter for its own AR head."""
 
 import pytest
 import torch
-from golden_data import CASES, load_tiny
+from golden_data import CASES, golden_config, load_tiny
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_decode_refusion import CheckingEngine, case_config, decode_alone
+from test_decode_refusion import CheckingEngine, decode_alone
 
 from refusion.decode import DecodeConfig, generate
 from refusion.decode.options import BeyondPaper
@@ -72,7 +72,7 @@ def test_kv_reuse_equals_direct_computation_with_the_options(tiny, monkeypatch, 
     CheckingEngine.checks = 0
     changed = 0
     for c in CASES[::2]:
-        out = decode_alone(CheckingEngine(tiny), c, case_config(c).replace(**options))
+        out = decode_alone(CheckingEngine(tiny), c, golden_config(c).replace(**options))
         changed += out.token_ids != c["expected_ids"]
     assert CheckingEngine.checks > 20
     if options.get("ar_correction"):
@@ -85,7 +85,7 @@ def test_kv_reuse_equals_direct_computation_with_the_options(tiny, monkeypatch, 
 def test_corrected_rows_and_paper_rows_share_a_batch(tiny):
     """The golden cases in one batch, half of them with both options: the paper rows still
     equal the authors' reference, the others what they decode alone."""
-    cfgs = [case_config(c).replace(**(BOTH if i % 2 else {})) for i, c in enumerate(CASES)]
+    cfgs = [golden_config(c).replace(**(BOTH if i % 2 else {})) for i, c in enumerate(CASES)]
     outs = generate(tiny, None, [c["prompt_ids"] for c in CASES], cfgs)
     for i, (c, cfg, out) in enumerate(zip(CASES, cfgs, outs)):
         if i % 2 == 0:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from golden_data import CASES, load_tiny
+from golden_data import CASES, golden_config, load_tiny
 
 from refusion.decode import DecodeConfig, Engine, generate
 
@@ -15,18 +15,6 @@ from refusion.decode import DecodeConfig, Engine, generate
 @pytest.fixture(scope="module")
 def tiny():
     return load_tiny()
-
-
-def case_config(c: dict) -> DecodeConfig:
-    return DecodeConfig(
-        method="refusion",
-        gen_length=c["gen_length"],
-        slot_size=c["slot_size"],
-        serial_blocks=c["serial_blocks"],
-        slot_threshold=c["slot_threshold"],
-        token_threshold=c["token_threshold"],
-        stop_token_ids=(c["eos_id"],),
-    )
 
 
 def decode_alone(engine: Engine, c: dict, cfg: DecodeConfig):
@@ -43,7 +31,7 @@ def decode_alone(engine: Engine, c: dict, cfg: DecodeConfig):
 @pytest.mark.parametrize("i", range(len(CASES)))
 def test_golden_case(tiny, i):
     c = CASES[i]
-    out = generate(tiny, None, [c["prompt_ids"]], case_config(c))[0]
+    out = generate(tiny, None, [c["prompt_ids"]], golden_config(c))[0]
     assert out.token_ids == c["expected_ids"]
 
 
@@ -51,7 +39,7 @@ def test_golden_cases_take_every_path(tiny):
     """The golden set exercises both commit paths and EOS; if it did not, matching it would prove less."""
     paths, eos_stops = collections.Counter(), 0
     for c in CASES:
-        out = generate(tiny, None, [c["prompt_ids"]], case_config(c), trace=True)[0]
+        out = generate(tiny, None, [c["prompt_ids"]], golden_config(c), trace=True)[0]
         paths.update(e.path for e in out.trace)
         eos_stops += out.finish_reason == "stop"
     assert paths["fast"] > 0 and paths["infill"] > 0 and eos_stops > 0
@@ -61,9 +49,9 @@ def test_golden_batched_equals_reference(tiny):
     """All cases that share a config decoded in one batch (prompts of different lengths)."""
     groups = collections.defaultdict(list)
     for c in CASES:
-        groups[json.dumps(dataclasses.asdict(case_config(c)), sort_keys=True, default=str)].append(c)
+        groups[json.dumps(dataclasses.asdict(golden_config(c)), sort_keys=True, default=str)].append(c)
     for cs in groups.values():
-        outs = generate(tiny, None, [c["prompt_ids"] for c in cs], case_config(cs[0]))
+        outs = generate(tiny, None, [c["prompt_ids"] for c in cs], golden_config(cs[0]))
         assert [o.token_ids for o in outs] == [c["expected_ids"] for c in cs]
 
 
@@ -71,7 +59,7 @@ def test_golden_cases_in_one_mixed_batch(tiny):
     """All 42 golden cases, each with its own config (7 configs: slot sizes, blocks,
     thresholds, EOS ids, lengths), decoded in one engine batch of 16 rows: every output
     equals the authors' reference."""
-    outs = generate(tiny, None, [c["prompt_ids"] for c in CASES], [case_config(c) for c in CASES])
+    outs = generate(tiny, None, [c["prompt_ids"] for c in CASES], [golden_config(c) for c in CASES])
     assert [o.token_ids for o in outs] == [c["expected_ids"] for c in CASES]
 
 
@@ -125,7 +113,7 @@ class CheckingEngine(Engine):
 def test_kv_reuse_equals_direct_computation(tiny):
     CheckingEngine.checks = 0
     for c in CASES[::3]:
-        out = decode_alone(CheckingEngine(tiny), c, case_config(c))
+        out = decode_alone(CheckingEngine(tiny), c, golden_config(c))
         assert out.token_ids == c["expected_ids"]
     assert CheckingEngine.checks > 20
 
@@ -134,7 +122,7 @@ def test_fast_path_cache_equals_full_recompute(tiny):
     """With token_threshold 0 every draft passes, so every commit is a fast-path commit and
     the committed cache must equal one forward over the committed sequence in physical order."""
     c = CASES[1]
-    cfg = case_config(c).replace(token_threshold=0.0, slot_threshold=0.5)
+    cfg = golden_config(c).replace(token_threshold=0.0, slot_threshold=0.5)
     caches = []
 
     class Spy(Engine):
@@ -170,7 +158,7 @@ def test_committed_cache_holds_output_in_generation_order(tiny):
             n = self.cache.lengths[0]
             seen.append((self.cache.tokens[0, :n].clone(), self.cache.positions[0, :n].clone()))
 
-    decode_alone(Spy(tiny), c, case_config(c))
+    decode_alone(Spy(tiny), c, golden_config(c))
     toks, pos = seen[-1]
     order = pos.argsort()
     P = len(c["prompt_ids"])
@@ -214,7 +202,7 @@ def test_no_verify_feed_runs_past_an_eos_it_could_commit(tiny, monkeypatch):
     monkeypatch.setattr(Infill, "_verify", verified)
     monkeypatch.setattr(Infill, "_draft", drafted)
     for c in CASES:
-        assert generate(tiny, None, [c["prompt_ids"]], case_config(c))[0].token_ids == c["expected_ids"]
+        assert generate(tiny, None, [c["prompt_ids"]], golden_config(c))[0].token_ids == c["expected_ids"]
     for toks, eos_ids, n_slots, s in feeds:
         last_slot = toks[(n_slots - 1) * s :]
         assert all(t not in eos_ids for t in last_slot[:-1])
