@@ -117,6 +117,21 @@ def test_ragged_rows_equal_each_row_alone(tiny_model):
         torch.testing.assert_close(got[b, :n], alone[0, len(r) :])
 
 
+def test_rows_that_all_feed_fewer_than_t_tokens_keep_the_t_columns(tiny_model):
+    """Right padding wider than every row's feed: the output still has T columns, zeros
+    past each row's tokens, and each row's outputs equal the row alone."""
+    rows = [rand_tokens(n, seed=60 + n) for n in (3, 2)]
+    tokens = torch.stack([torch.cat([r, torch.zeros(6 - len(r), dtype=torch.long)]) for r in rows])  # (2, 6)
+    cache = tiny_model.new_cache(2, 16)
+    out = tiny_model.cached_hidden(tokens, torch.arange(6).expand(2, -1), cache, n_new=[3, 2])
+    assert out.shape[:2] == (2, 6) and cache.lengths == [3, 2]
+    for b, r in enumerate(rows):
+        torch.testing.assert_close(
+            out[b, : len(r)], tiny_model.hidden(r[None], torch.arange(len(r))[None])[0]
+        )
+        assert not out[b, len(r) :].any()
+
+
 def test_attention_runs_plan_a_join_as_two_runs_and_keep_one_run_otherwise():
     from refusion.model.kv_cache import attention_runs
 

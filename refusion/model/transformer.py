@@ -295,10 +295,10 @@ class Transformer(nn.Module):
             *layout.tensors(), segments=layout.segments, masked=layout.masked
         )  # (N, hidden)
         cache.advance(n)
-        out = hidden.new_zeros(B * layout.query_cols.shape[1], hidden.shape[-1]).index_copy(
-            0, layout.where, hidden
-        )
-        return out.view(B, -1, hidden.shape[-1])[:, :T]
+        fed = layout.query_cols.shape[1]  # the longest row's feed: where indexes b * fed + t
+        out = hidden.new_zeros(B, max(T, fed), hidden.shape[-1])
+        out[layout.where // fed, layout.where % fed] = hidden
+        return out[:, :T]  # (B, T, hidden), zeros where a row fed nothing
 
     def forward(
         self,
