@@ -16,11 +16,13 @@ from refusion.evaluate.paper_rules import (
     cut_at_stops,
     exact_match,
     finish,
+    last_boxed_only_string,
     longest_parseable_span,
     minerva_answer,
     multi_choice_extract,
     normalize_final_answer,
     regex_extract,
+    remove_boxed,
     sanitize_reachable,
 )
 
@@ -164,6 +166,85 @@ def test_math_prompt_has_no_boxed_instruction_and_the_gold_is_minerva_normalised
 def test_math_verify_and_minerva_exact_match(output, verify, exact):
     bench, s = one("math", MATH_DOC)
     assert metrics(bench, s, finish(output, s.request.until)) == {"math_verify": verify, "exact_match": exact}
+
+
+def final(answer: str) -> str:
+    return f"Final Answer: The final answer is ${answer}$. I hope it is correct."
+
+
+# (reference solution, output, math_verify, exact_match), the verdicts checked by hand
+MATH_PAIRS = [
+    ("So the domain is $\\boxed{[2,5)}$.", final("[2,5)"), True, False),  # interval: sympy cannot parse it
+    ("Thus $\\boxed{x\\in[-2,7]}$.", final("x \\in [-2,7]"), True, True),
+    ("The point is $\\boxed{(1,2)}$.", final("(1,2)"), True, False),  # tuple
+    ("The point is $\\boxed{(1,2)}$.", final("(2,1)"), False, False),
+    ("The roots are $\\boxed{-2,5}$.", final("-2,5"), True, True),
+    ("The length is $\\boxed{5\\sqrt{2}}$.", final("5\\sqrt{2}"), True, True),  # radical
+    ("The length is $\\boxed{5\\sqrt{2}}$.", "The answer is 5.", False, False),  # shares the 5
+    ("The length is $\\boxed{5\\sqrt{2}}$.", final("5"), False, False),
+    ("The area is $\\boxed{3\\pi}$.", final("3\\pi"), True, True),  # pi
+    ("The area is $\\boxed{3\\pi}$.", final("3"), False, False),  # shares the 3
+    ("So $\\boxed{\\dfrac{3}{4}}$.", final("\\frac{3}{4}"), True, True),  # a fraction three ways
+    ("So $\\boxed{\\dfrac{3}{4}}$.", final("3/4"), True, True),
+    ("So $\\boxed{\\dfrac{3}{4}}$.", final("0.75"), True, True),
+    ("So $\\boxed{\\dfrac{3}{4}}$.", final("\\frac{4}{3}"), False, False),
+    ("Hence $f(x) = \\boxed{2x+3}$.", final("2x+3"), True, True),
+    ("The answer is $\\boxed{\\text{(C)}}$.", final("\\text{(C)}"), True, True),  # text answers
+    ("The day is $\\boxed{\\text{Monday}}$.", final("\\text{Monday}"), True, True),
+    ("The day is $\\boxed{\\text{Monday}}$.", "It is Monday.", False, False),
+    ("The rate is $\\boxed{10\\%}$.", final("10\\%"), True, False),  # percentages
+    ("The rate is $\\boxed{10\\%}$.", final("0.1"), True, False),
+    ("The rate is $\\boxed{10\\%}$.", final("10"), False, False),
+    ("There are $\\boxed{12}$ ways.", "We count 12 ways in all, so the answer is 13.", False, False),
+]
+
+
+def math_doc(solution: str) -> dict:
+    return {"problem": "p", "solution": solution}
+
+
+@pytest.mark.parametrize("solution, output, verify, exact", MATH_PAIRS)
+def test_math_scores_the_whole_solution_against_the_whole_output(solution, output, verify, exact):
+    bench, s = one("math", math_doc(solution))
+    assert metrics(bench, s, output) == {"math_verify": verify, "exact_match": exact}
+
+
+@pytest.mark.parametrize("solution, output, verify, exact", MATH_PAIRS)
+def test_the_hand_checked_verdicts_are_the_authors_rule(solution, output, verify, exact):
+    """Their process_results, called directly: math-verify of doc["solution"] against the
+    output, and Minerva's is_equiv (sympy's LaTeX parser) of the normalised answers."""
+    from math_verify import parse
+    from math_verify import verify as math_verify
+
+    assert bool(math_verify(parse(solution), parse(output))) is verify
+    parse_latex = pytest.importorskip("sympy.parsing.latex").parse_latex
+    try:
+        parse_latex("1")
+    except ImportError:
+        pytest.skip("sympy's LaTeX parser needs antlr4 4.11 (the `math` extra pins it)")
+    import sympy
+
+    gold = normalize_final_answer(remove_boxed(last_boxed_only_string(solution)))
+    stated = minerva_answer(output)
+    try:
+        equal = (
+            stated != "[invalidanswer]"
+            and sympy.simplify(parse_latex(normalize_final_answer(stated)) - parse_latex(gold)) == 0
+        )
+    except Exception:
+        equal = False
+    assert equal is exact
+
+
+def test_paper_math_needs_the_reference_solution_and_records_its_scorer():
+    bench = paper("math")
+    with pytest.raises(KeyError):
+        bench.sample({"problem": "p", "answer": "5"}, 0)
+    assert bench.sample(math_doc("$\\boxed{5}$"), 0).data["solution"] == "$\\boxed{5}$"
+    notes = bench.notes()
+    scorers = {"math-verify", "latex2sympy2_extended", "antlr4-python3-runtime", "sympy"}
+    assert set(notes["versions"]) == scorers
+    assert notes["exact_match_latex_parser"] in ("sympy", "latex2sympy2_extended")
 
 
 # ------------------------------------------------------------------------------- ARC
