@@ -569,6 +569,73 @@ def test_predictions_are_scored_with_every_metric_named(tmp_path):
     assert "strict-match 50.00%" in summary["line"]
 
 
+RAW_GSM = "The answer is 1<|mask|>8.\nQ: And 2 + 3?\nA: The answer is 5."
+RAW_MBPP = (
+    "Here it is:\n```python\nimport math\ndef add_one(x):\n    return x + 1\n```\n"
+    "It adds one.[DONE] more prose"
+)
+
+
+def score_predictions(tmp_path, task: str, doc: dict, output: str, **options) -> dict:
+    """The record of one prediction scored under the paper protocol."""
+    data, preds, out = tmp_path / f"{task}.jsonl", tmp_path / "preds.jsonl", tmp_path / "out"
+    data.write_text(json.dumps(doc) + "\n")
+    preds.write_text(json.dumps({"index": 0, "output": output}) + "\n")
+    evaluate(
+        paper(task), predictions=preds, data=str(data), out_dir=out, progress=False, overwrite=True, **options
+    )
+    return json.loads((out / "samples.jsonl").read_text())
+
+
+@pytest.mark.parametrize("task, doc, raw", [("gsm8k", GSM, RAW_GSM), ("mbpp", MB, RAW_MBPP)])
+def test_raw_predictions_are_finished_as_a_generation_here(tmp_path, task, doc, raw):
+    """Another engine's raw text: taken as finished (the default) it is scored as it is;
+    with raw_predictions it gets what a generation here gets, `finish` with the tokenizer."""
+    from refusion.io import load_metadata
+
+    _, tokenizer = load_metadata(None)
+    as_is = score_predictions(tmp_path, task, doc, raw)
+    assert as_is["output"] == raw and not as_is["correct"]
+    finished = score_predictions(tmp_path, task, doc, raw, raw_predictions=True, tokenizer=tokenizer)
+    assert finished["output"] == finish(raw, paper(task).sample(doc, 0).request.until, tokenizer)
+    assert finished["correct"], finished["detail"]
+    if task == "gsm8k":
+        assert finished["output"] == "The answer is 18.\n"  # cut at "Q:", the special token gone
+
+
+def test_raw_predictions_need_a_file_and_the_paper_protocol(tmp_path, capsys):
+    from refusion.errors import ConfigError
+
+    data, preds = tmp_path / "gsm8k.jsonl", tmp_path / "preds.jsonl"
+    data.write_text(json.dumps(GSM) + "\n")
+    preds.write_text(json.dumps({"index": 0, "output": RAW_GSM}) + "\n")
+    with pytest.raises(ConfigError, match="--protocol paper"):
+        evaluate("gsm8k", predictions=preds, data=str(data), raw_predictions=True, out_dir=tmp_path / "o")
+    assert main(["eval", "--task", "gsm8k", "--protocol", "paper", "--raw-predictions"]) == 2
+    assert "give one, or drop the flag" in capsys.readouterr().err
+    base = [
+        "eval",
+        "bundled:refusion-tiny",
+        "--task",
+        "gsm8k",
+        "--protocol",
+        "paper",
+        "--data",
+        str(data),
+        "--predictions",
+        str(preds),
+    ]
+    assert main([*base, "--out", str(tmp_path / "a")]) == 2
+    assert "only lends its tokenizer to --raw-predictions" in capsys.readouterr().err
+    out = tmp_path / "b"
+    assert main([*base, "--raw-predictions", "--out", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["raw_predictions"] is True and summary["metrics"] == {
+        "flexible-extract": 1.0,
+        "strict-match": 1.0,
+    }
+
+
 def test_a_robust_run_directory_is_not_resumed_as_paper(tmp_path):
     from refusion.evaluate import ResumeMismatchError
 
