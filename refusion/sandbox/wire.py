@@ -154,7 +154,8 @@ def _numpy_from_json(tag, body, depth):
 
 
 def _typed(value, kind):
-    """`value` if it is exactly of `kind` (an int where a float or complex is due too)."""
+    """`value` if it is exactly of `kind`, or a number it widens to (an int to a float or
+    complex, a float to a complex), as numpy does on building the value."""
     if type(value) is kind or (type(value) is int and kind in (float, complex)):
         return value
     if type(value) is float and kind is complex:
