@@ -77,6 +77,13 @@ class ForwardCost:
         if self._fresh >= 32:
             self._fit()
 
+    def extend_last(self, seconds: float) -> None:
+        """Add the decoder's work after a step's last forward (its outputs, their text) to
+        that forward's sample."""
+        if self.samples and seconds > 0:
+            n, rows, t = self.samples[-1]
+            self.samples[-1] = (n, rows, t + seconds)
+
     def __call__(self, n: int, rows: int) -> float:
         a, b, c = self.coef
         return a + b * n + c * rows
