@@ -22,7 +22,7 @@ from .dtypes import check_device, config_dtype, parse_dtype
 from .gguf import gguf_metadata, load_gguf
 from .metadata import read_metadata
 from .resolve import PathLike, resolve_source
-from .weights import checked_headers, fill_model, read_tensors
+from .weights import check_config_fits, checked_headers, fill_model, read_tensors, weight_files
 
 
 def load(
@@ -30,6 +30,7 @@ def load(
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype | None = None,
     tensor_parallel_size: int = 1,
+    allow_nonfinite: bool = False,
 ) -> tuple[Transformer, Any]:
     """Load a model and its tokenizer.
 
@@ -43,7 +44,8 @@ def load(
     `model.config.mask_token_id` is the config's, else the tokenizer's `<|mask|>` id.
     tensor_parallel_size N > 1 (in a group of N processes, see `refusion.parallel`): this
     rank's share of the model, read as slices of the checkpoint's tensors; its config is
-    the share's (`model.tensor_parallel` says which).
+    the share's (`model.tensor_parallel` says which). A weight that is NaN or infinite
+    fails the load unless allow_nonfinite.
     """
     dev = check_device(device)
     wanted = parse_dtype(dtype, dev)  # a bad dtype fails before any file is read
@@ -55,8 +57,9 @@ def load(
                 "tensor parallelism reads safetensors slices; convert the GGUF file first "
                 "(refusion convert FILE.gguf OUT) and load OUT"
             )
-        return load_gguf(source, dev, wanted)
+        return load_gguf(source, dev, wanted, allow_nonfinite)
     config, tokenizer = read_metadata(source)
+    check_config_fits(config, weight_files(source))
     model = Transformer.meta(config)
     headers = checked_headers(source, model)
     slicer = None
@@ -64,7 +67,8 @@ def load(
         model = Transformer.meta(local_config(config, shard.world))
         make_row_parallel(model, shard)
         slicer = lambda name: slice_of(name, config, shard)  # noqa: E731
-    state = read_tensors(headers, set(stored_shapes(model)), dev, wanted or config_dtype(config, dev), slicer)
+    dtype = wanted or config_dtype(config, dev)
+    state = read_tensors(headers, set(stored_shapes(model)), dev, dtype, slicer, allow_nonfinite)
     model = fill_model(model, state, dev)
     model.tensor_parallel = shard
     model.recommended = Recommended.read(source)  # decode settings that travel with the weights
@@ -87,6 +91,8 @@ def describe(path: PathLike | None = None) -> dict[str, Any]:
     built on the meta device), which the check has just matched with the headers'."""
     source = resolve_source(path)
     config, tokenizer = load_metadata(source)
+    if source.suffix != ".gguf":  # gguf_metadata has weighed the config against the file
+        check_config_fits(config, weight_files(source))
     model = Transformer.meta(config)
     if source.suffix != ".gguf":  # transformers has parsed the GGUF file to read its config
         checked_headers(source, model)
