@@ -113,12 +113,19 @@ def parse_json(text: str | bytes) -> Any:
 def read_json(
     path: str | os.PathLike, error: type[ReFusionError], limit: int = MAX_JSON_BYTES, fix: str = "replace it"
 ) -> Any:
-    """A regular JSON file parsed whole; `error` naming the file and what is wrong."""
+    """A regular JSON file parsed whole; `error` naming the file and what is wrong. A
+    lone surrogate anywhere in it is refused too: no tool that writes these files makes
+    one, and it would fail wherever the text is encoded."""
     data = read_bytes(path, error, limit, fix)
     try:
-        return parse_json(data)
+        value = parse_json(data)
     except JSONProblem as e:
         raise error(f"{path} {e}; {fix}") from None
+    if lone_surrogate(value):
+        raise error(
+            f"{path} holds a lone UTF-16 surrogate (an escape such as \\ud800), which is not text; {fix}"
+        )
+    return value
 
 
 def lone_surrogate(value: Any) -> bool:

@@ -22,7 +22,7 @@ from .dtypes import check_device, config_dtype, parse_dtype
 from .gguf import gguf_metadata, load_gguf
 from .metadata import read_metadata
 from .resolve import PathLike, resolve_source
-from .weights import check_config_fits, checked_headers, fill_model, read_tensors, weight_files
+from .weights import checked_headers, fill_model, read_tensors
 
 
 def load(
@@ -59,9 +59,7 @@ def load(
             )
         return load_gguf(source, dev, wanted, allow_nonfinite)
     config, tokenizer = read_metadata(source)
-    check_config_fits(config, weight_files(source))
-    model = Transformer.meta(config)
-    headers = checked_headers(source, model)
+    model, headers = checked_headers(source, config)
     slicer = None
     if shard is not None:
         model = Transformer.meta(local_config(config, shard.world))
@@ -91,11 +89,10 @@ def describe(path: PathLike | None = None) -> dict[str, Any]:
     built on the meta device), which the check has just matched with the headers'."""
     source = resolve_source(path)
     config, tokenizer = load_metadata(source)
-    if source.suffix != ".gguf":  # gguf_metadata has weighed the config against the file
-        check_config_fits(config, weight_files(source))
-    model = Transformer.meta(config)
-    if source.suffix != ".gguf":  # transformers has parsed the GGUF file to read its config
-        checked_headers(source, model)
+    if source.suffix == ".gguf":  # transformers has parsed the GGUF file to read its config
+        model = Transformer.meta(config)
+    else:
+        model, _ = checked_headers(source, config)
     return {
         "path": str(source if path is None else path),  # None: the bundled model's directory
         "architecture": config.to_hf_dict()["architectures"][0],

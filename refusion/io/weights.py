@@ -89,19 +89,27 @@ def check_config_fits(config: ModelConfig, files: list[Path], bits_per_value: in
             f"{where} describes {claimed:,} weights (num_hidden_layers={config.num_hidden_layers}, "
             f"hidden_size={config.hidden_size}, vocab_size={config.vocab_size}), more than the weight files "
             f"({', '.join(f.name for f in files[:3])}{', ...' if len(files) > 3 else ''}) can hold: "
-            f"the config is not these weights'; {_FIX_CONFIG}"
+            f"the config does not describe these weights; {_FIX_CONFIG}"
         )
 
 
 _FIX_CONFIG = "use the config.json the checkpoint was saved with"
 
 
-def checked_headers(directory: Path, model: Transformer) -> dict[str, tuple[Path, tuple[int, ...]]]:
-    """The headers of the directory's weight files, checked against the model its config
-    describes: what `load` and `describe` both do before (or instead of) reading weights."""
-    headers = _read_headers(weight_files(directory))
+def checked_headers(
+    directory: Path, config: ModelConfig
+) -> tuple[Transformer, dict[str, tuple[Path, tuple[int, ...]]]]:
+    """The model `config` describes (on the meta device) and the headers of the
+    directory's weight files, checked against each other: what `load` and `describe`
+    both do before (or instead of) reading weights. The config is weighed against the
+    files' sizes before the model is built, so that one of a million layers is refused
+    without building it."""
+    files = weight_files(directory)
+    headers = _read_headers(files)
+    check_config_fits(config, files)
+    model = Transformer.meta(config)
     check_tensors(model, headers, where=str(directory))
-    return headers
+    return model, headers
 
 
 def _read_headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:

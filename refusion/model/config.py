@@ -84,7 +84,7 @@ class ModelConfig:
         model_type = d.get("model_type")
         if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedArchitectureError(
-                f"unsupported architecture model_type={shown(model_type)} "
+                f"{where}: unsupported architecture model_type={shown(model_type)} "
                 f"(architectures={shown(d.get('architectures'))}); supported: {_supported()}"
             )
         _check_architectures(d.get("architectures"), model_type)
@@ -120,7 +120,7 @@ class ModelConfig:
             mlp_bias=check.flag("mlp_bias"),
             qk_norm=model_type == "qwen3",
             hidden_act="silu",
-            bos_token_id=check.token_id("bos_token_id", vocab_size, inside=False),
+            bos_token_id=check.token_id("bos_token_id", vocab_size),
             eos_token_id=check.eos_ids(vocab_size),
             pad_token_id=check.token_id("pad_token_id", vocab_size, inside=False),
             mask_token_id=check.token_id("mask_token_id", vocab_size),
