@@ -33,7 +33,12 @@ _KINDS = {
 
 class JSONProblem(ValueError):
     """Text that is not JSON we can use; the message says why, without the file's name,
-    so that a reader of records can skip one record and a reader of a file can fail."""
+    so that a reader of records can skip one record and a reader of a file can fail.
+    `kind` is the short reason a reader of records counts skipped records by."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
 
 
 def _kind(mode: int) -> str:
@@ -101,13 +106,17 @@ def parse_json(text: str | bytes) -> Any:
             text = text.decode("utf-8-sig")
         return json.loads(text)
     except UnicodeDecodeError as e:
-        raise JSONProblem(f"is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise JSONProblem("not UTF-8", f"is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
-        raise JSONProblem(f"is not valid JSON ({e.msg}: line {e.lineno} column {e.colno})") from None
+        raise JSONProblem(
+            "invalid JSON", f"is not valid JSON ({e.msg}: line {e.lineno} column {e.colno})"
+        ) from None
     except RecursionError:
-        raise JSONProblem("is nested deeper than the JSON reader allows") from None
+        raise JSONProblem("nested too deep", "is nested deeper than the JSON reader allows") from None
     except ValueError as e:  # int('9' * 5000): past sys.get_int_max_str_digits()
-        raise JSONProblem(f"holds a number too long to read ({str(e).split(':')[0]})") from None
+        raise JSONProblem(
+            "number too long", f"holds a number too long to read ({str(e).split(':')[0]})"
+        ) from None
 
 
 def read_json(
