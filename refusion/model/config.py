@@ -90,7 +90,7 @@ class ModelConfig:
         _check_architectures(d.get("architectures"), model_type)
         if d.get("hidden_act", "silu") != "silu":
             raise UnsupportedArchitectureError(
-                f"hidden_act={shown(d['hidden_act'])}: only 'silu' is supported"
+                f"{where}: hidden_act={shown(d['hidden_act'])}: only 'silu' is supported"
             )
         missing = [k for k in _REQUIRED if k not in d]
         if missing:
@@ -204,7 +204,8 @@ def _read_rope(d: dict[str, Any], check: _FieldCheck) -> tuple[float, dict[str, 
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if not isinstance(rope_type, str) or rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedArchitectureError(
-            f"rope scaling {shown(rope_type)} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            f"{check.where}: rope scaling {shown(rope_type)} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
     scaling["rope_type"] = rope_type
     scaling.pop("type", None)
