@@ -12,6 +12,7 @@ kind can be, and JSON that Python's parser takes but turns into an exception fur
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -49,7 +50,7 @@ def _stat_error(path: Path, e: OSError, error: type[ReFusionError], fix: str) ->
     """The one line for a path that cannot even be looked at."""
     if isinstance(e, FileNotFoundError):
         return error(f"{path} does not exist; {fix}")
-    if e.errno == 40:  # ELOOP: a symlink that points back at itself
+    if e.errno == errno.ELOOP:  # a symlink that leads back to itself
         return error(f"{path} is a symlink loop, not a file; {fix}")
     return error(f"cannot open {path} ({e.strerror or type(e).__name__}); {fix}")
 

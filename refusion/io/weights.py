@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from ..decode.config import shown
 from ..errors import CheckpointError
 from ..files import check_regular, open_regular, parse_json, read_json
-from ..model.config import ModelConfig
+from ..model.config import FIX_CONFIG, ModelConfig
 from ..model.sizing import stored_parameters
 from ..model.transformer import Transformer, rope_inv_freq, stored_shapes
 
@@ -89,11 +89,8 @@ def check_config_fits(config: ModelConfig, files: list[Path], bits_per_value: in
             f"{where} describes {claimed:,} weights (num_hidden_layers={config.num_hidden_layers}, "
             f"hidden_size={config.hidden_size}, vocab_size={config.vocab_size}), more than the weight files "
             f"({', '.join(f.name for f in files[:3])}{', ...' if len(files) > 3 else ''}) can hold: "
-            f"the config does not describe these weights; {_FIX_CONFIG}"
+            f"the config does not describe these weights; {FIX_CONFIG}"
         )
-
-
-_FIX_CONFIG = "use the config.json the checkpoint was saved with"
 
 
 def checked_headers(

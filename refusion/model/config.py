@@ -139,9 +139,9 @@ class ModelConfig:
         path = Path(path)
         if not path.exists() and not path.is_symlink():
             raise CheckpointError(f"no config.json at {path}")
-        d = read_json(path, CheckpointError, limit=_MAX_CONFIG_BYTES, fix=_FIX_CONFIG)
+        d = read_json(path, CheckpointError, limit=_MAX_CONFIG_BYTES, fix=FIX_CONFIG)
         if not isinstance(d, dict):
-            raise CheckpointError(f"{path} does not hold a JSON object; {_FIX_CONFIG}")
+            raise CheckpointError(f"{path} does not hold a JSON object; {FIX_CONFIG}")
         return cls.from_hf_dict(d, where=str(path))
 
     # ------------------------------------------------------------------ writing
@@ -221,7 +221,7 @@ _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 MAX_SIZE = 2**31 - 1  # a size past int32 indexes no real tensor, and 5,000-digit ones stop here
 _TINY = 1e-30  # the least a value that must be positive may be
 _MAX_CONFIG_BYTES = 16 * 2**20
-_FIX_CONFIG = "use the config.json the checkpoint was saved with"
+FIX_CONFIG = "use the config.json the checkpoint was saved with"  # what to do about a bad config
 
 
 class _FieldCheck:
@@ -234,13 +234,13 @@ class _FieldCheck:
         self.d, self.where = d, where
 
     def refuse(self, name: str, value: Any, what: str) -> NoReturn:
-        raise CheckpointError(f"{self.where}: {name}={shown(value)} {what}; {_FIX_CONFIG}")
+        raise CheckpointError(f"{self.where}: {name}={shown(value)} {what}; {FIX_CONFIG}")
 
     def _scalar(self, name: str, kind: str, value: Any, **bounds: Any) -> Any:
         try:
             return check_scalar(name, kind, value, **bounds)
         except FieldError as e:
-            raise CheckpointError(f"{self.where}: {e}; {_FIX_CONFIG}") from None
+            raise CheckpointError(f"{self.where}: {e}; {FIX_CONFIG}") from None
 
     def size(self, name: str, value: Any = _UNSET, optional: bool = False) -> int | None:
         """A positive integer (a dimension or a count) of at most MAX_SIZE."""
@@ -289,11 +289,11 @@ def _check_heads(known: dict[str, Any], where: str) -> None:
     if heads % kv_heads:
         raise CheckpointError(
             f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}; "
-            + _FIX_CONFIG
+            + FIX_CONFIG
         )
     head_dim = known["head_dim"] or known["hidden_size"] // heads
     if head_dim < 2 or head_dim % 2:
         raise CheckpointError(
             f"{where}: head_dim={head_dim} (hidden_size / num_attention_heads when not given) is not an even "
-            f"number of at least 2, which rotary embeddings need; {_FIX_CONFIG}"
+            f"number of at least 2, which rotary embeddings need; {FIX_CONFIG}"
         )
