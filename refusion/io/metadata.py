@@ -39,23 +39,38 @@ def read_metadata(directory: Path) -> tuple[ModelConfig, Any]:
     return config, tokenizer
 
 
+def load_tokenizer(name: str | Path) -> Any:
+    """A tokenizer named on its own (`refusion train --tokenizer`): a directory, checked
+    as a checkpoint's tokenizer is, or a hub id."""
+    directory = Path(name).expanduser()
+    if not directory.is_dir():
+        return _from_pretrained(str(name), str(name))
+    tokenizer = _load_tokenizer(directory)
+    if tokenizer is None:
+        raise CheckpointError(f"no tokenizer files ({', '.join(_TOKENIZER_FILES)}) in {directory}")
+    return tokenizer
+
+
 def _load_tokenizer(directory: Path) -> Any:
     """The directory's tokenizer, or None where it has no tokenizer files; its files
     checked first (`_check_tokenizer_files`) and its chat template tried."""
     present = _check_tokenizer_files(directory)
     if not present & set(_TOKENIZER_FILES):
         return None
+    tokenizer = _from_pretrained(directory, str(directory))
+    _try_chat_template(tokenizer, directory)
+    return tokenizer
+
+
+def _from_pretrained(source: str | Path, where: str) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory)
+        return AutoTokenizer.from_pretrained(source)
     except Exception as e:  # noqa: BLE001 -- the tokenizers library raises bare Exceptions for bad files
         raise CheckpointError(
-            f"cannot load the tokenizer in {directory} ({type(e).__name__}: {first_line(e)}); "
-            + _FIX_TOKENIZER
+            f"cannot load the tokenizer in {where} ({type(e).__name__}: {first_line(e)}); " + _FIX_TOKENIZER
         ) from None
-    _try_chat_template(tokenizer, directory)
-    return tokenizer
 
 
 def _check_tokenizer_files(directory: Path) -> set[str]:
