@@ -26,7 +26,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from ..decode.config import shown
 from ..errors import ConfigError
+from ..files import JSONProblem, lone_surrogate, open_regular, parse_json
 from ..sandbox import Limits, isolation
 from .benchmarks import Benchmark, CodeBenchmark, Sample, Scored
 from .completion import Completion, as_completion
@@ -44,37 +46,67 @@ _INDEX_KEYS = ("index", "idx", "doc_id")
 _TEXT_KEYS = ("completion", "output", "text", "response", "prediction", "resps")
 
 
+_FIX_PREDICTIONS = "fix the line, or write the file again (one JSON object per line)"
+
+
 def read_predictions(path: str | os.PathLike) -> tuple[dict[str, str], dict[int, str]]:
-    """Completions by sample id and by dataset index from a JSONL file."""
+    """Completions by sample id and by dataset index from a JSONL file: a regular file,
+    each line a JSON object whose completion is text and whose index is a whole number;
+    a PredictionsError naming the line otherwise."""
     p = Path(path)
-    if not p.is_file():
-        raise PredictionsError(f"predictions file not found: {p}")
     by_id: dict[str, str] = {}
     by_index: dict[int, str] = {}
-    with open(p, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                text = next(row[k] for k in _TEXT_KEYS if k in row)
-            except (json.JSONDecodeError, StopIteration, TypeError) as e:
-                raise PredictionsError(
-                    f"{p}:{n}: expected a JSON object with a completion ({', '.join(_TEXT_KEYS)}) ({e})"
-                ) from None
-            while isinstance(text, list):  # lm-eval's "resps": [["..."]]
-                text = text[0] if text else ""
-            key = next((k for k in _ID_KEYS if k in row), None)
-            if key is not None:
-                by_id[str(row[key])] = str(text)
-            else:
-                index = next((row[k] for k in _INDEX_KEYS if k in row), None)
-                if index is None:
-                    raise PredictionsError(
-                        f"{p}:{n}: no sample id ({', '.join(_ID_KEYS)}) or index ({', '.join(_INDEX_KEYS)})"
-                    )
-                by_index[int(index)] = str(text)
+    with open_regular(p, PredictionsError, fix="pass --predictions a JSONL file") as f:
+        for n, raw in enumerate(f, 1):
+            if raw.strip():
+                key, text = _prediction(raw, f"{p}:{n}")
+                (by_id if isinstance(key, str) else by_index)[key] = text
     return by_id, by_index
+
+
+def _prediction(raw: bytes, where: str) -> tuple[str | int, str]:
+    """(sample id or dataset index, completion) of one line."""
+    try:
+        row = parse_json(raw)
+    except JSONProblem as e:
+        raise PredictionsError(f"{where}: the line {e}; {_FIX_PREDICTIONS}") from None
+    if not isinstance(row, dict) or not any(k in row for k in _TEXT_KEYS):
+        raise PredictionsError(
+            f"{where}: expected a JSON object with a completion ({', '.join(_TEXT_KEYS)}); {_FIX_PREDICTIONS}"
+        )
+    name = next(k for k in _TEXT_KEYS if k in row)
+    text = row[name]
+    while isinstance(text, list):  # lm-eval's "resps": [["..."]]
+        text = text[0] if text else ""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        text = str(text)  # a bare number as the answer
+    if not isinstance(text, str):
+        raise PredictionsError(f"{where}: {name}={shown(text)} is not text; {_FIX_PREDICTIONS}")
+    if lone_surrogate(text):
+        raise PredictionsError(
+            f"{where}: {name} holds a lone UTF-16 surrogate (such as \\ud800), which is not text; "
+            + _FIX_PREDICTIONS
+        )
+    key = next((k for k in _ID_KEYS if k in row), None)
+    if key is not None:
+        if isinstance(row[key], bool) or not isinstance(row[key], (str, int)) or lone_surrogate(row[key]):
+            raise PredictionsError(f"{where}: {key}={shown(row[key])} is not a sample id; {_FIX_PREDICTIONS}")
+        return str(row[key]), text
+    key = next((k for k in _INDEX_KEYS if k in row), None)
+    if key is None:
+        raise PredictionsError(
+            f"{where}: no sample id ({', '.join(_ID_KEYS)}) or index ({', '.join(_INDEX_KEYS)}); "
+            + _FIX_PREDICTIONS
+        )
+    index = row[key]
+    if isinstance(index, str) and index.isascii() and index.isdigit() and len(index) <= 18:
+        index = int(index)  # "7": a number written as a string
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < 2**63:
+        raise PredictionsError(
+            f"{where}: {key}={shown(index)} is not a dataset index (a whole number from 0); "
+            + _FIX_PREDICTIONS
+        )
+    return index, text
 
 
 # -------------------------------------------------------------------------- results

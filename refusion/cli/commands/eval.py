@@ -17,6 +17,7 @@ from ...errors import ConfigError
 from ..flags import (
     add_data_parallel_argument,
     add_decode_arguments,
+    add_nonfinite_argument,
     decode_config_from_args,
     engine_config_from_args,
 )
@@ -78,6 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default=None, help="model dtype, e.g. bfloat16 (default: the checkpoint's)"
     )
+    add_nonfinite_argument(parser)
     parser.add_argument(
         "--timeout",
         type=float,
@@ -175,7 +177,11 @@ def _evaluate_model(args: argparse.Namespace, bench, common: dict) -> dict:
     decode_config_from_args(args)  # bad flags fail before the model loads
     engine_cfg = engine_config_from_args(args)
     model, tokenizer = load(
-        args.model, device=args.device, dtype=args.dtype, tensor_parallel_size=engine_cfg.tensor_parallel_size
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        tensor_parallel_size=engine_cfg.tensor_parallel_size,
+        allow_nonfinite=args.allow_nonfinite_weights,
     )
     cfg = decode_config_from_args(args, model=model)
     if bench.protocol == "paper":
