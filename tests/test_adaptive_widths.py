@@ -249,12 +249,17 @@ def test_choice_follows_the_cost_of_a_forward():
     )
 
 
-def test_forward_cost_calibrates_on_the_real_forward(tiny):
+def test_forward_cost_calibrates_on_the_real_forward_and_keeps_the_fastest(tiny):
     engine = Engine(tiny, None, EngineConfig(max_batch_size=4))
     cost = ForwardCost()
+    assert cost.stale() and not cost.calibrated
     cost.calibrate(engine.fwd.time_shapes, 4)
-    assert len(cost.calibration) == 4 and all(t > 0 for _, _, t in cost.calibration)
+    assert len(cost.fastest) == 6 and all(t > 0 for t in cost.fastest.values()) and not cost.stale()
     assert cost(1, 1) > 0 and cost(512, 4) >= cost(1, 1)
+    slow = lambda shapes: [(r * k, r, 10.0) for r, k in shapes]  # noqa: E731 - a machine gone busy
+    before = dict(cost.fastest)
+    cost.calibrate(slow, 4)
+    assert cost.fastest == before  # a slower timing of a shape never replaces a faster one
 
 
 def test_stats_count_widths_and_shares_add_up(bundled):

@@ -21,7 +21,6 @@ aborted row frees its place at once.
 from __future__ import annotations
 
 import itertools
-import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -70,8 +69,6 @@ class Engine:
         self.drafting = drafting_of(model)
         # (plan width, window) -> row-steps that drafted so; (0, 0): blocks decoded as AR decoding
         self.widths_chosen: dict[tuple[int, int], int] = {}
-        if self.adaptive:
-            self.fwd.timed = self.drafting.cost.add
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
         self.rows: list[CachedRow] = []  # AR and ReFusion rows, one per row of `cache`
@@ -163,7 +160,6 @@ class Engine:
         whose final prefix grew or that finished. Runs under inference mode whatever the
         caller's thread (a server's engine loop): no autograd state is kept."""
         outputs, self.finished_outputs = self.finished_outputs, []
-        self.fwd.lap = time.perf_counter()  # the draft widths' cost samples count from here
         try:
             self._admit()
             self.rows_last_step = self.num_running
@@ -182,9 +178,6 @@ class Engine:
                     row.done = True
                     self.requests.pop(row.req.id, None)
         self._retire()
-        if self.adaptive and self.fwd.lap is not None:
-            self.drafting.cost.extend_last(time.perf_counter() - self.fwd.lap)
-        self.fwd.lap = None
         return outputs
 
     def abort_running(self) -> list[str]:
@@ -276,7 +269,8 @@ class Engine:
     def _choose_widths(self) -> None:
         """Each group of rows with adaptive widths (same slot size and widest window) gets
         the plan width and infilling window that commit the most tokens per second with the
-        batch as it is (`widths.choose`); the forward cost is calibrated at first use."""
+        batch as it is (`widths.choose`); the forward cost is timed at first use and
+        once a minute after."""
         groups: dict[tuple[int, int], list[ReFusionRow]] = {}
         for r in self.rows:
             if isinstance(r, ReFusionRow) and r.acceptance is not None:
@@ -284,7 +278,7 @@ class Engine:
         if not groups:
             return
         cost = self.drafting.cost
-        if not cost.calibrated:
+        if cost.stale():
             cost.calibrate(self.fwd.time_shapes, self.config.max_batch_size)
         for (s, window), rows in groups.items():
             member = {id(r) for r in rows}

@@ -12,8 +12,8 @@ the global verification feeds) and the infilling window that commit the most tok
 second, from two measurements:
 
 - `ForwardCost`: seconds of a forward as a function of the tokens it feeds and the rows
-  it feeds them to, fitted by least squares to a short calibration and to the engine's
-  own forwards since;
+  it feeds them to, fitted by least squares to a short calibration (a few shapes, timed
+  again once a minute);
 - `Acceptance`: how far runs of drafts get through verification, per distance into the
   run, counted over the rows' verify passes (the plan's drafts and infilling's apart).
 
@@ -22,8 +22,8 @@ At width 1 and window 0 a row feeds what an AR row feeds: one token per forward.
 
 from __future__ import annotations
 
+import time
 import weakref
-from collections import deque
 from collections.abc import Callable
 
 from .config import DecodeConfig
@@ -49,60 +49,39 @@ Sample = tuple[int, int, float]  # tokens fed, rows fed, seconds
 
 class ForwardCost:
     """Seconds of one forward feeding `n` tokens over `rows` rows: a + b * n + c * rows,
-    with a, b, c >= 0 fitted to the samples kept (the calibration's and the latest forwards')."""
+    with a, b, c >= 0 fitted to the fastest time measured for each of a few shapes. The
+    shapes are timed at first use and again once a minute (`stale`), and each keeps its
+    fastest time ever: a shared machine only adds time to a forward, so the fastest is the
+    cost, and a forward slowed by a neighbour moves nothing."""
 
-    def __init__(self, keep: int = 512) -> None:
-        self.samples: deque[Sample] = deque(maxlen=keep)
-        self.calibration: list[Sample] = []
+    def __init__(self, every: float = 60.0) -> None:
+        self.fastest: dict[tuple[int, int], float] = {}  # (rows, tokens per row) -> seconds
         self.coef = (0.0, 0.0, 0.0)
-        self._fresh = 0  # samples added since the last fit
+        self.every, self.when = every, -float("inf")
 
     @property
     def calibrated(self) -> bool:
-        return bool(self.calibration)
+        return bool(self.fastest)
+
+    def stale(self) -> bool:
+        return time.monotonic() - self.when > self.every
 
     def calibrate(self, time_shapes: Callable[[list[tuple[int, int]]], list[Sample]], rows: int) -> None:
-        """Time forwards of a few shapes (`Forward.time_shapes`): one row and `rows`, one
-        token each and a slot's worth."""
+        """Time forwards of a few shapes (`Forward.time_shapes`): one row and `rows` (at
+        most 32), one token each up to a slot's worth."""
         rows = max(1, min(rows, 32))
-        self.calibration = time_shapes(sorted({(1, 1), (1, 32), (rows, 1), (rows, 8)}))
-        self._fit()
-
-    def add(self, n: int, rows: int, seconds: float) -> None:
-        """One forward the engine ran; the fit is refreshed every 32 samples."""
-        if n <= 0 or rows <= 0:
-            return
-        self.samples.append((n, rows, seconds))
-        self._fresh += 1
-        if self._fresh >= 32:
-            self._fit()
-
-    def extend_last(self, seconds: float) -> None:
-        """Add the decoder's work after a step's last forward (its outputs, their text) to
-        that forward's sample."""
-        if self.samples and seconds > 0:
-            n, rows, t = self.samples[-1]
-            self.samples[-1] = (n, rows, t + seconds)
+        shapes = sorted({(1, 1), (1, 8), (1, 32), (rows, 1), (rows, 4), (rows, 16)})
+        for (r, k), (_, _, seconds) in zip(shapes, time_shapes(shapes)):
+            self.fastest[(r, k)] = min(seconds, self.fastest.get((r, k), float("inf")))
+        self.when = time.monotonic()
+        data = [(r * k, r, t) for (r, k), t in self.fastest.items()]
+        self.coef = nonnegative_least_squares(
+            [(1.0, float(n), float(r)) for n, r, _ in data], [t for *_, t in data]
+        )
 
     def __call__(self, n: int, rows: int) -> float:
         a, b, c = self.coef
         return a + b * n + c * rows
-
-    def _fit(self) -> None:
-        """Fit the lower envelope: the fastest sample of each shape bucket (tokens and rows
-        by powers of two). A shared machine only ever adds time to a forward, so the fastest
-        of similar forwards is the cost, and one forward slowed by a neighbour moves nothing."""
-        self._fresh = 0
-        fastest: dict[tuple[int, int], Sample] = {}
-        for n, r, t in self.calibration + list(self.samples):
-            key = (n.bit_length(), r.bit_length())
-            if key not in fastest or t < fastest[key][2]:
-                fastest[key] = (n, r, t)
-        data = list(fastest.values())
-        if len(data) >= 3:
-            self.coef = nonnegative_least_squares(
-                [(1.0, float(n), float(r)) for n, r, _ in data], [t for _, _, t in data]
-            )
 
 
 def nonnegative_least_squares(x: list[tuple[float, ...]], y: list[float]) -> tuple[float, ...]:
@@ -217,19 +196,22 @@ def choose(
     window: int,
     acceptance: Acceptance,
     cost: Callable[[int, int], float],
+    margin: float = 1.1,
 ) -> tuple[int, int]:
     """(plan width, infilling window) for `rows` rows of one slot of `slot` tokens per block
     (window: the most their settings allow) that commit the most tokens per second of a
     block, by the model in the module docstring; (0, 0): decode the block as AR decoding
     does, a token per forward. `other_rows` rows feeding `other_fed` tokens share the plan
-    and verification forwards (an AR row commits a token in each)."""
-    best, best_rate = (0, 0), (rows + other_rows) / max(cost(rows + other_fed, rows + other_rows), 1e-12)
+    and verification forwards (an AR row commits a token in each). Another choice than
+    the settings' own (slot, window) must promise `margin` times their rate."""
+    rates = {(0, 0): (rows + other_rows) / max(cost(rows + other_fed, rows + other_rows), 1e-12)}
     for p in candidates(slot):
         for w in [*candidates(window), 0] if window else [0]:
-            rate = block_rate(rows, other_rows, other_fed, slot, p, w, acceptance, cost)
-            if rate > best_rate * (1 + 1e-9):
-                best, best_rate = (p, w), rate
-    return best
+            rates[(p, w)] = block_rate(rows, other_rows, other_fed, slot, p, w, acceptance, cost)
+    best = max(rates, key=rates.__getitem__)
+    # the settings' own widths stay unless another choice is clearly faster: the estimates
+    # are of a noisy machine, and a near tie is not worth leaving what the user asked for
+    return best if rates[best] > margin * rates[(slot, window)] else (slot, window)
 
 
 def block_rate(
