@@ -160,8 +160,9 @@ def test_bench_decode_prints_the_table(model_dir, capsys):
     for method in ("ar", "refusion", "mdm"):
         assert re.search(rf"^{method}\s+\d+\s+\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+x", out, re.M)
     assert "batch-size sweep" in out
-    for method in ("ar", "refusion", "mdm"):  # what each asks of the machine
-        assert re.search(rf"^{method}\s+fed/token\s+[\d.]+\s+GFLOP/s(\s+[\d.]+){{2}}$", out, re.M)
+    for method in ("ar", "refusion", "mdm"):  # what each asks of the machine, per batch size
+        assert re.search(rf"^{method}\s+fed/token(\s+[\d.]+){{2}}\n\s+GFLOP/s(\s+[\d.]+){{2}}$", out, re.M)
+    assert re.search(r"^refusion / ar(\s+[\d.]+x){2}$", out, re.M)  # the sweep against AR, per batch size
     assert re.search(r"a matmul of the model's shapes reaches [\d.]+ GFLOP/s", out)
     for method in ("ar", "refusion", "mdm"):  # the linear layers' ceiling, against b=1 and the best batch
         assert re.search(rf"^{method}\s+[\d.]+\s+[\d.]+x\s+[\d.]+\s+[\d.]+%$", out, re.M)
@@ -206,4 +207,25 @@ def test_bench_decode_compares_compiled_and_eager(model_dir, capsys, tmp_path):
 
 def test_bench_decode_rejects_an_unknown_suffix(model_dir, capsys):
     assert main(["bench", "decode", str(model_dir), "--methods", "ar+x", "--prompts", "1"]) == 2
-    assert "the only suffix is +c" in capsys.readouterr().err
+    assert "a suffix is +c (compiled), +f (fixed draft widths) or +cf" in capsys.readouterr().err
+
+
+def test_bench_decode_compares_fixed_and_adaptive_widths(capsys, tmp_path):
+    """`refusion+f` decodes the bundled model's own (lossless) settings with fixed widths in
+    the same run: the same tokens, and the widths table says what each chose."""
+    path = tmp_path / "decode.json"
+    args = ["bench", "decode", "--prompts", "2", "--rounds", "1", "--batch-sizes", "1,4"]
+    assert (
+        main([*args, "--sweep-prompts", "4", "--methods", "ar,refusion,refusion+f", "--json", str(path)]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "draft widths per batch size" in out
+    assert re.search(r"^refusion\+f\s+32/12\s+0%\s+32/12\s+0%$", out, re.M)  # fixed: the settings' widths
+    fig = json.loads(path.read_text())
+    for key in ("tokens",):
+        assert fig["table"]["refusion+f"][key] == fig["table"]["refusion"][key] == fig["table"]["ar"][key]
+    for b in ("1", "4"):
+        assert (
+            fig["sweep_detail"]["refusion"][b]["overhead"] >= 0
+            and fig["sweep_detail"]["ar"][b]["overhead"] >= 0
+        )
