@@ -124,11 +124,9 @@ class Isolation:
     memory: str = "per process"  # "cgroup", "watched by PID 1" or "per process"
 
     def describe(self) -> str:
-        walls = ["no new privileges", "rlimits", "process group", "guards", "trusted checker"]
-        walls.insert(
-            0,
-            f"memory limit: {self.memory if self.memory == 'per process' else 'all processes, ' + self.memory}",
-        )
+        shared = "per process" if self.memory == "per process" else f"all processes together, {self.memory}"
+        walls = [f"memory limit: {shared}", "no new privileges", "rlimits", "process group", "guards"]
+        walls.append("trusted checker")
         if self.namespaces:
             walls.insert(0, "net+pid+ipc namespaces")
         if self.mounts:
