@@ -28,25 +28,22 @@ import sys
 import time
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
-MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = (
-    1024,
-    2048,
-    4096,
-    16384,
-    1 << 18,
-    1 << 21,
-)
-MNT_DETACH, CLONE_NEWUSER, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP = 2, 0x10000000, 4, 38, 24
+MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 1024, 2048, 4096, 16384
+MS_PRIVATE, MS_RELATIME, MNT_DETACH, CLONE_NEWUSER = 1 << 18, 1 << 21, 2, 0x10000000
+PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP = 4, 38, 24
 KEYCTL_JOIN_SESSION_KEYRING = 1
 # statvfs flags -> the mount flags a read-only remount must keep (a user namespace may
 # not clear the ones its mounts were locked with)
 _KEPT_FLAGS = {
-    os.ST_NOSUID: MS_NOSUID,
-    os.ST_NODEV: MS_NODEV,
-    os.ST_NOEXEC: MS_NOEXEC,
-    os.ST_NOATIME: MS_NOATIME,
-    os.ST_NODIRATIME: MS_NODIRATIME,
-    os.ST_RELATIME: MS_RELATIME,
+    getattr(os, name, 0): flag  # Linux's names; elsewhere there is nothing to remount
+    for name, flag in [
+        ("ST_NOSUID", MS_NOSUID),
+        ("ST_NODEV", MS_NODEV),
+        ("ST_NOEXEC", MS_NOEXEC),
+        ("ST_NOATIME", MS_NOATIME),
+        ("ST_NODIRATIME", MS_NODIRATIME),
+        ("ST_RELATIME", MS_RELATIME),
+    ]
 }
 # the calls glibc has no wrapper for, by machine
 _SYSCALLS = {
@@ -264,6 +261,8 @@ def become_program(uid, own_keys):
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
+    if not sys.platform.startswith("linux"):
+        return  # the rest is Linux's
     if own_keys:
         if uid:
             _own_user_namespace(uid)
