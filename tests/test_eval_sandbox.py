@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -353,3 +354,39 @@ def test_numpy_imports_in_the_evaluators_own_interpreter():
     src = "import sys\nimport numpy\ndef f(n):\n    return [sys.version, int(numpy.arange(n).sum())]\n"
     result = run_check(Check(src, f"assert f(4) == [{sys.version!r}, 6]\n", ("f",)), FAST)
     assert result.passed, result
+
+
+def test_walls_that_cannot_be_built_are_said_once(monkeypatch):
+    monkeypatch.setattr(checks, "_options", lambda: [])  # a machine that allows nothing
+    monkeypatch.setattr(checks._cgroup, "parent", lambda: None)
+    with pytest.warns(RuntimeWarning, match="no PID/network/IPC namespaces.*no private root.*per process"):
+        chosen = checks.isolation.__wrapped__()
+    assert chosen.memory == "per process" and not chosen.mounts and not chosen.namespaces
+    assert "memory limit: per process" in chosen.describe()
+
+
+@needs_walls
+def test_without_root_the_program_holds_no_capability_in_its_user_namespace(monkeypatch):
+    # started as a user without root is: `unshare --map-root-user`, root of a user namespace
+    # that owns its mounts; the program must not keep the power to undo them
+    monkeypatch.setattr(checks.os, "geteuid", lambda: 1000)
+    walls = dataclasses.replace(isolation(), own_uid=False)
+    assert "--map-root-user" in checks._prefix(walls)
+    monkeypatch.setattr(checks, "isolation", lambda: walls)
+    src = LIBC + (
+        "def f(n):\n"
+        "    status = dict(line.split(':', 1) for line in open('/proc/self/status').read().splitlines())\n"
+        "    unmounted = libc.umount2(b'/usr', 2) == 0\n"
+        "    walls = [status[name].strip() for name in ('CapEff', 'CapBnd', 'NoNewPrivs')]\n"
+        "    return walls + [unmounted]\n"
+    )
+    test = "assert f(0) == ['0000000000000000', '0000000000000000', '1', False]\n"
+    result = run_check(Check(src, test, ("f",)), FAST)
+    assert result.passed, result
+    checkout = str(Path(__file__).resolve().parents[1])
+    assert run_check(
+        Check(
+            f"import os\ndef f(n):\n    return os.path.exists({checkout!r})\n", "assert not f(0)\n", ("f",)
+        ),
+        FAST,
+    ).passed

@@ -5,6 +5,7 @@ some were)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -234,12 +235,16 @@ def _processes_with(word: str) -> list[int]:
 
 @needs_mounts
 @pytest.mark.skipif(not os.path.exists("/usr/bin/su"), reason="no /usr/bin/su here")
-def test_a_detached_setuid_process_does_not_outlive_the_check(problems):
+def test_a_detached_setuid_process_does_not_outlive_refusion_eval(tmp_path):
+    predictions = tmp_path / "predictions.jsonl"
+    predictions.write_text(json.dumps({"task_id": "HumanEval/2", "completion": SETSID_SETUID}) + "\n")
+    cli = "import sys; from refusion.cli import main; sys.exit(main(sys.argv[1:]))"  # `refusion`
+    command = [sys.executable, "-c", cli, "eval", "--task", "humaneval", "--limit", "3"]
+    command += ["--predictions", str(predictions), "--out", str(tmp_path / "out"), "--no-progress"]
     try:
-        scored = get_benchmark("humaneval").score(
-            [problems["HumanEval/2"]], [SETSID_SETUID], limits=Limits(timeout=3.0)
-        )[0]
-        assert not scored.correct
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert "(0/1" in done.stdout or "0.00%" in done.stdout, done.stdout
         time.sleep(0.5)
         assert not _processes_with(MARK)
     finally:
