@@ -390,3 +390,21 @@ def test_without_root_the_program_holds_no_capability_in_its_user_namespace(monk
         ),
         FAST,
     ).passed
+
+
+def test_the_memory_cgroup_is_found_under_our_own_group():
+    v1 = (
+        "9:name=systemd:/\n4:memory:/jobs/a\n3:cpu,cpuacct:/\n0::/",
+        "35 24 0:30 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
+        "36 24 0:31 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu,cpuacct\n"
+        "37 24 0:32 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n",
+    )
+    assert checks._cgroup.hierarchies(*v1) == [
+        (1, "/sys/fs/cgroup/memory/jobs/a"),
+        (2, "/sys/fs/cgroup/unified/"),
+    ]
+    v2 = (
+        "0::/user.slice/run-1.scope",
+        "30 23 0:26 / /sys/fs/cgroup rw,nosuid shared:4 - cgroup2 cgroup2 rw\n",
+    )
+    assert checks._cgroup.hierarchies(*v2) == [(2, "/sys/fs/cgroup/user.slice/run-1.scope")]

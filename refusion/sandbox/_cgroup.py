@@ -20,25 +20,24 @@ _EVENTS = {2: "memory.events", 1: "memory.oom_control"}
 _names = itertools.count()
 
 
-def _hierarchies() -> list[tuple[int, str]]:
-    """(version, folder of our own cgroup) for each cgroup hierarchy with memory control."""
+def hierarchies(cgroups: str, mountinfo: str) -> list[tuple[int, str]]:
+    """(version, folder of our own group) for each cgroup hierarchy with memory control,
+    from /proc/self/cgroup and /proc/self/mountinfo."""
     ours = {}
-    with open("/proc/self/cgroup") as f:
-        for line in f:
-            _, controllers, path = line.rstrip("\n").split(":", 2)
-            ours[controllers] = path
+    for line in cgroups.splitlines():
+        _, controllers, path = line.split(":", 2)
+        ours[controllers] = path
     found = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            sep = fields.index("-")
-            point, fstype, options = fields[4], fields[sep + 1], fields[sep + 3].split(",")
-            if fstype == "cgroup2" and "" in ours:
-                found.append((2, point + ours[""]))
-            elif fstype == "cgroup" and "memory" in options:
-                path = next((p for c, p in ours.items() if "memory" in c.split(",")), None)
-                if path is not None:
-                    found.append((1, point + path))
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        sep = fields.index("-")
+        point, fstype, options = fields[4], fields[sep + 1], fields[sep + 3].split(",")
+        if fstype == "cgroup2" and "" in ours:
+            found.append((2, point + ours[""]))
+        elif fstype == "cgroup" and "memory" in options:
+            path = next((p for c, p in ours.items() if "memory" in c.split(",")), None)
+            if path is not None:
+                found.append((1, point + path))
     return found
 
 
@@ -46,10 +45,11 @@ def _hierarchies() -> list[tuple[int, str]]:
 def parent() -> tuple[int, str] | None:
     """(version, folder) under which this process may make a group with a memory limit."""
     try:
-        hierarchies = _hierarchies()
+        with open("/proc/self/cgroup") as f, open("/proc/self/mountinfo") as g:
+            found = hierarchies(f.read(), g.read())
     except (OSError, ValueError):
         return None
-    for version, folder in hierarchies:
+    for version, folder in found:
         probe = os.path.join(folder, f"refusion-probe-{os.getpid()}")
         try:
             os.mkdir(probe)
