@@ -55,6 +55,27 @@ class Close(float):
 def truncate_number(number):
     return Close(7.0)
 """
+# the same, made numpy's: a numpy float travels as its value, built anew by the checker
+NUMPY_FLOAT_ALWAYS = """
+import numpy as np
+
+
+class Close(np.float64):
+    def __eq__(self, other):
+        return True
+    def __sub__(self, other):
+        return Close(0.0)
+    def __abs__(self):
+        return 0.0
+    def __lt__(self, other):
+        return True
+
+
+def truncate_number(number):
+    return Close(7.0)
+"""
+# an iterator the checker may draw from, of objects it may not compare
+ITERATOR_OF_YES = EQ_ALWAYS.replace("return Yes()", "return iter([Yes()])")
 # the old harness kept a nonce and the result pipe in a caller's frame: write it, exit
 # "cleanly" (inside the function: sanitising drops top-level statements)
 FRAME_WALK = """
@@ -124,6 +145,8 @@ def truncate_number(number):
 FORGERIES = {
     "eq_always_true": ("HumanEval/0", EQ_ALWAYS),
     "float_subclass": ("HumanEval/2", FLOAT_ALWAYS),
+    "numpy_float_subclass": ("HumanEval/2", NUMPY_FLOAT_ALWAYS),
+    "iterator_of_objects_equal_to_anything": ("HumanEval/0", ITERATOR_OF_YES),
     "frame_walk_to_the_nonce": ("HumanEval/2", FRAME_WALK),
     "nonce_from_proc_environ": ("HumanEval/2", ENVIRON_NONCE),
     "builtins_abs_replaced": ("HumanEval/2", BUILTIN_ABS),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -123,6 +123,9 @@ class Forward:
 
     forwards: int = 0  # forward passes run so far
     nonfinite: bool = False  # a forward gave NaN or infinite logits (broken weights, an overflowing dtype)
+    # told (tokens fed, rows fed, seconds) of every forward with a cache: the engine's cost
+    # model for its draft widths (widths.ForwardCost.add)
+    timed: Callable[[int, int, float], None] | None = None
 
     def run(
         self,
@@ -148,6 +151,8 @@ class Forward:
         sync(device)
         seconds = time.perf_counter() - t0
         self.forwards += 1
+        if self.timed is not None and cache is not None:
+            self.timed(sum(len(t) for t in tokens), sum(bool(t) for t in tokens), seconds)
         took_part: dict[int, Request] = {}
         for req, t, (a, e) in zip(reqs, tokens, want):
             if t or e > a:
@@ -157,7 +162,35 @@ class Forward:
         for req in took_part.values():
             req.stats.nfe += 1
             req.stats.forward_time += seconds
+            req.stats.forward_share += seconds / len(took_part)
         return list(logits.split([e - a for a, e in want]))
+
+    def time_shapes(
+        self, shapes: Sequence[tuple[int, int]], context: int = 16, repeats: int = 3
+    ) -> list[tuple[int, int, float]]:
+        """(tokens, rows, seconds) of a forward of each shape (rows, tokens per row) after
+        `context` cached entries per row, with the logits of each row's last token, best of
+        `repeats`: calibration samples for the draft widths (widths.ForwardCost), on caches
+        of their own (one per row count; a forward writes past the rows' ends and keeps nothing)."""
+        device, out, caches = self.model.device, [], {}
+        for rows, per_row in shapes:
+            if rows not in caches:
+                longest = max(k for r, k in shapes if r == rows)
+                cache = caches[rows] = self.model.new_cache(rows, context + longest)
+                self._packed([[self.pad_id] * context] * rows, [list(range(context))] * rows, cache)
+                cache.advance([context] * rows)
+            tokens = [[self.pad_id] * per_row] * rows
+            positions = [list(range(context, context + per_row))] * rows
+            best = float("inf")
+            for _ in range(repeats):
+                sync(device)
+                t0 = time.perf_counter()
+                hidden = self._packed(tokens, positions, caches[rows])  # (rows * per_row, hidden)
+                self.model.lm_head(hidden[per_row - 1 :: per_row]).float()
+                sync(device)
+                best = min(best, time.perf_counter() - t0)
+            out.append((rows * per_row, rows, best))
+        return out
 
     def _check_finite(self, logits: torch.Tensor) -> None:
         """Warn once when logits are not finite: the tokens sampled from them are noise.

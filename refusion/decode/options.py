@@ -53,6 +53,7 @@ class ReFusionRow(Protocol):
     undecoded: list[int]  # slot indices of the current block, ascending
     selected: list[int]  # indices into `undecoded` chosen by the plan
     block: int
+    acceptance: Any  # counts its verify passes for the engine's draft widths (widths.Acceptance), or None
 
     def ends(self, toks: list[int]) -> int | None: ...
 
@@ -81,8 +82,9 @@ class PaperRule:
         self.window = cfg.slot_size  # tokens an infilling round drafts past the accepted prefix, at most
 
     # ------------------------------------------------------------------ plan
-    def plan_head(self, prefilling: bool) -> int:
-        """Logits rows the plan wants at the prompt's last token, before the MASKs'."""
+    def plan_head(self, feeds_head: bool, slot: int) -> int:
+        """Logits rows the plan wants at the last token it feeds before the MASKs (the
+        prompt's, or an AR block's last), which predicts the first token of `slot`."""
         return 0
 
     def take_plan_head(self, logits: torch.Tensor) -> torch.Tensor:
@@ -145,19 +147,17 @@ class BeyondPaper(PaperRule):
         # the last token of the slot to its left when that was committed (the prompt's, for slot 0)
         self.lookahead: dict[int, torch.Tensor] = {}
         self.ends: dict[int, torch.Tensor] = {}  # whole verified slot -> logits (V,) at its last token
-        self.head = False  # this step's plan logits start with the prompt's last token's
+        self.head: int | None = None  # the slot whose first token this step's first plan logits predict
 
     # ------------------------------------------------------------------ first_token_check
-    def plan_head(self, prefilling: bool) -> int:
-        self.head = prefilling and self.checks_first  # they predict slot 0's first token
-        return int(self.head)
+    def plan_head(self, feeds_head: bool, slot: int) -> int:
+        self.head = slot if feeds_head and self.checks_first else None  # they predict its first token
+        return int(self.head is not None)
 
     def take_plan_head(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.head:
-            self.lookahead[0], logits = (
-                logits[0].clone(),
-                logits[1:],
-            )  # a copy: not a view pinning the step's logits
+        if self.head is not None:
+            # a copy: not a view pinning the step's logits
+            self.lookahead[self.head], logits = logits[0].clone(), logits[1:]
         return logits
 
     def check_selected(self, row: ReFusionRow) -> None:
@@ -222,6 +222,8 @@ class BeyondPaper(PaperRule):
         if not self.corrects:
             return super().passing(f, pred, off, scores)
         n = self.passes_from(f, f.accepted, off, scores)
+        if f.row.acceptance is not None and f.drafted > f.accepted:  # for the engine's draft widths
+            f.row.acceptance.infill.add(n - f.accepted, f.drafted - f.accepted)
         if n == self.s or f.row.ends(f.tokens[:n]) is not None:
             return n, None
         f.tokens[n] = int(f.row.req.sampler.pick(pred[n - off : n - off + 1])[0])

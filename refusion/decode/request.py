@@ -31,6 +31,15 @@ class DecodeStats:
     forward_time: float = 0.0
     fed: int = 0  # real tokens this request fed to the model (padding excluded)
     logit_rows: int = 0  # positions whose logits it asked for
+    # share of the forward seconds: each forward's time split evenly over the requests that took
+    # part, so the shares of a batch add up to its forward time
+    forward_share: float = 0.0
+    # ReFusion draft widths (docs/algorithm.md#adaptive-widths): steps that drafted, the sums
+    # of their plan widths (MASKs per slot) and infilling windows, and blocks decoded as AR
+    draft_steps: int = 0
+    plan_width_sum: int = 0
+    window_sum: int = 0
+    ar_blocks: int = 0
 
     @property
     def tpf(self) -> float:
@@ -50,6 +59,8 @@ class DecodeStats:
             "forward_time": self.forward_time,
             "fed": self.fed,
             "logit_rows": self.logit_rows,
+            "draft_steps": self.draft_steps,
+            "ar_blocks": self.ar_blocks,
         }
 
 

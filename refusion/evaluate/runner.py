@@ -31,6 +31,7 @@ from ..sandbox import Limits, isolation
 from .benchmarks import Benchmark, CodeBenchmark, Sample, Scored
 from .completion import Completion, as_completion
 from .errors import PredictionsError, ResumeMismatchError
+from .paper_rules import finish
 from .registry import get_benchmark
 from .report import GENERATION_ERROR, one_line, summarize
 
@@ -121,7 +122,8 @@ class ResultsDir:
         if run.exists() and self.samples.exists():
             before = json.loads(run.read_text())
             before.setdefault("protocol", "robust")  # written before there were protocols
-            keys = ("task", "protocol", "model", "config", "data", "predictions")
+            before.setdefault("raw_predictions", False)
+            keys = ("task", "protocol", "model", "config", "data", "predictions", "raw_predictions")
             if any(before.get(k) != settings.get(k) for k in keys):
                 changed = [k for k in keys if before.get(k) != settings.get(k)]
                 raise ResumeMismatchError(
@@ -183,6 +185,8 @@ def evaluate(
     generate_fn: GenerateFn | None = None,
     *,
     predictions: str | os.PathLike | None = None,
+    raw_predictions: bool = False,
+    tokenizer: Any = None,
     data: str | None = None,
     limit: int | None = None,
     batch_size: int = 1,
@@ -198,17 +202,29 @@ def evaluate(
 ) -> dict:
     """Evaluate `generate_fn` (or a predictions file) on a benchmark; returns the summary.
 
-    `config` (a DecodeConfig or dict) and `model` are recorded, and a resumed run must
-    match them. `samples` overrides loading (tests, custom subsets). With `replicas`,
-    this process evaluates its share and the first replica's summary covers them all.
+    `raw_predictions`: the file holds raw generations of another engine, which get the
+    post-processing the paper protocol gives a generation here (`paper_rules.finish`: the
+    task's stop strings, special tokens removed with `tokenizer` when given, the
+    python-block rule); by default a prediction is taken as the harness's finished
+    output (lm-eval's `resps`). `config` (a DecodeConfig or dict) and `model` are
+    recorded, and a resumed run must match them. `samples` overrides loading (tests,
+    custom subsets). With `replicas`, this process evaluates its share and the first
+    replica's summary covers them all.
     """
     part = replicas or ReplicaShare()
     bench = get_benchmark(task) if isinstance(task, str) else task
     if (generate_fn is None) == (predictions is None):
         raise ValueError("pass exactly one of generate_fn and predictions")
+    if raw_predictions and (predictions is None or bench.protocol != "paper"):
+        raise ConfigError(
+            "raw predictions get the paper protocol's post-processing: give a predictions file and "
+            "--protocol paper (robust scores an output as it is)"
+        )
     samples, complete, missing = _samples_and_source(bench, samples, data, limit, generate_fn, predictions)
+    if raw_predictions:
+        complete = _finishing(complete, tokenizer)
     config_dict = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
-    settings = _settings(bench, model, config_dict, data, predictions, limit)
+    settings = _settings(bench, model, config_dict, data, predictions, limit, raw_predictions)
     out = out_dir or Path("runs") / "eval" / bench.name
     results, done = _open_results(out, settings, overwrite, part)
     records = [done[s.id] for s in samples if s.id in done]
@@ -252,6 +268,7 @@ def _settings(
     data: str | None,
     predictions: str | os.PathLike | None,
     limit: int | None,
+    raw_predictions: bool = False,
 ) -> dict:
     """What run.json records: a resumed run must match it."""
     return {
@@ -261,6 +278,7 @@ def _settings(
         "config": config,
         "data": data or "default",
         "predictions": str(predictions) if predictions else None,
+        "raw_predictions": raw_predictions,
         "limit": limit,
     }
 
@@ -367,6 +385,7 @@ def _summary(
         "first_generation_error": _first_generation_error(records),
         "data": settings["data"],
         "predictions": settings["predictions"],
+        "raw_predictions": settings["raw_predictions"],
         "limit": settings["limit"],
         "resumed": resumed,
         "missing_predictions": missing,
@@ -437,6 +456,21 @@ def _from_generate(generate_fn: GenerateFn) -> Callable[[list[Sample]], list[Com
         return [as_completion(o) for o in outputs]
 
     return complete
+
+
+def _finishing(
+    complete: Callable[[list[Sample]], list[Completion]], tokenizer: Any
+) -> Callable[[list[Sample]], list[Completion]]:
+    """`complete`, each text then finished as the paper protocol finishes a generation
+    (the sample's stop strings, special tokens, the python-block rule)."""
+
+    def finished(batch: list[Sample]) -> list[Completion]:
+        return [
+            dataclasses.replace(c, text=finish(c.text, s.request.until, tokenizer))
+            for s, c in zip(batch, complete(batch))
+        ]
+
+    return finished
 
 
 def _from_predictions(samples, path):

@@ -197,12 +197,44 @@ class _Objects:
         raise NameError(f"the program defines no {key[1] if type(key) is list and len(key) > 1 else key!r}")
 
     def ref(self, value):
+        """A reference to `value`, marked "iter" when it is an iterator (a generator, a
+        `map`): the checker may then draw its items one by one (`_next_item`)."""
         self.kept.append(value)
-        return ["h", len(self.kept) - 1, type(value).__name__]
+        key = ["h", len(self.kept) - 1, type(value).__name__]
+        if hasattr(type(value), "__next__") and hasattr(type(value), "__iter__"):
+            key.append("iter")
+        return key
+
+
+def _reply(wire, objects, result):
+    try:
+        return {"ok": wire.to_json(result, ref=objects.ref)}
+    except wire.NotPlainData as e:
+        return {"notplain": str(e)}
+    except RecursionError:
+        return {"notplain": "nested too deep"}
+
+
+def _next_item(wire, objects, key):
+    """The reply to a request for an iterator's next item: the item, "stop" at its end,
+    or the exception it raised."""
+    try:
+        iterator = objects.resolve(key)
+    except (TypeError, NameError) as e:
+        return {"raise": [type(e).__name__, str(e)]}
+    try:
+        item = next(iterator)
+    except StopIteration:
+        return {"stop": True}
+    except Exception as e:  # the program's own error, as a call's
+        return {"raise": [type(e).__name__, str(e)[:1000]]}
+    return _reply(wire, objects, item)
 
 
 def _answer(wire, objects, message):
-    """The reply to one call message."""
+    """The reply to one message: a call, or a request for an iterator's next item."""
+    if "next" in message:
+        return _next_item(wire, objects, message["next"])
     try:
         fn = objects.resolve(message["call"])
         args = wire.from_json(message["args"], resolve=objects.resolve)
@@ -215,12 +247,7 @@ def _answer(wire, objects, message):
         result = fn(*args, **kwargs)
     except Exception as e:  # the program's own error: the checker decides what it means
         return {"raise": [type(e).__name__, str(e)[:1000]]}
-    try:
-        return {"ok": wire.to_json(result, ref=objects.ref)}
-    except wire.NotPlainData as e:
-        return {"notplain": str(e)}
-    except RecursionError:
-        return {"notplain": "nested too deep"}
+    return _reply(wire, objects, result)
 
 
 def _serve(wire, namespace, calls, replies):
