@@ -9,7 +9,7 @@ The evaluator starts it in new mount, PID, network and IPC namespaces, as root t
 2. builds a root of its own (`enter_view`): read-only binds of the system folders, the
    interpreter and the installed packages, the benchmark's data hidden under empty
    files; fresh tmpfs on /tmp, /var/tmp and /dev/shm; the PID namespace's /proc; a few
-   devices. Nothing else is there: not the checkout, not a home folder, not the
+   devices (/proc/sys read-only). Nothing else is there: not the checkout, not a home folder, not the
    evaluation's outputs;
 3. forks (`split`). The parent stays PID 1 of the namespace: it waits for the program's
    process and ends with it, which ends every other process of the check however it
@@ -53,6 +53,7 @@ _SYSCALLS = {
 _SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 _DEVICES = ("null", "zero", "full", "random", "urandom")
 _TMPFS = ("/tmp", "/var/tmp", "/dev/shm")
+_PROC_READONLY = ("/proc/sys", "/proc/sysrq-trigger")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -99,6 +100,9 @@ def enter_view(settings):
     _devices(new)
     os.makedirs(new + "/proc")
     _mount("/proc", new + "/proc", None, MS_BIND | MS_REC)
+    for path in filter(lambda p: os.path.exists(new + p), _PROC_READONLY):  # read, never written
+        _mount(new + path, new + path, None, MS_BIND)
+        _readonly(new + path)
     size = max(1 << 20, settings["file_bytes"])
     for path in _TMPFS:
         os.makedirs(new + path, exist_ok=True)

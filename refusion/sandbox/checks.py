@@ -217,7 +217,8 @@ def _execute(check: Check, limits: Limits, iso: Isolation) -> ExecResult:
     checker = _folder({"job.json": json.dumps(job), "checker.py": _CHECKER, "wire.py": _WIRE}, None)
     group = _cgroup.make(limits.memory_mb << 20) if iso.memory == "cgroup" else None
     try:
-        result = _execute_in(program, checker, limits, iso, uid, check.hidden, group)
+        walls = {"cgroup": group, "hidden": [os.path.abspath(p) for p in check.hidden]}
+        result = _execute_in(program, checker, limits, iso, uid, walls)
         if group and not result.passed and _cgroup.oom_killed(group):
             result.reason = f"memory: the program's processes used more than {limits.memory_mb} MB together"
         return result
@@ -238,16 +239,14 @@ def _start_program(
     limits: Limits,
     iso: Isolation,
     uid: int | None,
-    walls: tuple[tuple[str, ...], str | None],
+    walls: dict,
     out,
     err,
 ) -> subprocess.Popen:
-    hidden, group = walls
-    settings = {
+    """The program's process; `walls`: this check's cgroup and hidden paths."""
+    settings = walls | {
         "memory_bytes": limits.memory_mb << 20,
-        "cgroup": group,
         "watch_memory": iso.memory == "watched by PID 1",
-        "hidden": [os.path.abspath(p) for p in hidden],
         "cpu_seconds": int(limits.timeout) + 1,
         "file_bytes": limits.max_output_mb << 20,
         "max_processes": limits.max_processes,
@@ -309,8 +308,7 @@ def _execute_in(
     limits: Limits,
     iso: Isolation,
     uid: int | None,
-    hidden: tuple[str, ...] = (),
-    group: str | None = None,
+    walls: dict,
 ) -> ExecResult:
     calls_r, calls_w = os.pipe()  # checker -> program
     replies_r, replies_w = os.pipe()  # program -> checker
@@ -319,9 +317,7 @@ def _execute_in(
     timed_out = False
     with open(folder / "stdout", "wb") as out, open(folder / "stderr", "wb") as err:
         try:
-            program = _start_program(
-                folder, (calls_r, replies_w), limits, iso, uid, (hidden, group), out, err
-            )
+            program = _start_program(folder, (calls_r, replies_w), limits, iso, uid, walls, out, err)
         finally:
             os.close(calls_r)
             os.close(replies_w)
@@ -493,7 +489,7 @@ def isolation() -> Isolation:
     if os.name != "posix":
         raise SandboxError("the code sandbox needs a POSIX system (Linux or macOS)")
     options = _options()
-    chosen = Isolation(sys.executable, False, False, memory="cgroup" if _cgroup.parent() else "per process")
+    chosen = Isolation(sys.executable, False, False)  # the weakest: nothing to set up
     for option in options:
         try:
             if _execute(_PROBE, Limits(timeout=20), option).passed:
