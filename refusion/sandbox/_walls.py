@@ -22,7 +22,6 @@ The evaluator starts it in new mount, PID, network and IPC namespaces, as root t
 
 import ctypes
 import os
-import platform
 import signal
 import sys
 import time
@@ -73,9 +72,10 @@ def _mount(source, target, fstype=None, flags=0, data=None):
 
 
 def _syscall(name, *args):
-    number = _SYSCALLS.get(platform.machine(), {}).get(name)
+    machine = os.uname().machine
+    number = _SYSCALLS.get(machine, {}).get(name)
     if number is None:
-        raise OSError(38, f"{name}: no system call number known for {platform.machine()}")
+        raise OSError(38, f"{name}: no system call number known for {machine}")
     _ok(min(0, _libc.syscall(ctypes.c_long(number), *args)), name)  # some return an id
 
 
