@@ -21,6 +21,7 @@ aborted row frees its place at once.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -162,6 +163,7 @@ class Engine:
         whose final prefix grew or that finished. Runs under inference mode whatever the
         caller's thread (a server's engine loop): no autograd state is kept."""
         outputs, self.finished_outputs = self.finished_outputs, []
+        self.fwd.lap = time.perf_counter()  # the draft widths' cost samples count from here
         try:
             self._admit()
             self.rows_last_step = self.num_running
@@ -180,6 +182,9 @@ class Engine:
                     row.done = True
                     self.requests.pop(row.req.id, None)
         self._retire()
+        if self.adaptive and self.fwd.lap is not None:
+            self.drafting.cost.extend_last(time.perf_counter() - self.fwd.lap)
+        self.fwd.lap = None
         return outputs
 
     def abort_running(self) -> list[str]:

@@ -124,8 +124,11 @@ class Forward:
     forwards: int = 0  # forward passes run so far
     nonfinite: bool = False  # a forward gave NaN or infinite logits (broken weights, an overflowing dtype)
     # told (tokens fed, rows fed, seconds) of every forward with a cache: the engine's cost
-    # model for its draft widths (widths.ForwardCost.add)
+    # model for its draft widths (widths.ForwardCost.add). The seconds run from `lap` (the
+    # step's start, or the end of the step's previous forward), so that they include the
+    # decoder's own work around the forward, which grows with the rows as the forward does
     timed: Callable[[int, int, float], None] | None = None
+    lap: float | None = None
 
     def run(
         self,
@@ -152,7 +155,9 @@ class Forward:
         seconds = time.perf_counter() - t0
         self.forwards += 1
         if self.timed is not None and cache is not None:
-            self.timed(sum(len(t) for t in tokens), sum(bool(t) for t in tokens), seconds)
+            end = t0 + seconds
+            since, self.lap = (t0 if self.lap is None else self.lap), end
+            self.timed(sum(len(t) for t in tokens), sum(bool(t) for t in tokens), end - since)
         took_part: dict[int, Request] = {}
         for req, t, (a, e) in zip(reqs, tokens, want):
             if t or e > a:

@@ -77,13 +77,28 @@ class ForwardCost:
         if self._fresh >= 32:
             self._fit()
 
+    def extend_last(self, seconds: float) -> None:
+        """Add the decoder's work after a step's last forward (its outputs, their text) to
+        that forward's sample."""
+        if self.samples and seconds > 0:
+            n, rows, t = self.samples[-1]
+            self.samples[-1] = (n, rows, t + seconds)
+
     def __call__(self, n: int, rows: int) -> float:
         a, b, c = self.coef
         return a + b * n + c * rows
 
     def _fit(self) -> None:
+        """Fit the lower envelope: the fastest sample of each shape bucket (tokens and rows
+        by powers of two). A shared machine only ever adds time to a forward, so the fastest
+        of similar forwards is the cost, and one forward slowed by a neighbour moves nothing."""
         self._fresh = 0
-        data = self.calibration + list(self.samples)
+        fastest: dict[tuple[int, int], Sample] = {}
+        for n, r, t in self.calibration + list(self.samples):
+            key = (n.bit_length(), r.bit_length())
+            if key not in fastest or t < fastest[key][2]:
+                fastest[key] = (n, r, t)
+        data = list(fastest.values())
         if len(data) >= 3:
             self.coef = nonnegative_least_squares(
                 [(1.0, float(n), float(r)) for n, r, _ in data], [t for _, _, t in data]
