@@ -19,7 +19,7 @@ from .request import RequestOutput, TraceEvent
 STATIC = Path(__file__).with_name("static")  # the drawing module, shipped as package data
 
 _PAGE = """<!doctype html>
-<html><head><meta charset="utf-8"><title>ReFusion decoding trace</title>
+<html><head><meta charset="utf-8"><title>ReFusion decoding trace</title><link rel="icon" href="data:,">
 <style>
 body{font-family:system-ui,sans-serif;margin:2em;max-width:70em;color:#222}
 pre.text{background:#f7f7f7;padding:1em;white-space:pre-wrap}
@@ -51,7 +51,8 @@ DATA.forEach((d, r) => {
   let k = steps, timer = null;
   const show = () => {
     view.replay(d.events, k);
-    box.querySelector('.step').textContent = 'step ' + k + ' / ' + steps;
+    if (k >= steps) view.settle();
+    box.querySelector('.step').textContent = 'step ' + k + ' / ' + steps + '  ' + view.summary(k - 1);
   };
   box.querySelector('.back').onclick = () => { k = Math.max(0, k - 1); show(); };
   box.querySelector('.fwd').onclick = () => { k = Math.min(steps, k + 1); show(); };

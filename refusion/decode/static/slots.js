@@ -41,7 +41,22 @@
       this.step = -1;
       this.nfe = 0;
       this.committed = 0;
+      this.counts = [];  // per step: what each phase did (see summary)
       this.draw();
+    }
+
+    /* The decoding finished: drafts that were never committed are no longer shown. */
+    settle() {
+      for (const c of this.cells) c.draft = c.rejected = undefined;
+      this.draw();
+    }
+
+    /* What step `step` did, in words: "plan 3 slots · global verification 8 tokens · ...". */
+    summary(step) {
+      const c = this.counts[step];
+      if (!c) return '';
+      return Object.entries(c).map(([path, n]) => (PHASES[path] || path).split(' (')[0] + ' ' + n +
+        (path === 'plan' ? (n === 1 ? ' slot' : ' slots') : (n === 1 ? ' token' : ' tokens'))).join(' \u00b7 ');
     }
 
     /* Apply events in order (the next ones of a stream, or a replay's). */
@@ -57,9 +72,16 @@
     }
 
     apply(ev) {
-      this.step = Math.max(this.step, ev.step);
+      if (ev.step > this.step) {
+        // a new step: the drafts of earlier ones that were not committed are stale
+        for (const c of this.cells) c.draft = c.rejected = undefined;
+        this.step = ev.step;
+      }
       this.nfe = Math.max(this.nfe, ev.nfe);
       const note = NOTES.includes(ev.path);
+      const counts = this.counts[ev.step] || (this.counts[ev.step] = {});
+      counts[ev.path] = (counts[ev.path] || 0) +
+        (ev.path === 'plan' ? ev.spans.length : ev.spans.reduce((a, s) => a + s[1], 0));
       ev.spans.forEach(([start, n], k) => {
         const texts = ev.texts[k];
         for (let i = 0; i < n; i++) {
@@ -68,6 +90,7 @@
           const c = this.cells[pos];
           if (!note) {
             if (c.text === undefined) this.committed++;
+            if (c.corrected !== ev.step) c.corrected = undefined;  // corrected in this step, or not
             c.text = texts[i];
             c.step = ev.step;
             c.path = ev.path;
@@ -89,7 +112,7 @@
 
     draw() {
       const grid = document.createElement('div');
-      grid.className = 'slots';
+      grid.className = this.slotSize === 1 ? 'slots flat' : 'slots';  // AR: no slots to box
       let slot = null;
       this.cells.forEach((c, pos) => {
         if (pos % this.slotSize === 0) {
@@ -107,6 +130,7 @@
       const el = document.createElement('span');
       const cls = ['cell'];
       let title = 'position +' + pos;
+      el.dataset.pos = String(pos);
       if (c.text !== undefined) {
         cls.push('done', 'p-' + c.path);
         el.style.background = stepColour(c.step);
