@@ -10,7 +10,6 @@ import dataclasses
 import json
 import re
 import shutil
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -244,7 +243,7 @@ class Page:
         from selenium.webdriver.common.by import By
 
         self.b, self.by = browser, By
-        browser.get(url + "/")
+        browser.get(url)
 
     def find(self, css: str):
         return self.b.find_element(self.by.CSS_SELECTOR, css)
@@ -288,10 +287,33 @@ def _shown(text: str) -> str:
     return "\u2205" if text == "" else text.replace("\n", "\u21b5")
 
 
+def committed_cells(tokenizer, out) -> dict[int, tuple[int, str, str]]:
+    """What a slot view shows of a finished decoding: position -> (step, phase, text)."""
+    return {
+        s + i: (e.step, e.path, _shown(t))
+        for e in out.trace
+        if e.committed
+        for (s, _), texts in zip(e.spans, event_dicts(tokenizer, [e])[0]["texts"])
+        for i, t in enumerate(texts)
+    }
+
+
+def test_the_trace_page_replays_in_the_browser(browser, bundled, tmp_path):
+    out = reference(bundled, example(bundled), STEPPED)
+    page_file = write_trace_html(tmp_path / "t.html", bundled[1], ["p"], [out], DecodeConfig(slot_size=8))
+    page = Page(browser, page_file.as_uri())
+    steps = out.trace[-1].step + 1
+    assert page.find(".step").text.startswith(f"step {steps} / {steps}: ")
+    assert page.cells(".view") == committed_cells(bundled[1], out)
+    page.find(".back").click()  # one step back: the last step's commits are gone
+    last = {p for p, (s, _, _) in committed_cells(bundled[1], out).items() if s == steps - 1}
+    assert set(page.cells(".view")) == set(committed_cells(bundled[1], out)) - last
+
+
 def test_the_page_streams_an_answer_and_its_slots(browser, bundled):
     # each step slowed, so that the page is seen while it decodes
     with serving(bundled, engine=GatedEngine(bundled, delay=0.3)) as server:
-        page = Page(browser, server.url).loaded()
+        page = Page(browser, server.url + "/").loaded()
         page.set(**STEPPED)
         page.example("examples", "arithmetic")
         page.find("#send").click()
@@ -300,20 +322,13 @@ def test_the_page_streams_an_answer_and_its_slots(browser, bundled):
         assert page.finished("chat") == "done"
         ref = reference(bundled, example(bundled), STEPPED)
         assert page.all("#messages .assistant")[-1].text == ref.text.strip()
-        want = {
-            s + i: (e.step, e.path, _shown(t))
-            for e in ref.trace
-            if e.committed
-            for (s, _), texts in zip(e.spans, event_dicts(bundled[1], [e])[0]["texts"])
-            for i, t in enumerate(texts)
-        }
-        assert page.cells("#chat-view") == want
+        assert page.cells("#chat-view") == committed_cells(bundled[1], ref)
         assert f"NFE {ref.stats.nfe} " in page.find("#chat-stats").text
         assert "done" in page.find("#chat-stats").text
 
 
 def test_the_race_shows_both_decodings_live(browser, server, bundled):
-    page = Page(browser, server.url).loaded()
+    page = Page(browser, server.url + "/").loaded()
     page.find("#tab-race").click()
     page.example("race-examples", "arithmetic")
     page.set(**STEPPED)
@@ -339,7 +354,7 @@ def test_the_race_shows_both_decodings_live(browser, server, bundled):
     ],
 )
 def test_a_bad_setting_shows_a_clear_message(browser, server, field, value, message):
-    page = Page(browser, server.url).loaded()
+    page = Page(browser, server.url + "/").loaded()
     page.set(**{field: value})
     page.find("#prompt").send_keys("Find the largest number: 47, 38, 23")
     page.find("#send").click()
@@ -351,16 +366,17 @@ def test_a_bad_setting_shows_a_clear_message(browser, server, field, value, mess
 
 def test_behind_a_key_the_page_asks_for_it_and_keeps_it_in_the_page(browser, bundled):
     with serving(bundled, api_key=KEY) as server:
-        page = Page(browser, server.url)
+        page = Page(browser, server.url + "/")
         wait_for(lambda: page.find("#key-box").is_displayed(), 30, "the key prompt")
         page.find("#key").send_keys("wrong")
         page.find("#key-use").click()
-        time.sleep(0.5)
+        wait_for(lambda: page.find("#error").is_displayed(), 30, "the refusal")
+        assert page.find("#error").text.startswith("invalid or missing API key")
         assert page.find("#key-box").is_displayed() and not page.all("#examples button")
         page.find("#key").send_keys(KEY)
         page.find("#key-use").click()
         page.loaded()
-        assert not page.find("#key-box").is_displayed()
+        assert not page.find("#key-box").is_displayed() and not page.find("#error").is_displayed()
         page.example("examples", "lists")
         page.find("#send").click()
         assert page.finished("chat") == "done"

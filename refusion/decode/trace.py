@@ -52,7 +52,8 @@ DATA.forEach((d, r) => {
   const show = () => {
     view.replay(d.events, k);
     if (k >= steps) view.settle();
-    box.querySelector('.step').textContent = 'step ' + k + ' / ' + steps + '  ' + view.summary(k - 1);
+    box.querySelector('.step').textContent =
+      'step ' + k + ' / ' + steps + (k > 0 ? ': ' + view.summary(k - 1) : '');
   };
   box.querySelector('.back').onclick = () => { k = Math.max(0, k - 1); show(); };
   box.querySelector('.fwd').onclick = () => { k = Math.min(steps, k + 1); show(); };

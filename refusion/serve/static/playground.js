@@ -344,7 +344,7 @@
     try {
       await loadSettings();
     } catch (e) {
-      if ($('key-box').hidden) showError(e.message);
+      if ($('key-box').hidden || state.key) showError(e.message);  // not the first ask: say why
     }
   }
 
