@@ -53,6 +53,7 @@ class ReFusionRow(Protocol):
     undecoded: list[int]  # slot indices of the current block, ascending
     selected: list[int]  # indices into `undecoded` chosen by the plan
     block: int
+    mask_id: int  # the plan's MASK: the undrafted rest of a slot under a narrower plan
     acceptance: Any  # counts its verify passes for the engine's draft widths (widths.Acceptance), or None
 
     def ends(self, toks: list[int]) -> int | None: ...
@@ -172,7 +173,7 @@ class BeyondPaper(PaperRule):
             draft = row.plan.drafts[i, :1]  # (1,)
             if float(token_probs(ahead[None], draft)[0]) <= self.tau:
                 row.plan.drafts[i, 0] = row.req.sampler.pick(ahead[None])[0]
-                replaced(row.req, row.undecoded[i] * self.s, int(draft[0]), int(row.plan.drafts[i, 0]))
+                replaced(row, row.undecoded[i] * self.s, int(draft[0]), int(row.plan.drafts[i, 0]))
 
     def pass_first_tokens(self, firsts: torch.Tensor, slots: list[int]) -> None:
         """A slot's first token is scored like any other when the slot before it in the
@@ -216,7 +217,7 @@ class BeyondPaper(PaperRule):
             p, old = per_slot[0], chunks[0][per_slot[0]]
             chunks[0][p] = int(row.req.sampler.pick(logits[p - 1 : p])[0])
             per_slot[0] = p + 1
-            replaced(row.req, row.undecoded[row.selected[0]] * self.s + p, old, chunks[0][p])
+            replaced(row, row.undecoded[row.selected[0]] * self.s + p, old, chunks[0][p])
 
     def passing(self, f: Fork, pred: torch.Tensor, off: int, scores: list[float]) -> tuple[int, int | None]:
         """The first not-yet-accepted token is scored too, and the first token that fails,
@@ -230,16 +231,17 @@ class BeyondPaper(PaperRule):
         if n == self.s or f.row.ends(f.tokens[:n]) is not None:
             return n, None
         old, f.tokens[n] = f.tokens[n], int(f.row.req.sampler.pick(pred[n - off : n - off + 1])[0])
-        replaced(f.row.req, f.slot * self.s + n, old, f.tokens[n])
+        replaced(f.row, f.slot * self.s + n, old, f.tokens[n])
         return n + 1, n
 
 
-def replaced(req: Any, offset: int, old: int, new: int) -> None:
-    """Note, when the trace wants the steps, a draft at generation offset `offset` that
-    the rule replaced by its AR prediction."""
-    if req.traces_steps:
-        req.note("rejected", [(offset, [old])])
-        req.note("correction", [(offset, [new])])
+def replaced(row: ReFusionRow, offset: int, old: int, new: int) -> None:
+    """Note, when the trace wants the steps, a token at generation offset `offset` that the
+    rule replaced by its AR prediction: a draft (rejected), or a MASK no plan drafted."""
+    if row.req.traces_steps:
+        if old != row.mask_id:
+            row.req.note("rejected", [(offset, [old])])
+        row.req.note("correction", [(offset, [new])])
 
 
 def rule_for(cfg: DecodeConfig) -> PaperRule:
