@@ -23,7 +23,7 @@ import refusion  # noqa: E402
 from refusion.decode import DecodeConfig, generate  # noqa: E402
 from refusion.decode.recommended import recommended_of  # noqa: E402
 from refusion.decode.trace import event_dicts, static_text, write_trace_html  # noqa: E402
-from refusion.model.prompts import chat_ids  # noqa: E402
+from refusion.model.prompts import chat_ids, mask_id_of  # noqa: E402
 from refusion.serve import create_app  # noqa: E402
 
 KEY = "sesame"
@@ -104,6 +104,27 @@ def test_tracing_the_steps_changes_nothing_decoded(bundled):
         if e.path == "correction":
             ((pos, _),), ((tok,),) = e.spans, e.tokens
             assert committed.get(pos, (e.step, tok)) == (e.step, tok)
+
+
+def test_tracing_the_steps_under_the_checkpoints_settings(bundled):
+    """The bundled model's own settings (one slot per block, where the engine narrows the
+    plan or decodes a block as AR by the speed it measures, so two runs may take other
+    steps to the same tokens): the same tokens, commits that replay them, and no note
+    that holds a MASK (a token no plan drafted)."""
+    model, tok = bundled
+    mask = mask_id_of(model.config, tok)
+    for prompt in recommended_of(model).examples.values():
+        plain, steps = (generate(model, tok, [prompt], trace=t)[0] for t in (True, "steps"))
+        assert steps.token_ids == plain.token_ids
+        replay = {
+            s + i: t
+            for e in steps.trace
+            if e.committed
+            for (s, _), ts in zip(e.spans, e.tokens)
+            for i, t in enumerate(ts)
+        }
+        assert [replay[i] for i in range(len(steps.token_ids))] == steps.token_ids
+        assert all(mask not in toks for e in steps.trace for toks in e.tokens)
 
 
 # ---------------------------------------------------------------------------- the page and its files
