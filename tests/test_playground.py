@@ -22,6 +22,7 @@ from test_serve import GatedEngine, LiveServer, wait_for  # noqa: E402
 import refusion  # noqa: E402
 from refusion.decode import DecodeConfig, generate  # noqa: E402
 from refusion.decode.recommended import recommended_of  # noqa: E402
+from refusion.decode.request import NOTES  # noqa: E402
 from refusion.decode.trace import event_dicts, static_text, write_trace_html  # noqa: E402
 from refusion.model.prompts import chat_ids, mask_id_of  # noqa: E402
 from refusion.serve import create_app  # noqa: E402
@@ -206,6 +207,21 @@ def test_slot_events_are_the_decoders_trace_of_the_steps(server, bundled):
     steps = [{e["step"] for e in s["events"]} for s in slots]
     assert all(len(st) == 1 for st in steps) and [min(st) for st in steps] == list(range(len(slots)))
     assert [s["nfe"] for s in slots] == sorted(s["nfe"] for s in slots)
+
+
+def test_completions_stream_slot_events_too(server, bundled):
+    body = {"prompt": "Find the largest number: 47, 38, 23", "stream": True, "max_tokens": 16}
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        json=body | {"stream_options": {"include_slots": True}},
+        timeout=60,
+    ) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    slots = [c for c in chunks if "slots" in c]
+    assert slots and all(c["object"] == "text_completion" and c["choices"] == [] for c in slots)
+    commits = [e for c in slots for e in c["slots"]["events"] if e["path"] not in NOTES]
+    assert sum(n for e in commits for _, n in e["spans"]) >= slots[-1]["slots"]["stats"]["tokens"] > 0
 
 
 def test_a_client_that_does_not_ask_sees_todays_chunks(server, bundled):
