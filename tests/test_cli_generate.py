@@ -7,6 +7,7 @@ import pytest
 
 import refusion
 from refusion.cli.dispatch import main
+from refusion.decode.request import NOTES
 
 
 def test_generate_json_matches_the_library(model_dir, capsys):
@@ -80,10 +81,16 @@ def test_generate_trace_page_replays_the_commits(model_dir, tmp_path, capsys):
     html = page.read_text()
     data = json.loads(re.search(r"const DATA = (.*);\n", html).group(1))
     events = data[0]["events"]
-    assert events and {e["path"] for e in events} <= {"fast", "infill"}
-    covered = sorted(i for e in events for s, n in e["spans"] for i in range(s, s + n))
+    commits = [e for e in events if e["path"] not in NOTES]
+    assert commits and {e["path"] for e in commits} <= {"fast", "infill"}
+    assert {e["path"] for e in events} - {"fast", "infill"} <= set(NOTES)
+    assert "plan" in {e["path"] for e in events}  # each step's plan is shown with its drafts
+    covered = sorted(i for e in commits for s, n in e["spans"] for i in range(s, s + n))
     assert covered[: len(covered)] == list(range(len(covered)))  # each position once, from the start
+    # each span's texts are its tokens' own
+    assert all(len(t) == n for e in events for (_, n), t in zip(e["spans"], e["texts"]))
     assert "<script>" in html and "http" not in html.split("<script>")[1]  # self-contained
+    assert "class SlotView" in html  # drawn by the slot view the playground uses
 
 
 def test_generate_preset_and_overrides_reach_the_config(model_dir, capsys):

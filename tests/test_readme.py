@@ -136,6 +136,9 @@ def test_the_source_tree_names_every_package_and_only_files_that_exist():
                 missing = f"refusion/{stage}/{module.name} is missing from the README's source tree"
                 assert module.name in tree, missing
     named = set(re.findall(r"\b([a-z_]+\.py)\b", tree))
-    existing = {p.name for p in [*package.rglob("*.py"), *(ROOT / "tests").glob("*.py")]}
+    existing = {
+        p.name
+        for p in [*package.rglob("*.py"), *(ROOT / "tests").glob("*.py"), *(ROOT / "scripts").glob("*.py")]
+    }
     unknown = sorted(named - existing)
     assert not unknown, f"the README's source tree names files that do not exist: {unknown}"

@@ -102,11 +102,13 @@ class Engine:
         *,
         request_id: str | None = None,
         chat: bool = True,
-        trace: bool = False,
+        trace: bool | str = False,
         stream: bool = True,
     ) -> str:
         """Queue a request; it joins the batch at the next step. A text prompt goes through
-        the chat template (unless chat=False); token ids are taken as they are. With
+        the chat template (unless chat=False); token ids are taken as they are. `trace`
+        records its commits in its outputs (True), or its commits and what each step did
+        besides ("steps": the plan's drafts, corrections, rejected drafts). With
         stream=False it is reported once, when finished (its text decoded then, not at every step).
         Raises (ConfigError, ContextLengthError, MissingMaskTokenError) before any compute."""
         cfg = cfg or self.default_config

@@ -48,11 +48,12 @@ from .sampling import token_probs
 class ReFusionRow(Protocol):
     """What a rule reads and changes of the row it serves (`refusion.ReFusionRow`)."""
 
-    req: Any  # the row's Request: its sampler picks replacement tokens
+    req: Any  # the row's Request: its sampler picks replacement tokens, its trace notes them
     plan: Any  # this step's Plan: drafts (n_undecoded, s), conf
     undecoded: list[int]  # slot indices of the current block, ascending
     selected: list[int]  # indices into `undecoded` chosen by the plan
     block: int
+    mask_id: int  # the plan's MASK: the undrafted rest of a slot under a narrower plan
     acceptance: Any  # counts its verify passes for the engine's draft widths (widths.Acceptance), or None
 
     def ends(self, toks: list[int]) -> int | None: ...
@@ -62,6 +63,7 @@ class Fork(Protocol):
     """What a rule reads and changes of a slot being infilled (`refusion.Fork`)."""
 
     row: ReFusionRow
+    slot: int  # the slot's index in the region
     tokens: list[int]  # the slot's tokens; tokens[:accepted] are final
     accepted: int
     drafted: int  # tokens[accepted:drafted] are this round's drafts
@@ -171,6 +173,7 @@ class BeyondPaper(PaperRule):
             draft = row.plan.drafts[i, :1]  # (1,)
             if float(token_probs(ahead[None], draft)[0]) <= self.tau:
                 row.plan.drafts[i, 0] = row.req.sampler.pick(ahead[None])[0]
+                replaced(row, row.undecoded[i] * self.s, int(draft[0]), int(row.plan.drafts[i, 0]))
 
     def pass_first_tokens(self, firsts: torch.Tensor, slots: list[int]) -> None:
         """A slot's first token is scored like any other when the slot before it in the
@@ -211,9 +214,10 @@ class BeyondPaper(PaperRule):
         fork's first verify pass would correct it. (A later slot's logits saw the
         unverified drafts fed before it, so its fork corrects it.)"""
         if self.corrects:
-            p = per_slot[0]
+            p, old = per_slot[0], chunks[0][per_slot[0]]
             chunks[0][p] = int(row.req.sampler.pick(logits[p - 1 : p])[0])
             per_slot[0] = p + 1
+            replaced(row, row.undecoded[row.selected[0]] * self.s + p, old, chunks[0][p])
 
     def passing(self, f: Fork, pred: torch.Tensor, off: int, scores: list[float]) -> tuple[int, int | None]:
         """The first not-yet-accepted token is scored too, and the first token that fails,
@@ -226,8 +230,18 @@ class BeyondPaper(PaperRule):
             f.row.acceptance.infill.add(n - f.accepted, f.drafted - f.accepted)
         if n == self.s or f.row.ends(f.tokens[:n]) is not None:
             return n, None
-        f.tokens[n] = int(f.row.req.sampler.pick(pred[n - off : n - off + 1])[0])
+        old, f.tokens[n] = f.tokens[n], int(f.row.req.sampler.pick(pred[n - off : n - off + 1])[0])
+        replaced(f.row, f.slot * self.s + n, old, f.tokens[n])
         return n + 1, n
+
+
+def replaced(row: ReFusionRow, offset: int, old: int, new: int) -> None:
+    """Note, when the trace wants the steps, a token at generation offset `offset` that the
+    rule replaced by its AR prediction: a draft (rejected), or a MASK no plan drafted."""
+    if row.req.traces_steps:
+        if old != row.mask_id:
+            row.req.note("rejected", [(offset, [old])])
+        row.req.note("correction", [(offset, [new])])
 
 
 def rule_for(cfg: DecodeConfig) -> PaperRule:

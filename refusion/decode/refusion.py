@@ -220,6 +220,11 @@ class ReFusionRow:
             conf = torch.nn.functional.pad(conf, (0, self.s - w))
         self.plan = Plan(drafts, conf)
         self.selected = select_slots(self.plan, self.req.cfg.slot_threshold)
+        if self.req.traces_steps:
+            self.req.note(
+                "plan",
+                [(self.undecoded[i] * self.s, self.plan.drafts[i, :w].tolist()) for i in self.selected],
+            )
         self.rule.check_selected(self)
         return n_fed - logits.shape[0]
 
@@ -275,10 +280,20 @@ class ReFusionRow:
             k = prefix // s
             self.rule.whole_slots_verified(slots[:k], logits, range(s - 1, k * s, s))
             self.commit("fast", slots[:k], chunks[:k])
+            self.reject([(j, chunk[: self.width or s], 0) for j, chunk in zip(slots[k:], chunks[k:])])
             return k * s
         self.rule.before_infill(self, logits, chunks, per_slot)
+        # a narrower plan drafted only the first `width` tokens of a slot: the rest are MASKs
+        self.reject([(j, chunk[: self.width or s], n) for j, chunk, n in zip(slots, chunks, per_slot)])
         self.to_infill = (slots, chunks, per_slot)
         return 0
+
+    def reject(self, drafts: list[tuple[int, list[int], int]]) -> None:
+        """Note, when the trace wants the steps, the drafts of slots that are dropped:
+        (slot, its drafts, how many of them stay)."""
+        if self.req.traces_steps:
+            spans = [(j * self.s + n, toks[n:]) for j, toks, n in drafts]
+            self.req.note("rejected", [(at, toks) for at, toks in spans if toks])
 
 
 def select_slots(plan: Plan, slot_threshold: float) -> list[int]:
@@ -393,6 +408,8 @@ class Infill:
             pred[: len(targets)], torch.tensor(targets, dtype=torch.long, device=lg.device)
         ).tolist()
         n, corrected = f.row.rule.passing(f, pred, off, scores)
+        if f.row.req.traces_steps:
+            f.row.reject([(f.slot, f.tokens[: f.drafted], n)])
         f.accepted = n
         eos = f.row.ends(f.tokens[:n])
         if eos is not None:

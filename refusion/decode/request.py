@@ -64,15 +64,27 @@ class DecodeStats:
         }
 
 
+# what a traced step did besides committing (recorded with trace="steps"): the slots the
+# plan selected with their drafts, a token replaced by its AR prediction, drafts thrown away
+NOTES = ("plan", "correction", "rejected")
+
+
 @dataclass
 class TraceEvent:
-    """One commit: which slots (start position, length) entered the cache, by which path."""
+    """One event of a decoding: a commit (which slots, start position and length, entered
+    the cache, by which path) or, with trace="steps", a note of what the step did besides."""
 
-    step: int  # 0-based index of the commit within this request's generation
-    nfe: int  # this request's forward count when the commit happened
-    path: str  # "fast" (global verification), "infill" (parallel AR infilling), "ar", "mdm"
+    step: int  # 0-based decoding step of this request in which it happened
+    nfe: int  # this request's forward count when it happened
+    # commits: "fast" (global verification), "infill" (parallel AR infilling), "ar", "mdm";
+    # notes (NOTES): "plan", "correction" (the replacing token), "rejected" (the drafts dropped)
+    path: str
     spans: list[tuple[int, int]]  # (first position relative to the generation start, length)
-    tokens: list[list[int]]  # the committed tokens of each span
+    tokens: list[list[int]]  # the tokens of each span
+
+    @property
+    def committed(self) -> bool:
+        return self.path not in NOTES
 
 
 @dataclass
@@ -102,7 +114,7 @@ class Request:
         eos_ids: set[int],
         sampler: Sampler,
         tokenizer: Any,
-        trace: bool,
+        trace: bool | str,
         stream: bool = True,
     ) -> None:
         self.id, self.prompt, self.cfg, self.eos_ids, self.sampler = request_id, prompt, cfg, eos_ids, sampler
@@ -116,7 +128,10 @@ class Request:
         self.prefix_len = 0  # final left-to-right prefix (cut after EOS and at gen_length)
         self.reported = 0  # prefix length at the last output
         self.stats = DecodeStats()
+        # trace: the commits (True), or the commits and the notes of each step ("steps")
         self.trace: list[TraceEvent] | None = [] if trace else None
+        self.traces_steps = trace == "steps"
+        self.steps = 0  # decoding steps taken
         self.started = 0.0
         self.finish_reason: str | None = None
         self.deltas = TextDeltas(tokenizer) if tokenizer is not None else None
@@ -134,19 +149,24 @@ class Request:
         for start, toks in spans:
             self.filled[start : start + len(toks)] = toks
         if self.trace is not None:
-            self.trace.append(
-                TraceEvent(
-                    len(self.trace),
-                    self.stats.nfe,
-                    path,
-                    [(s, len(t)) for s, t in spans],
-                    [list(t) for _, t in spans],
-                )
-            )
+            self._record(path, spans)
         row, n, limit = self.filled, self.prefix_len, self.cfg.gen_length
         while n < limit and row[n] is not None and (n == 0 or row[n - 1] not in self.eos_ids):
             n += 1
         self.prefix_len = n
+
+    def note(self, path: str, spans: Sequence[tuple[int, list[int]]]) -> None:
+        """Record what the step did besides committing (a path of NOTES) when the trace
+        wants the steps; decoders check `traces_steps` before building the spans."""
+        if self.traces_steps and spans:
+            self._record(path, spans)
+
+    def _record(self, path: str, spans: Sequence[tuple[int, list[int]]]) -> None:
+        self.trace.append(
+            TraceEvent(
+                self.steps, self.stats.nfe, path, [(s, len(t)) for s, t in spans], [list(t) for _, t in spans]
+            )
+        )
 
     @property
     def token_ids(self) -> list[int]:
@@ -163,6 +183,7 @@ class Request:
         """After a step: the output if the prefix grew or the request finished, deciding
         the finish (EOS, gen_length, a stop string, or the decoder ran out of region).
         `stops_early`: the row may stop as soon as its output is final."""
+        self.steps += 1
         grew = self.prefix_len > self.reported
         finishing = self.finish_reason is None and (decoder_done or (stops_early and self.complete))
         if not grew and not finishing:

@@ -43,6 +43,7 @@ from ..errors import (
 from ..model.prompts import chat_ids, encode_prompt
 from .loop import EngineLoop, Job, QueueFull, ShuttingDown
 from .metrics import Metrics
+from .playground import add_playground_routes, is_public
 from .protocol import (
     APIError,
     CompletionRequest,
@@ -53,6 +54,7 @@ from .protocol import (
     parse_request,
     request_config,
     response_body,
+    slots_chunk,
     usage,
     usage_chunk,
 )
@@ -99,6 +101,7 @@ def create_app(
     _set_state(app, engine_loop, metrics, shutdown_timeout)
     _add_status_routes(app, engine_loop, metrics, model_name)
     _add_api_routes(app, server)
+    add_playground_routes(app, model, cfg, model_name, server.context)
     _add_error_handlers(app, metrics)
     app.add_middleware(_Observe, metrics=metrics, api_key=api_key)
     return app
@@ -291,7 +294,7 @@ class _Server:
             except ReFusionError as e:
                 raise library_error(e) from None
             notify = lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev))  # noqa: E731
-            jobs.append(Job(ids, cfg, notify))
+            jobs.append(Job(ids, cfg, notify, slots=req.include_slots))
         return jobs
 
     def submit(self, jobs: list[Job]) -> None:
@@ -422,6 +425,8 @@ class _Flow:
             elif ev[0] == "error":
                 self.close()
                 raise library_error(ev[1])
+            elif ev[0] == "slots":  # only streams ask for them
+                continue
             else:
                 reasons[i] = ev[1]
                 self.open -= 1
@@ -448,6 +453,8 @@ class _Flow:
                 i, ev = await self.next()
                 if ev[0] == "text":
                     yield _data(chunk_body(kind, self.id, self.model, i, ev[1], None))
+                elif ev[0] == "slots":
+                    yield _data(slots_chunk(kind, self.id, self.model, i, ev[1]))
                 elif ev[0] == "error":
                     yield _data(library_error(ev[1]).body())
                     break
@@ -565,8 +572,9 @@ class _Observe:
 
 def authorised(scope: dict, api_key: str | None) -> bool:
     """Whether a request may pass: no key set, /health (which never needs one), or
-    'Authorization: Bearer KEY' with the key."""
-    if api_key is None or scope["path"] == "/health":
+    'Authorization: Bearer KEY' with the key. The playground's page and files pass too:
+    the page asks for the key and sends it."""
+    if api_key is None or scope["path"] == "/health" or is_public(scope["path"]):
         return True
     for k, v in scope["headers"]:
         if k == b"authorization":
