@@ -211,13 +211,14 @@ def test_rows_of_other_settings_ignore_the_switch(tiny):
 
 # ---------------------------------------------------------------------- the choice
 def test_least_squares_recovers_a_known_cost():
-    x = [(1.0, float(n), float(r)) for n in (1, 8, 64, 300) for r in (1, 4, 16)]
-    y = [0.002 + 0.0001 * n + 0.0003 * r for _, n, r in x]
-    a, b, c = nonnegative_least_squares(x, y)
+    shapes = [(n, r, ctx) for n in (1, 8, 64, 300) for r in (1, 4, 16) for ctx in (16, 128)]
+    x = [(1.0, float(n), float(r), float(n * ctx)) for n, r, ctx in shapes]
+    y = [0.002 + 0.0001 * n + 0.0003 * r + 1e-6 * nc for _, n, r, nc in x]
+    a, b, c, d = nonnegative_least_squares(x, y)
     assert a == pytest.approx(0.002, rel=1e-6) and b == pytest.approx(1e-4, rel=1e-6)
-    assert c == pytest.approx(3e-4, rel=1e-6)
+    assert c == pytest.approx(3e-4, rel=1e-6) and d == pytest.approx(1e-6, rel=1e-6)
     # a cost that falls with rows cannot be fitted with c < 0: c drops to 0
-    y = [0.002 + 0.0001 * n - 0.00001 * r for _, n, r in x]
+    y = [0.002 + 0.0001 * n - 0.00001 * r for _, n, r, _ in x]
     assert nonnegative_least_squares(x, y)[2] == 0.0
 
 
@@ -254,9 +255,9 @@ def test_forward_cost_calibrates_on_the_real_forward_and_keeps_the_fastest(tiny)
     cost = ForwardCost()
     assert cost.stale() and not cost.calibrated
     cost.calibrate(engine.fwd.time_shapes, 4)
-    assert len(cost.fastest) == 6 and all(t > 0 for t in cost.fastest.values()) and not cost.stale()
-    assert cost(1, 1) > 0 and cost(512, 4) >= cost(1, 1)
-    slow = lambda shapes: [(r * k, r, 10.0) for r, k in shapes]  # noqa: E731 - a machine gone busy
+    assert len(cost.fastest) == 9 and all(t > 0 for t in cost.fastest.values()) and not cost.stale()
+    assert cost(1, 1) > 0 and cost(512, 4) >= cost(1, 1) and cost(512, 4, context=128) >= cost(512, 4)
+    slow = lambda shapes: [10.0 for _ in shapes]  # noqa: E731 - a machine gone busy
     before = dict(cost.fastest)
     cost.calibrate(slow, 4)
     assert cost.fastest == before  # a slower timing of a shape never replaces a faster one

@@ -20,6 +20,7 @@ aborted row frees its place at once.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import deque
 from collections.abc import Sequence
@@ -274,9 +275,11 @@ class Engine:
         batch as it is (`widths.choose`); the forward cost is timed at first use and
         once a minute after."""
         groups: dict[tuple[int, int], list[ReFusionRow]] = {}
-        for r in self.rows:
+        cached: dict[int, int] = {}  # id(row) -> entries in its cache row
+        for b, r in enumerate(self.rows):
             if isinstance(r, ReFusionRow) and r.acceptance is not None:
                 groups.setdefault((r.s, r.req.cfg.infill_window or r.s), []).append(r)
+                cached[id(r)] = self.cache.lengths[b]
         if not groups:
             return
         cost = self.drafting.cost
@@ -286,7 +289,10 @@ class Engine:
             member = {id(r) for r in rows}
             rest = [r for r in self.rows if id(r) not in member]
             fed = sum(r.s if isinstance(r, ReFusionRow) else 1 for r in rest)
-            p, w = choose(len(rows), len(rest), fed, s, window, self.drafting.acceptance, cost)
+            # the rows' mean cache length: attention's share of a forward's cost
+            context = sum(cached[id(r)] for r in rows) // len(rows)
+            at = functools.partial(cost, context=context)
+            p, w = choose(len(rows), len(rest), fed, s, window, self.drafting.acceptance, at)
             for r in rows:
                 if r.ar_block:
                     continue  # an AR block runs to its end

@@ -44,19 +44,20 @@ def widths_keep_output(cfg: DecodeConfig) -> bool:
     )
 
 
-Sample = tuple[int, int, float]  # tokens fed, rows fed, seconds
+Shape = tuple[int, int, int]  # rows, tokens fed per row, entries cached per row
 
 
 class ForwardCost:
-    """Seconds of one forward feeding `n` tokens over `rows` rows: a + b * n + c * rows,
-    with a, b, c >= 0 fitted to the fastest time measured for each of a few shapes. The
-    shapes are timed at first use and again once a minute (`stale`), and each keeps its
-    fastest time ever: a shared machine only adds time to a forward, so the fastest is the
-    cost, and a forward slowed by a neighbour moves nothing."""
+    """Seconds of one forward feeding `n` tokens over `rows` rows whose caches hold
+    `context` entries: a + b * n + c * rows + d * n * context (the last: attention over
+    the cache), with a, b, c, d >= 0 fitted to the fastest time measured for each of a few
+    shapes. The shapes are timed at first use and again every few minutes (`stale`), and
+    each keeps its fastest time ever: a shared machine only adds time to a forward, so the
+    fastest is the cost, and a forward slowed by a neighbour moves nothing."""
 
-    def __init__(self, every: float = 60.0) -> None:
-        self.fastest: dict[tuple[int, int], float] = {}  # (rows, tokens per row) -> seconds
-        self.coef = (0.0, 0.0, 0.0)
+    def __init__(self, every: float = 300.0) -> None:
+        self.fastest: dict[tuple[int, int, int], float] = {}  # (rows, tokens per row, context) -> s
+        self.coef = (0.0, 0.0, 0.0, 0.0)
         self.every, self.when = every, -float("inf")
 
     @property
@@ -66,22 +67,22 @@ class ForwardCost:
     def stale(self) -> bool:
         return time.monotonic() - self.when > self.every
 
-    def calibrate(self, time_shapes: Callable[[list[tuple[int, int]]], list[Sample]], rows: int) -> None:
+    def calibrate(self, time_shapes: Callable[[list[Shape]], list[float]], rows: int) -> None:
         """Time forwards of a few shapes (`Forward.time_shapes`): one row and `rows` (at
-        most 32), one token each up to a slot's worth."""
-        rows = max(1, min(rows, 32))
-        shapes = sorted({(1, 1), (1, 8), (1, 32), (rows, 1), (rows, 4), (rows, 16)})
-        for (r, k), (_, _, seconds) in zip(shapes, time_shapes(shapes)):
-            self.fastest[(r, k)] = min(seconds, self.fastest.get((r, k), float("inf")))
+        most 32), one token each up to a slot's worth, after a short and a long context."""
+        r = max(1, min(rows, 32))
+        short = [(1, 1, 16), (1, 8, 16), (1, 32, 16), (r, 1, 16), (r, 4, 16), (r, 16, 16)]
+        shapes = sorted({*short, (1, 32, 128), (r, 1, 128), (r, 16, 128)})
+        for shape, seconds in zip(shapes, time_shapes(shapes)):
+            self.fastest[shape] = min(seconds, self.fastest.get(shape, float("inf")))
         self.when = time.monotonic()
-        data = [(r * k, r, t) for (r, k), t in self.fastest.items()]
-        self.coef = nonnegative_least_squares(
-            [(1.0, float(n), float(r)) for n, r, _ in data], [t for *_, t in data]
-        )
+        keys = list(self.fastest)
+        x = [(1.0, float(r * k), float(r), float(r * k * ctx)) for r, k, ctx in keys]
+        self.coef = nonnegative_least_squares(x, [self.fastest[key] for key in keys])
 
-    def __call__(self, n: int, rows: int) -> float:
-        a, b, c = self.coef
-        return a + b * n + c * rows
+    def __call__(self, n: int, rows: int, context: int = 0) -> float:
+        a, b, c, d = self.coef
+        return a + b * n + c * rows + d * n * context
 
 
 def nonnegative_least_squares(x: list[tuple[float, ...]], y: list[float]) -> tuple[float, ...]:
@@ -122,8 +123,10 @@ class Survival:
     """How far a run of drafted tokens gets through verification: per distance i, decayed
     counts of runs that reached draft i and of runs whose draft i failed, so the chance of
     passing draft i having passed the ones before is measured per distance (drafts far into
-    a slot are guessed from less), with a prior of 0.75 at every distance. Decay is applied
-    lazily: each new run counts 1/decay times more than the one before."""
+    a slot are guessed from less). The prior is hopeful, 0.95 at every distance, so that
+    widths never tried look worth trying: a wrong hope costs a few wide steps and is
+    measured away, where a wrong doubt would keep the drafts narrow and never learn. Decay
+    is applied lazily: each new run counts 1/decay times more than the one before."""
 
     def __init__(self, decay: float = 0.995) -> None:
         self.reached: list[float] = []
@@ -159,14 +162,14 @@ class Survival:
         curve = self._survival()
         if m > len(curve):
             last = curve[-1] if curve else 1.0
-            curve = curve + [last * 0.75 ** (i + 1) for i in range(m - len(curve))]
+            curve = curve + [last * 0.95 ** (i + 1) for i in range(m - len(curve))]
         return sum(curve[:m]), curve[m - 1]
 
     def _survival(self) -> list[float]:
         if self._curve is None:
             alive, curve, w = 1.0, [], self.weight
             for r, f in zip(self.reached, self.failed):
-                alive *= 1 - (f / w + 0.25) / (r / w + 1.0)
+                alive *= 1 - (f / w + 0.05) / (r / w + 1.0)
                 curve.append(alive)
             self._curve = curve
         return self._curve
@@ -202,16 +205,21 @@ def choose(
     (window: the most their settings allow) that commit the most tokens per second of a
     block, by the model in the module docstring; (0, 0): decode the block as AR decoding
     does, a token per forward. `other_rows` rows feeding `other_fed` tokens share the plan
-    and verification forwards (an AR row commits a token in each). Another choice than
-    the settings' own (slot, window) must promise `margin` times their rate."""
-    rates = {(0, 0): (rows + other_rows) / max(cost(rows + other_fed, rows + other_rows), 1e-12)}
+    and verification forwards (an AR row commits a token in each). Other widths than the
+    settings' own (slot, window) must promise `margin` times their rate, and drafting
+    `margin` times the rate of AR blocks."""
+    rates = {}
     for p in candidates(slot):
         for w in [*candidates(window), 0] if window else [0]:
             rates[(p, w)] = block_rate(rows, other_rows, other_fed, slot, p, w, acceptance, cost)
     best = max(rates, key=rates.__getitem__)
-    # the settings' own widths stay unless another choice is clearly faster: the estimates
-    # are of a noisy machine, and a near tie is not worth leaving what the user asked for
-    return best if rates[best] > margin * rates[(slot, window)] else (slot, window)
+    # the settings' own widths stay unless other widths are clearly faster, and drafting
+    # stays only while clearly faster than AR blocks: the estimates are of a noisy machine,
+    # and they leave out the infilling forks' own work (their copies, their bookkeeping)
+    if rates[best] <= margin * rates[(slot, window)]:
+        best = (slot, window)
+    ar = (rows + other_rows) / max(cost(rows + other_fed, rows + other_rows), 1e-12)
+    return best if rates[best] > margin * ar else (0, 0)
 
 
 def block_rate(
