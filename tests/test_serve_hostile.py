@@ -23,7 +23,7 @@ httpx = pytest.importorskip("httpx")
 import test_serve  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_serve import MODEL, GatedEngine, LiveServer, live, wait_for  # noqa: E402
+from test_serve import MODEL, GatedEngine, LiveServer, in_thread, live, wait_for  # noqa: E402
 
 from refusion.decode import DecodeConfig, EngineConfig  # noqa: E402
 from refusion.serve import create_app  # noqa: E402
@@ -85,6 +85,42 @@ def test_bodies_that_break_json_parsers_are_400s(server, name, body):
     assert "integer string conversion" not in err["message"] and "sys.set_int" not in err["message"]
 
 
+NOT_OBJECTS = [b"null", b"5", b"true", b"1.5", b"[]", b'[{"prompt": "x"}]', b'"x"', b'"{}"']
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", CHAT])
+@pytest.mark.parametrize("body", NOT_OBJECTS, ids=[b.decode() for b in NOT_OBJECTS])
+def test_a_body_that_is_not_an_object_is_a_400(server, path, body):
+    """Valid JSON, but not the object both endpoints take: a 400 naming the body, not a
+    500 from whatever first treats it as a container."""
+    err = openai_error(post(server, path, body), 400)
+    assert err["code"] == "invalid_type" and "JSON object" in err["message"], err
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "user"},
+        {"role": "user", "content": None},
+        {"role": "system", "name": "setup"},
+        {"role": "tool", "tool_call_id": "call_1"},
+        {"role": "assistant", "content": None},
+    ],
+)
+def test_a_message_without_content_is_a_400(server, message):
+    messages = [message] if message["role"] != "tool" else [*TOOL_TURN[:3], message]
+    err = openai_error(post(server, CHAT, {"messages": messages, "max_tokens": 4}), 400)
+    where = f"messages[{len(messages) - 1}].content"
+    assert (err["param"], err["code"]) == (where, "missing_required_parameter"), err
+
+
+def test_an_assistant_message_may_leave_content_out_for_tool_calls_or_a_refusal():
+    for message in (TOOL_TURN[2], {"role": "assistant", "refusal": "I cannot help with that."}):
+        said = {k: v for k, v in message.items() if k != "content"}
+        req = parse_request({"messages": [USER[0], said, USER[0]]}, "chat")
+        assert req.messages[1]["content"] == ""
+
+
 @pytest.mark.parametrize(
     "literal,shown",
     [("NaN", "NaN"), ("Infinity", "Infinity"), ("-Infinity", "-Infinity"), ("1e999", "Infinity")],
@@ -122,6 +158,90 @@ def test_lone_surrogates_are_400s(server, body, path, param):
     r = post(server, path, json.dumps(body).encode())  # json.dumps writes the escape
     err = openai_error(r, 404 if param == "model" else 400)
     assert err["param"] == param
+
+
+# ---------------------------------------------------------------------------- what one client cannot hold up
+def test_a_huge_prompt_is_tokenised_without_holding_up_health_or_other_clients(loaded):
+    """A 2 MB prompt takes seconds to tokenise (only to be refused as too long): /health
+    and a small request answer meanwhile, because the tokenisation is not on the event loop."""
+    huge = {"prompt": "Hello there, how are you? " * 80_000, "max_tokens": 4}
+    with live(loaded) as s:
+        t0 = time.monotonic()
+        big, answer = in_thread(lambda: post(s, "/v1/completions", huge))
+        time.sleep(0.3)  # the body is in; its tokenisation has begun
+        health: list[float] = []
+        while big.is_alive() and len(health) < 20:
+            t = time.monotonic()
+            assert httpx.get(s.url + "/health", timeout=30).status_code == 200
+            health.append(time.monotonic() - t)
+            time.sleep(0.05)
+        small_took = time.monotonic()
+        small = post(s, "/v1/completions", {"prompt": "Hello", "max_tokens": 4})
+        small_took, still_busy = time.monotonic() - small_took, big.is_alive()
+        big.join(120)
+        took = time.monotonic() - t0
+    assert openai_error(answer[0], 400)["code"] == "context_length_exceeded"
+    assert took > 1.0, f"the prompt took {took:.2f} s: too little to show anything"
+    assert health and max(health) < 0.5, health
+    assert small.status_code == 200 and (still_busy or small_took < 0.5), (small_took, took)
+
+
+@pytest.mark.parametrize("size", [100_000, 20_000])
+def test_a_header_over_the_limit_is_refused_before_the_app(server, size):
+    """uvicorn's h11 refuses a head over the limit while it arrives in pieces (a plain 400);
+    one that arrives whole is measured before the app runs (a 431 in OpenAI's shape)."""
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": "Hello", "max_tokens": 4},
+        headers={"x-padding": "a" * size},
+        timeout=60,
+    )
+    assert r.status_code in (400, 431), (r.status_code, r.text[:200])
+    if r.status_code == 431:
+        assert openai_error(r, 431)["code"] == "request_headers_too_large"
+    ok = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": "Hello", "max_tokens": 4},
+        headers={"x-padding": "a" * 8_000},
+        timeout=60,
+    )
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_client_that_sends_its_headers_slowly_is_closed(loaded, monkeypatch):
+    """One byte a second never finishes a head: the connection is closed at the header
+    timeout, with a 408 (one that sends nothing is closed without one). A kept-alive
+    connection idle between requests is not timed by it."""
+    from refusion.serve.server import HeadTimeoutProtocol
+
+    monkeypatch.setattr(HeadTimeoutProtocol, "header_timeout", 1.0)
+    with live(loaded) as s:
+        host, port = s.url.removeprefix("http://").split(":")
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        address = (host, int(port))
+        with socket.create_connection(address) as slow, socket.create_connection(address) as mute:
+            slow.settimeout(0.5)  # the pace: a byte, then half a second's wait for an answer
+            t0, got = time.monotonic(), b""
+            for byte in head:
+                try:
+                    slow.sendall(bytes([byte]))
+                    chunk = slow.recv(4096)
+                except TimeoutError:
+                    continue
+                except OSError:  # reset, or a broken pipe: closed
+                    break
+                got += chunk
+                if not chunk or time.monotonic() - t0 > 6:
+                    break
+            closed_after = time.monotonic() - t0
+            mute.settimeout(5)
+            assert mute.recv(4096) == b""  # closed, nothing said
+        assert got.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in got, got[:300]
+        assert closed_after < 3, closed_after
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            assert c.get("/health").status_code == 200
+            time.sleep(1.5)
+            assert c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4}).status_code == 200
 
 
 # ---------------------------------------------------------------------------- OpenAI message fields
