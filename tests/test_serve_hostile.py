@@ -627,6 +627,46 @@ def test_sigterm_under_load_drains_within_the_timeout(model_dirs):
     assert sum(1 for x in log if '" 200' not in x and '" 503' not in x) <= 10, "\n".join(log)
 
 
+def health_status(url: str) -> int | None:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code
+    except httpx.HTTPError:
+        return None
+
+
+@pytest.mark.slow
+def test_after_sigterm_new_requests_get_503_until_the_drain_ends(model_dirs):
+    """While running requests drain, the server still listens and keeps its connections:
+    a request on a new connection and one on a kept-alive connection both get 503
+    `shutting_down` in the OpenAI format (not a refused or closed connection), /health
+    503; the streams end with [DONE] and the process exits."""
+    p = Process(model_dirs[1], "--shutdown-timeout", "5", "--max-batch-size", "4")
+    body = {"messages": USER, "max_tokens": 400, "method": "ar", "stop_token_ids": []}
+    results: list[list] = [[] for _ in range(4)]
+    started = [threading.Event() for _ in results]
+    try:
+        for out, ev in zip(results, started):
+            threading.Thread(target=stream_client, args=(p.url, body, out, ev), daemon=True).start()
+        for ev in started:
+            assert ev.wait(60)
+        with (
+            httpx.Client(base_url=p.url, timeout=10) as kept,
+            httpx.Client(base_url=p.url, timeout=10) as new,
+        ):
+            assert kept.get("/v1/models").status_code == 200  # a connection now kept alive
+            p.proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: health_status(p.url) == 503, timeout=5, what="/health to answer 503")
+            for client in (kept, new):
+                r = client.post(CHAT, json={"messages": USER, "max_tokens": 4})
+                assert openai_error(r, 503)["code"] == "shutting_down"
+        p.proc.wait(30)
+    finally:
+        p.kill()
+    streams = [o[1] for out in results for o in out if o[0] == "stream"]
+    assert streams and all(lines[-1] == "data: [DONE]" for lines in streams)
+    assert not any("Traceback" in x for _, x in p.lines)
+
+
 @pytest.mark.slow
 def test_a_second_sigterm_exits_at_once(model_dirs):
     p = Process(model_dirs[1], "--shutdown-timeout", "120", "--max-batch-size", "16")
