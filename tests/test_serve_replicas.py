@@ -227,7 +227,14 @@ def test_sigterm_on_the_front_drains_the_replicas_and_ends_them():
             it = r.iter_lines()
             lines.append(next(it))  # the stream has begun
             server.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while httpx.get(server.url + "/health").status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            refused = httpx.post(  # while the stream drains, a new request is answered
+                server.url + "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4}, timeout=30
+            )
             lines += [x for x in it if x]
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
         assert lines[-1] == "data: [DONE]" and not any('"error"' in x for x in lines)  # it ran to its end
         assert server.proc.wait(60) in (0, -signal.SIGTERM)
         deadline = time.monotonic() + 30
