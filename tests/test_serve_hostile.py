@@ -186,6 +186,27 @@ def test_a_huge_prompt_is_tokenised_without_holding_up_health_or_other_clients(l
     assert small.status_code == 200 and (still_busy or small_took < 0.5), (small_took, took)
 
 
+def test_a_chunked_body_over_the_limit_is_refused_while_it_arrives(server):
+    """A chunked body declares no length: the 413 comes once the limit is passed, not
+    after the client has sent (and the server buffered) all of it."""
+    host, port = server.url.removeprefix("http://").split(":")
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    chunk = b"x" * 2**20
+    with socket.create_connection((host, int(port))) as c:
+        c.sendall(head + b"transfer-encoding: chunked\r\n\r\n")
+        for _ in range(17):  # 17 MiB, one over the limit, and no last chunk: the body never ends
+            c.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        c.settimeout(10)
+        got = b""
+        while b"\r\n\r\n" not in got or not got.rstrip().endswith(b"}"):
+            part = c.recv(65536)
+            if not part:
+                break
+            got += part
+    assert got.startswith(b"HTTP/1.1 413"), got[:200]
+    assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_too_large"
+
+
 @pytest.mark.parametrize("size", [100_000, 20_000])
 def test_a_header_over_the_limit_is_refused_before_the_app(server, size):
     """uvicorn's h11 refuses a head over the limit while it arrives in pieces (a plain 400);

@@ -493,14 +493,24 @@ def _data(obj: dict[str, Any]) -> str:
 
 
 async def read_body(request: Request) -> bytes:
-    """The request's bytes, at most MAX_BODY of them (else a 413)."""
+    """The request's bytes, at most MAX_BODY of them: a 413 as soon as more is declared
+    or has arrived (a chunked body has no length to check first), not once it is all in."""
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > MAX_BODY:
-        raise APIError(413, f"the request body is over {MAX_BODY} bytes", code="request_too_large")
-    raw = await request.body()
-    if len(raw) > MAX_BODY:
-        raise APIError(413, f"the request body is over {MAX_BODY} bytes", code="request_too_large")
-    return raw
+        raise _too_large()
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > MAX_BODY:
+            raise _too_large()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large() -> APIError:
+    return APIError(
+        413, f"the request body is over {MAX_BODY} bytes; send a shorter prompt", code="request_too_large"
+    )
 
 
 def _parse_json(raw: bytes) -> Any:
