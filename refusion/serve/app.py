@@ -1,6 +1,6 @@
 """The FastAPI application: OpenAI routes over one engine loop.
 
-A completion request's body is read (refused unread when over `MAX_BODY`), then parsed,
+A completion request's body is read (refused as soon as it passes `MAX_BODY`), then parsed,
 validated (`protocol.parse_request`), tokenised, fitted to the context
 (`protocol.fit_length`) and checked by the engine on one of a few request threads, never
 on the event loop, so a huge prompt delays only itself and not /health or other clients;

@@ -235,7 +235,7 @@ class ReplicaPool:
     @property
     def all_left(self) -> bool:
         """No replica is running or due to start again."""
-        return all(r.left and not r.alive for r in self.all)
+        return all(r.left for r in self.all)
 
     def wait_ready(self, poll: float = 0.2) -> None:
         """Block until every replica answers /health with 200; a replica that exits first

@@ -54,8 +54,9 @@ HEADER_TIMEOUT = 10.0
 class Server(uvicorn.Server):
     """A uvicorn server for an app made by `create_app` or `replicas.create_front`. It
     reads from `app.state`: `shutdown_timeout`, `begin_drain(timeout)` (called as the
-    drain begins) and, optionally, `on_exit_now(sig)` (called before a second signal
-    ends the process)."""
+    drain begins) and, optionally, `drained()` (whether the drain is over: until then
+    the server answers) and `on_exit_now(sig)` (called before a second signal ends the
+    process)."""
 
     def __init__(self, config: uvicorn.Config, app_state: Any, drain_on_usr1: bool = False) -> None:
         super().__init__(config)
@@ -178,7 +179,9 @@ class HeadTimeoutProtocol(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, with a deadline for each request's head: a connection
     that has not sent a whole request line and headers `HEADER_TIMEOUT` seconds after it
     opened, or after the first byte of its next request, is closed (a 408 first when
-    part of a head came). uvicorn's keep-alive timeout covers the wait between requests."""
+    part of a head came). uvicorn's keep-alive timeout covers the wait between requests.
+    It is the h11 protocol whether or not httptools is installed, so the limits hold
+    on every install."""
 
     header_timeout = HEADER_TIMEOUT
 
