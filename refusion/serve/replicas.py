@@ -19,9 +19,9 @@ supervisor sees it go.
 
 Shutdown: at the first SIGTERM/SIGINT the front tells every replica to drain (SIGUSR1,
 which a replica already draining ignores: systemd, say, signals every process of a
-service at once). Each drains as one server does (new and queued requests 503, running
-ones finish within --shutdown-timeout) while the front keeps passing their responses
-through; then the front exits. A second signal is passed on as it is, and everything
+service at once). Each drains as one server does (queued requests 503, running ones
+finish within --shutdown-timeout) while the front keeps passing their responses through
+and answers new requests with 503 `shutting_down` itself; then the front exits. A second signal is passed on as it is, and everything
 exits at once. Replicas run in their own session, so a terminal's Ctrl-C reaches only
 the front, and on Linux each is sent SIGTERM should the front die without a word.
 """
@@ -55,6 +55,7 @@ from fastapi.responses import (
 )
 
 from ..errors import ConfigError, ReFusionError
+from .loop import REFUSED, ShuttingDown
 from .metrics import Counter, Gauge, Registry
 from .protocol import APIError
 
@@ -487,10 +488,12 @@ def _response_headers(answer: httpx.Response) -> dict[str, str]:
 
 async def _pass_on(request: Request, replicas: ReplicaPool) -> Response:
     """Send the request to the least-loaded replica and its answer back, as it comes."""
-    from .app import authorised, read_body, unauthorised
+    from .app import authorised, library_error, read_body, unauthorised
 
     if not authorised(request.scope, replicas.api_key):  # before reading a body that would be refused
         raise unauthorised()
+    if replicas.closing:  # every replica drains: it would refuse the request too, or be gone already
+        raise library_error(ShuttingDown(REFUSED))
     body = await read_body(request)
     replica = replicas.pick()
     if replica is None:
