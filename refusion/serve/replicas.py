@@ -22,8 +22,9 @@ which a replica already draining ignores: systemd, say, signals every process of
 service at once). Each drains as one server does (queued requests 503, running ones
 finish within --shutdown-timeout) while the front keeps passing their responses through
 and answers new requests with 503 `shutting_down` itself; then the front exits. A
-second signal is passed on as it is, and everything exits at once. Replicas run in their own session, so a terminal's Ctrl-C reaches only
-the front, and on Linux each is sent SIGTERM should the front die without a word.
+second signal is passed on as it is, and everything exits at once. Replicas run in their
+own session, so a terminal's Ctrl-C reaches only the front, and on Linux each is sent
+SIGTERM should the front die without a word.
 """
 
 from __future__ import annotations
