@@ -26,6 +26,7 @@ from hypothesis import strategies as st  # noqa: E402
 from test_serve import MODEL, GatedEngine, LiveServer, in_thread, live, wait_for  # noqa: E402
 
 from refusion.decode import DecodeConfig, EngineConfig  # noqa: E402
+from refusion.serve import app as serve_app  # noqa: E402
 from refusion.serve import create_app  # noqa: E402
 from refusion.serve.app import _for_template  # noqa: E402
 from refusion.serve.protocol import APIError, fit_length, parse_request  # noqa: E402
@@ -161,9 +162,11 @@ def test_lone_surrogates_are_400s(server, body, path, param):
 
 
 # ---------------------------------------------------------------------------- what one client cannot hold up
-def test_a_huge_prompt_is_tokenised_without_holding_up_health_or_other_clients(loaded):
-    """A 2 MB prompt takes seconds to tokenise (only to be refused as too long): /health
-    and a small request answer meanwhile, because the tokenisation is not on the event loop."""
+def test_a_huge_prompt_is_tokenised_without_holding_up_health_or_other_clients(loaded, monkeypatch):
+    """A 2 MB prompt takes seconds to tokenise (only to be refused as too long; the
+    length check that would refuse it untokenised is loosened here): /health and a small
+    request answer meanwhile, because the tokenisation is not on the event loop."""
+    monkeypatch.setattr(serve_app, "TEXT_SLACK", 10**6)
     huge = {"prompt": "Hello there, how are you? " * 80_000, "max_tokens": 4}
     with live(loaded) as s:
         t0 = time.monotonic()
@@ -205,6 +208,29 @@ def test_a_chunked_body_over_the_limit_is_refused_while_it_arrives(server):
             got += part
     assert got.startswith(b"HTTP/1.1 413"), got[:200]
     assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_too_large"
+
+
+def test_text_too_long_to_fit_is_refused_without_tokenising_it(loaded):
+    """No token spells more than the vocabulary's longest entry, so text longer than the
+    context times that cannot fit: a 15 MB prompt is a 400 at once, not after seconds
+    of tokenisation; text within the bound is tokenised and measured in tokens."""
+    limit = 512 * serve_app._longest_token(loaded[1]) * serve_app.TEXT_SLACK  # the tiny models: 512 positions
+    with live(loaded) as s:
+        t0 = time.monotonic()
+        err = openai_error(post(s, "/v1/completions", {"prompt": "Hello there. " * 1_150_000}), 400)
+        took = time.monotonic() - t0
+        assert (err["param"], err["code"]) == (
+            "prompt",
+            "context_length_exceeded",
+        ) and "14950000 characters" in err["message"]
+        assert took < 5, took
+        chat = {"messages": [USER[0], {"role": "user", "content": "x" * limit}]}
+        err = openai_error(post(s, CHAT, chat), 400)
+        assert (err["param"], err["code"]) == ("messages", "context_length_exceeded") and "characters" in err[
+            "message"
+        ]
+        within = openai_error(post(s, "/v1/completions", {"prompt": "Hello " * (limit // 6)}), 400)
+        assert within["code"] == "context_length_exceeded" and "characters" not in within["message"], within
 
 
 @pytest.mark.parametrize("size", [100_000, 20_000])

@@ -70,6 +70,9 @@ MAX_DEPTH = (
 # threads that parse and tokenise requests: a few at once (the tokenizer releases the GIL), the
 # rest wait their turn without holding up the event loop
 REQUEST_THREADS = 4
+# text longer than context x the vocabulary's longest token, times this, is refused untokenised (the
+# slack covers normalisers that shorten text before it is split)
+TEXT_SLACK = 2
 
 
 def create_app(
@@ -252,6 +255,7 @@ class _Server:
         self.context = engine.model.config.max_position_embeddings
         self.vocab = engine.model.config.vocab_size
         self.created = int(time.time())
+        self.longest_token = _longest_token(self.tokenizer)
         self.work = concurrent.futures.ThreadPoolExecutor(
             REQUEST_THREADS, thread_name_prefix="refusion-request"
         )
@@ -340,6 +344,7 @@ class _Server:
     def encode(self, req: CompletionRequest) -> list[list[int]]:
         tok = self.tokenizer
         if req.kind == "chat":
+            self.check_text_length([m["content"] for m in req.messages], "messages")
             try:
                 prompts = [chat_ids(tok, _for_template(req.messages, getattr(tok, "chat_template", None)))]
             except Exception as e:  # the template itself rejects the conversation
@@ -347,7 +352,9 @@ class _Server:
         else:
             prompts = []
             for p in req.prompts:
-                if not isinstance(p, str) and any(not 0 <= t < self.vocab for t in p):
+                if isinstance(p, str):
+                    self.check_text_length([p], "prompt")
+                elif any(not 0 <= t < self.vocab for t in p):
                     raise bad(f"prompt token ids must be in [0, {self.vocab})", "prompt")
                 prompts.append(encode_prompt(tok, p, chat=False) if p != "" else [])
         if any(not p for p in prompts):
@@ -357,6 +364,31 @@ class _Server:
                 "empty_prompt",
             )
         return prompts
+
+    def check_text_length(self, texts: list[str], param: str) -> None:
+        """Refuse, before tokenising it, text that cannot fit the context: no token spells
+        more than `longest_token` characters, so text over context x that many (and
+        `TEXT_SLACK`) has more tokens than fit. Tokenising 15 MB would take a request
+        thread seconds of CPU only to say the same."""
+        size = sum(len(t) for t in texts)
+        limit = self.context * self.longest_token * TEXT_SLACK
+        if self.longest_token and size > limit:
+            raise bad(
+                f"the {param} text is {size} characters long, over the {limit} that could fit the "
+                f"context of {self.context} tokens (no token of this tokenizer spells more than "
+                f"{self.longest_token} characters); shorten it",
+                param,
+                "context_length_exceeded",
+            )
+
+
+def _longest_token(tokenizer: Any) -> int:
+    """The most characters one token of the vocabulary spells (0, no bound, for a
+    tokenizer that does not list its vocabulary)."""
+    try:
+        return max((len(t) for t in tokenizer.get_vocab()), default=0)
+    except (AttributeError, NotImplementedError):
+        return 0
 
 
 async def _respond(flow: _Flow) -> Response:
