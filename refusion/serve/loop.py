@@ -43,6 +43,7 @@ QUEUED = (
     "retry it (on another replica, or once the server is back)"
 )
 CUT = "the server shut down before this request finished (its shutdown timeout ran out); retry it"
+REFUSED = "the server is shutting down and takes no new requests; retry on another replica or once it is back"
 
 # ("text", str) | ("done", finish_reason, completion_tokens) | ("error", exception)
 # | ("slots", dict): a step's slot events, for a job that asked for them
@@ -174,10 +175,7 @@ class EngineLoop:
         """Queue every job or none."""
         with self._cv:
             if self._closing:
-                raise ShuttingDown(
-                    "the server is shutting down and takes no new requests; "
-                    "retry on another replica or once it is back"
-                )
+                raise ShuttingDown(REFUSED)
             if self.queue_length + len(jobs) > self.max_queue:
                 self.metrics.rejected.inc()
                 raise QueueFull(self._retry_after())

@@ -274,6 +274,13 @@ def _message(m: Any, where: str) -> dict[str, Any]:
         raise bad(
             f"{where}.{name} is not a field of a {role} message{why}", f"{where}.{name}", "unknown_parameter"
         )
+    if m.get("content") is None and not (role == "assistant" and _speaks_otherwise(m)):
+        raise bad(
+            f"{where}.content is required: give the message's text (only an assistant message "
+            "with tool_calls or a refusal may leave it out)",
+            f"{where}.content",
+            "missing_required_parameter",
+        )
     out: dict[str, Any] = {
         "role": "system" if role == "developer" else role,
         "content": _content(m.get("content"), where),
@@ -288,6 +295,12 @@ def _message(m: Any, where: str) -> dict[str, Any]:
     if m.get("tool_calls") is not None:
         out["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
     return out
+
+
+def _speaks_otherwise(m: dict[str, Any]) -> bool:
+    """Whether an assistant message says something without content, as OpenAI allows:
+    its tool calls or its refusal."""
+    return m.get("tool_calls") is not None or m.get("refusal") is not None
 
 
 def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
