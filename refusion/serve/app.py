@@ -290,7 +290,7 @@ class _Server:
         loop = asyncio.get_running_loop()
         req, prompts, configs = await loop.run_in_executor(self.work, self.prepare, raw, kind)
         events: asyncio.Queue = asyncio.Queue()
-        jobs = self.make_jobs(prompts, configs, events)
+        jobs = self.make_jobs(prompts, configs, events, req.include_slots)
         self.submit(jobs)
         flow = _Flow(
             request, req, jobs, events, self.name, sum(len(p) for p in prompts), watch=not req.stream
@@ -317,15 +317,15 @@ class _Server:
         return req, prompts, configs
 
     def make_jobs(
-        self, prompts: list[list[int]], configs: list[DecodeConfig], events: asyncio.Queue
+        self, prompts: list[list[int]], configs: list[DecodeConfig], events: asyncio.Queue, slots: bool
     ) -> list[Job]:
         """One job per prompt; each pushes its events, tagged with its choice's index,
-        into `events`."""
+        into `events` (with `slots`, each step's slot events too)."""
         loop = asyncio.get_running_loop()
         jobs = []
         for i, (ids, cfg) in enumerate(zip(prompts, configs)):
             notify = lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev))  # noqa: E731
-            jobs.append(Job(ids, cfg, notify, slots=req.include_slots))
+            jobs.append(Job(ids, cfg, notify, slots=slots))
         return jobs
 
     def submit(self, jobs: list[Job]) -> None:
