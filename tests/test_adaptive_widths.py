@@ -48,7 +48,7 @@ def random_widths(monkeypatch, seed: int) -> list[tuple[int, int]]:
     drafts; returns the list of choices made."""
     rng, made = random.Random(seed), []
 
-    def pick(rows, other_rows, other_fed, slot, window, acceptance, cost, overhead=0.0):
+    def pick(rows, other_rows, other_fed, slot, window, acceptance, cost, overheads=(0.0, 0.0)):
         p = rng.choice([0, 1, 2, slot // 2, slot])
         w = rng.choice([0, 1, max(window // 2, 1), window])
         made.append((p, w))
@@ -260,7 +260,8 @@ def test_a_costly_step_keeps_drafting_where_forwards_alone_would_not():
         acc.infill.add(5, 12)
     token_heavy = lambda n, r: 1e-4 + 1e-4 * n  # noqa: E731
     assert choose(16, 0, 0, 32, 12, acc, token_heavy) == (0, 0)
-    assert choose(16, 0, 0, 32, 12, acc, token_heavy, overhead=0.01) != (0, 0)
+    assert choose(16, 0, 0, 32, 12, acc, token_heavy, overheads=(0.01, 0.01)) != (0, 0)
+    assert choose(16, 0, 0, 32, 12, acc, token_heavy, overheads=(0.01, 0.0)) == (0, 0)  # drafting's own
     overhead = StepOverhead()
     for seconds in (0.1, 0.2, 10.0):  # one step held up by a neighbour moves the median little
         overhead.add(10, seconds)

@@ -72,6 +72,7 @@ class Engine:
         # (plan width, window) -> row-steps that drafted so; (0, 0): blocks decoded as AR decoding
         self.widths_chosen: dict[tuple[int, int], int] = {}
         self._last_step_end = 0.0  # when the last step ended, while requests remained
+        self._drafted = False  # whether a row drafted in the last step (else: AR blocks and AR rows)
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
         self.rows: list[CachedRow] = []  # AR and ReFusion rows, one per row of `cache`
@@ -190,12 +191,14 @@ class Engine:
     def _time_step(self, start: float, forward_seconds: float) -> None:
         """The step's time outside its forwards, and the driver's since the last step (at
         most the step's own length: a longer gap is a driver waiting for work), per row, for
-        the draft widths (`widths.StepOverhead`)."""
+        the draft widths (`widths.StepOverhead`), counted apart for steps where a row drafted
+        (infilling's bookkeeping) and steps of AR blocks and AR rows only."""
         end = time.perf_counter()
         if self.adaptive and self.rows_last_step:
             gap = min(start - self._last_step_end, end - start) if self._last_step_end else 0.0
             outside = end - start - (self.fwd.seconds - forward_seconds) + gap
-            self.drafting.overhead.add(self.rows_last_step, outside)
+            kind = self.drafting.overhead if self._drafted else self.drafting.ar_overhead
+            kind.add(self.rows_last_step, outside)
         self._last_step_end = end if self.has_unfinished() else 0.0
 
     def abort_running(self) -> list[str]:
@@ -275,6 +278,7 @@ class Engine:
         """ReFusion's round (docs/algorithm.md#one-step) for every ReFusion row, with the AR rows taking a
         token in each forward of the main cache."""
         self._choose_widths()
+        self._drafted = any(isinstance(r, ReFusionRow) and not r.ar_block for r in self.rows)
         self._plan()
         refusion = [r for r in self.rows if isinstance(r, ReFusionRow)]
         if not refusion:
@@ -307,10 +311,9 @@ class Engine:
             # the rows' mean cache length: attention's share of a forward's cost
             context = sum(cached[id(r)] for r in rows) // len(rows)
             at = functools.partial(cost, context=context)
-            overhead = self.drafting.overhead.seconds
-            p, w = choose(
-                len(rows), len(rest), fed, s, window, self.drafting.acceptance, at, overhead=overhead
-            )
+            d = self.drafting
+            overheads = (d.overhead.seconds, d.ar_overhead.seconds)
+            p, w = choose(len(rows), len(rest), fed, s, window, d.acceptance, at, overheads=overheads)
             for r in rows:
                 if r.ar_block:
                     continue  # an AR block runs to its end

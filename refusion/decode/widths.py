@@ -202,7 +202,7 @@ def choose(
     acceptance: Acceptance,
     cost: Callable[[int, int], float],
     margin: float = 1.1,
-    overhead: float = 0.0,
+    overheads: tuple[float, float] = (0.0, 0.0),
 ) -> tuple[int, int]:
     """(plan width, infilling window) for `rows` rows of one slot of `slot` tokens per block
     (window: the most their settings allow) that commit the most tokens per second of a
@@ -210,12 +210,14 @@ def choose(
     does, a token per forward. `other_rows` rows feeding `other_fed` tokens share the plan
     and verification forwards (an AR row commits a token in each). Other widths than the
     settings' own (slot, window) must promise `margin` times their rate, and drafting
-    `margin` times the rate of AR blocks. `overhead`: seconds a step costs per row outside
-    its forwards (`StepOverhead`)."""
+    `margin` times the rate of AR blocks. `overheads`: seconds a step costs per row outside
+    its forwards (`StepOverhead`) when rows draft, and in AR blocks."""
     rates = {}
     for p in candidates(slot):
         for w in [*candidates(window), 0] if window else [0]:
-            rates[(p, w)] = block_rate(rows, other_rows, other_fed, slot, p, w, acceptance, cost, overhead)
+            rates[(p, w)] = block_rate(
+                rows, other_rows, other_fed, slot, p, w, acceptance, cost, overheads[0]
+            )
     best = max(rates, key=rates.__getitem__)
     # the settings' own widths stay unless other widths are clearly faster, and drafting
     # stays only while clearly faster than AR blocks: the estimates are of a noisy machine,
@@ -223,7 +225,7 @@ def choose(
     if rates[best] <= margin * rates[(slot, window)]:
         best = (slot, window)
     everyone = rows + other_rows  # an AR block's step: two forwards, two tokens a row
-    ar = 2 * everyone / max(2 * cost(rows + other_fed, everyone) + overhead * everyone, 1e-12)
+    ar = 2 * everyone / max(2 * cost(rows + other_fed, everyone) + overheads[1] * everyone, 1e-12)
     return best if rates[best] > margin * ar else (0, 0)
 
 
@@ -281,7 +283,8 @@ class Drafting:
     def __init__(self) -> None:
         self.cost = ForwardCost()
         self.acceptance = Acceptance()
-        self.overhead = StepOverhead()
+        self.overhead = StepOverhead()  # steps where a row drafted
+        self.ar_overhead = StepOverhead()  # steps of AR blocks (and AR rows) only
 
 
 _DRAFTING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
