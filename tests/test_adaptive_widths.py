@@ -263,8 +263,18 @@ def test_a_costly_step_keeps_drafting_where_forwards_alone_would_not():
     assert choose(16, 0, 0, 32, 12, acc, token_heavy, overheads=(0.01, 0.01)) != (0, 0)
     assert choose(16, 0, 0, 32, 12, acc, token_heavy, overheads=(0.01, 0.0)) == (0, 0)  # drafting's own
     overhead = StepOverhead()
-    for seconds in (0.1, 0.2, 10.0):  # one step held up by a neighbour moves the median little
+    for seconds in (
+        0.1,
+        0.2,
+        10.0,
+        0.2,
+        0.2,
+        0.1,
+        50.0,
+    ):  # steps held up by a neighbour move the median little
         overhead.add(10, seconds)
+    assert overhead.seconds == 0.0  # fewer than 8 steps: not trusted yet
+    overhead.add(10, 0.2)
     assert overhead.seconds == pytest.approx(0.02)
 
 

@@ -73,6 +73,7 @@ class Engine:
         self.widths_chosen: dict[tuple[int, int], int] = {}
         self._last_step_end = 0.0  # when the last step ended, while requests remained
         self._drafted = False  # whether a row drafted in the last step (else: AR blocks and AR rows)
+        self._not_step = 0.0  # seconds of this step that are no step's own work (a calibration)
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
         self.rows: list[CachedRow] = []  # AR and ReFusion rows, one per row of `cache`
@@ -196,10 +197,10 @@ class Engine:
         end = time.perf_counter()
         if self.adaptive and self.rows_last_step:
             gap = min(start - self._last_step_end, end - start) if self._last_step_end else 0.0
-            outside = end - start - (self.fwd.seconds - forward_seconds) + gap
+            outside = end - start - (self.fwd.seconds - forward_seconds) - self._not_step + gap
             kind = self.drafting.overhead if self._drafted else self.drafting.ar_overhead
             kind.add(self.rows_last_step, outside)
-        self._last_step_end = end if self.has_unfinished() else 0.0
+        self._last_step_end, self._not_step = (end if self.has_unfinished() else 0.0), 0.0
 
     def abort_running(self) -> list[str]:
         """Drop every running request and the cache (after a step failed half-way, its
@@ -303,7 +304,9 @@ class Engine:
             return
         cost = self.drafting.cost
         if cost.stale():
+            t0 = time.perf_counter()
             cost.calibrate(self.fwd.time_shapes, self.config.max_batch_size)
+            self._not_step += time.perf_counter() - t0  # a one-off: not the step's own work
         for (s, window), rows in groups.items():
             member = {id(r) for r in rows}
             rest = [r for r in self.rows if id(r) not in member]

@@ -272,7 +272,9 @@ class StepOverhead:
 
     @property
     def seconds(self) -> float:
-        return statistics.median(self.per_row) if self.per_row else 0.0
+        """0 until 8 steps are measured: hopeful, as for acceptance, so that a few slow
+        first steps cannot keep a kind of step from ever being tried again."""
+        return statistics.median(self.per_row) if len(self.per_row) >= 8 else 0.0
 
 
 class Drafting:
