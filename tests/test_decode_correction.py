@@ -48,8 +48,9 @@ class Counting:
 
         def counted_check(rule, row):
             before = row.plan.drafts[row.selected, 0].clone()
-            check(rule, row)
+            checked = check(rule, row)
             self.first_replaced += int((row.plan.drafts[row.selected, 0] != before).sum())
+            return checked
 
         def counted_before_infill(rule, *args):
             self.first_slot += rule.corrects

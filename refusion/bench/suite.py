@@ -254,16 +254,23 @@ def sweep_runs(base: DecodeConfig, args: argparse.Namespace, with_ar: bool) -> l
 def decode_one(model, tokenizer, item, index: int, cfg: DecodeConfig, engine: EngineConfig) -> Record:
     """Decode one item alone (batch size 1); the clock covers `generate`, not the check,
     which is the evaluator's scorer of the suite (`refusion eval --task suite` scores alike)."""
-    from ..evaluate.registry import get_benchmark
-
-    suite = get_benchmark("suite")
     sync(model.device)
     t0 = time.perf_counter()
     out = generate(model, tokenizer, [item.prompt], cfg, engine_config=engine)[0]
     sync(model.device)
     seconds = time.perf_counter() - t0
-    correct = suite.score_one(suite.sample(item, index), out.text).correct
-    return Record(index, item.family, bool(correct), out.stats.tokens, out.stats.nfe, seconds)
+    return Record(
+        index, item.family, score_item(item, index, out.text), out.stats.tokens, out.stats.nfe, seconds
+    )
+
+
+def score_item(item, index: int, text: str) -> bool:
+    """Whether `text` answers the held-out item: the evaluator's scorer of the suite
+    (`refusion eval --task suite` scores alike)."""
+    from ..evaluate.registry import get_benchmark
+
+    suite = get_benchmark("suite")
+    return bool(suite.score_one(suite.sample(item, index), text).correct)
 
 
 def measure(

@@ -89,14 +89,22 @@ class PaperRule:
         """The plan's logits (n, V) less the rows `plan_head` asked for."""
         return logits
 
-    def check_selected(self, row: ReFusionRow) -> None:
-        """The selected slots' plan drafts are verified as drafted."""
+    def check_selected(self, row: ReFusionRow) -> list[int]:
+        """The selected slots' plan drafts are verified as drafted; returns the indices
+        (into `row.undecoded`) of the slots whose first token was checked here: none."""
+        return []
 
     # ------------------------------------------------------------------ verify
+    def first_scored(self, slots: list[int]) -> list[bool]:
+        """Which of the selected slots (in feed order) have their first token scored by the
+        global verify pass: none, each keeps its plan confidence, which selected it."""
+        return [False] * len(slots)
+
     def pass_first_tokens(self, firsts: torch.Tensor, slots: list[int]) -> None:
         """`firsts` (n_selected,), a view of the global verify pass's passing mask at the
-        selected slots' first tokens: each keeps its plan confidence, which selected it."""
-        firsts.fill_(True)
+        selected slots' first tokens: each one `first_scored` does not score passes."""
+        scored = torch.tensor(self.first_scored(slots), dtype=torch.bool, device=firsts.device)
+        firsts |= ~scored
 
     def whole_slots_verified(self, slots: list[int], logits: torch.Tensor, last: range) -> None:
         """`slots` are whole and final (they are committed next); logits[last[i]] (V,) are
@@ -160,25 +168,27 @@ class BeyondPaper(PaperRule):
             )  # a copy: not a view pinning the step's logits
         return logits
 
-    def check_selected(self, row: ReFusionRow) -> None:
+    def check_selected(self, row: ReFusionRow) -> list[int]:
         """A selected slot whose left neighbour is committed has its first token scored by
         the AR prediction read there; one that fails (probability <= token_threshold) is
-        replaced by that prediction."""
+        replaced by that prediction. Returns the indices of the slots checked."""
+        checked = []
         for i in row.selected:
             ahead = self.lookahead.get(row.undecoded[i])
             if ahead is None:
                 continue
+            checked.append(i)
             draft = row.plan.drafts[i, :1]  # (1,)
             if float(token_probs(ahead[None], draft)[0]) <= self.tau:
                 row.plan.drafts[i, 0] = row.req.sampler.pick(ahead[None])[0]
+        return checked
 
-    def pass_first_tokens(self, firsts: torch.Tensor, slots: list[int]) -> None:
+    def first_scored(self, slots: list[int]) -> list[bool]:
         """A slot's first token is scored like any other when the slot before it in the
         feed is its left neighbour: the logits there predict it."""
         if not self.checks_first:
-            return super().pass_first_tokens(firsts, slots)
-        scored = [i > 0 and slots[i - 1] == slots[i] - 1 for i in range(len(slots))]
-        firsts |= ~torch.tensor(scored, dtype=torch.bool, device=firsts.device)
+            return super().first_scored(slots)
+        return [i > 0 and slots[i - 1] == slots[i] - 1 for i in range(len(slots))]
 
     def whole_slots_verified(self, slots: list[int], logits: torch.Tensor, last: range) -> None:
         if self.checks_first:

@@ -68,6 +68,7 @@ class Fork:
     length: int = 0  # slot length to commit (s, or up to and including an EOS)
     complete: bool = False
     dropped: bool = False  # a slot at an earlier position accepted an EOS
+    how: list[str] | None = None  # when tracing: how each accepted token was accepted (request.HOW)
 
 
 @dataclass
@@ -83,7 +84,14 @@ class ReFusionRow:
     done: bool = False
     plan: Plan | None = None
     selected: list[int] = field(default_factory=list)  # indices into `undecoded` chosen by the plan
-    to_infill: tuple[list[int], list[list[int]], list[int]] | None = None  # slots, drafts, passing prefixes
+    # slots, drafts, passing prefixes, and (when tracing) how each token of those prefixes passed
+    to_infill: tuple[list[int], list[list[int]], list[int], list[list[str]] | None] | None = None
+    first_how: dict[int, str] = field(
+        default_factory=dict
+    )  # when tracing: slot -> how the plan step set its first token
+    exact: dict[int, bool] = field(
+        default_factory=dict
+    )  # when tracing: committed slot -> its left context was final
 
     def __post_init__(self) -> None:
         cfg = self.req.cfg
@@ -112,13 +120,32 @@ class ReFusionRow:
         else:
             self.undecoded = self._block_slots(self.block)
 
-    def commit(self, path: str, slots: list[int], toks: list[list[int]]) -> None:
-        """Slots (indices into the region) leave the undecoded list; their tokens are final."""
+    def commit(
+        self, path: str, slots: list[int], toks: list[list[int]], how: list[list[str]] | None = None
+    ) -> None:
+        """Slots (indices into the region, in position order) leave the undecoded list;
+        their tokens are final. `how` (when tracing): how each token was accepted."""
+        exact = self._exact(path, slots) if self.req.tracing else None
         gone = set(slots)
         self.undecoded = [j for j in self.undecoded if j not in gone]
         self.rule.committed(self, slots)
-        spans = [(j * self.s, t) for j, t in zip(slots, toks) if t]
-        self.req.commit(path, spans)
+        keep = [i for i, t in enumerate(toks) if t]
+        spans = [(slots[i] * self.s, toks[i]) for i in keep]
+        if exact is None:
+            self.req.commit(path, spans)
+        else:
+            self.req.commit(path, spans, [how[i] for i in keep], [exact[i] for i in keep])
+
+    def _exact(self, path: str, slots: list[int]) -> list[bool]:
+        """Per slot: was every slot to its left final (committed with an exact context
+        itself) and in the context its tokens were decided in? Global verification decided
+        each slot after the ones fed before it; an infilling fork saw the committed ones only."""
+        out = []
+        for i, j in enumerate(slots):  # position order: slots[:i] are to the left of j
+            ok = (path == "fast" or i == 0) and all(self.exact.get(k, False) for k in range(j))
+            self.exact[j] = ok
+            out.append(ok)
+        return out
 
     # ------------------------------------------------------------------ step 1: plan
     def plan_feed(self, mask_id: int) -> Feed:
@@ -142,8 +169,31 @@ class ReFusionRow:
         conf = token_probs(logits, drafts)
         self.plan = Plan(drafts.view(-1, self.s), conf.view(-1, self.s))
         self.selected = select_slots(self.plan, self.req.cfg.slot_threshold)
-        self.rule.check_selected(self)
+        before = self.plan.drafts[self.selected, 0].tolist() if self.req.tracing else None
+        checked = self.rule.check_selected(self)
+        if before is not None:
+            self._trace_first_tokens(before, checked)
         return n_fed - logits.shape[0]
+
+    def _trace_first_tokens(self, before: list[int], checked: list[int]) -> None:
+        """When tracing: how the plan step left each selected slot's first token (checked
+        against its left neighbour's AR prediction, or replaced by it)."""
+        self.first_how = {}
+        for i, old in zip(self.selected, before):
+            if int(self.plan.drafts[i, 0]) != old:
+                self.first_how[self.undecoded[i]] = "corrected"
+            elif i in checked:
+                self.first_how[self.undecoded[i]] = "verify"
+
+    def _trace_verified(self, slots: list[int], per_slot: list[int]) -> list[list[str]]:
+        """When tracing: how global verification passed each selected slot's tokens, up to
+        its passing prefix (`per_slot`, before a slot keeps its first token regardless)."""
+        scored = self.rule.first_scored(slots)
+        how = []
+        for j, sc, n in zip(slots, scored, per_slot):
+            first = self.first_how.get(j) or ("verify" if sc and n > 0 else "plan")
+            how.append([first] + ["verify"] * (max(n, 1) - 1))
+        return how
 
     def ends(self, toks: list[int]) -> int | None:
         """The index of the first EOS in `toks` (None: there is none)."""
@@ -176,6 +226,7 @@ class ReFusionRow:
             passing.view(-1, s)[:, 0], slots
         )  # (n_sel,) view: the slots' first tokens
         per_slot = passing.view(-1, s).int().cumprod(-1).sum(-1).tolist()  # passing prefix per slot
+        how = self._trace_verified(slots, per_slot) if self.req.tracing else None
         per_slot = [max(n, 1) for n in per_slot]  # a slot keeps at least its first token, the plan's draft
         prefix = int(passing.int().cumprod(0).sum())
         chunks = self.plan.drafts[sel].tolist()  # whole slots, also past an EOS the feed stopped at
@@ -183,16 +234,22 @@ class ReFusionRow:
         eos = self.ends(toks[:prefix])
         if eos is not None:
             k = eos // s + 1
-            self.commit("fast", slots[:k], chunks[: k - 1] + [chunks[k - 1][: eos + 1 - (k - 1) * s]])
+            cut = eos + 1 - (k - 1) * s
+            if how is not None:
+                how[k - 1] = how[k - 1][:cut]
+            self.commit("fast", slots[:k], chunks[: k - 1] + [chunks[k - 1][:cut]], how)
             self.drop_after(slots[k - 1])
             return eos + 1
         if prefix >= s:
             k = prefix // s
             self.rule.whole_slots_verified(slots[:k], logits, range(s - 1, k * s, s))
-            self.commit("fast", slots[:k], chunks[:k])
+            self.commit("fast", slots[:k], chunks[:k], how)
             return k * s
+        first = per_slot[0]
         self.rule.before_infill(self, logits, chunks, per_slot)
-        self.to_infill = (slots, chunks, per_slot)
+        if how is not None and per_slot[0] > first:  # the rule corrected the first slot's failing token
+            how[0] = how[0][:first] + ["corrected"]
+        self.to_infill = (slots, chunks, per_slot, how)
         return 0
 
 
@@ -219,8 +276,12 @@ class Infill:
         forks: list[Fork] = []
         src_rows: list[int] = []
         for row, b in zip(rows, index):
-            slots, drafts, per_slot = row.to_infill
-            forks += [Fork(row, j, list(d), a, cache.lengths[b]) for j, d, a in zip(slots, drafts, per_slot)]
+            slots, drafts, per_slot, how = row.to_infill
+            hows = how if how is not None else [None] * len(slots)
+            forks += [
+                Fork(row, j, list(d), a, cache.lengths[b], how=h)
+                for j, d, a, h in zip(slots, drafts, per_slot, hows)
+            ]
             src_rows += [b] * len(slots)
         widest = max(r.s for r in rows)
         # rows grow by < s, feeds are <= s; the scratch storage of the last step is reused
@@ -304,6 +365,11 @@ class Infill:
             pred[: len(targets)], torch.tensor(targets, dtype=torch.long, device=lg.device)
         ).tolist()
         n, corrected = f.row.rule.passing(f, pred, off, scores)
+        if f.how is not None:
+            f.how = f.how[: f.accepted] + [
+                _infill_how(i, corrected, scores[i - off] if 0 <= i - off < len(scores) else None, f.row.tau)
+                for i in range(f.accepted, n)
+            ]
         f.accepted = n
         eos = f.row.ends(f.tokens[:n])
         if eos is not None:
@@ -339,4 +405,12 @@ class Infill:
         for _, f in live:
             by_row.setdefault(id(f.row), []).append(f)
         for fs in by_row.values():
-            fs[0].row.commit("infill", [f.slot for f in fs], [f.tokens[: f.length] for f in fs])
+            how = [f.how[: f.length] for f in fs] if fs[0].row.req.tracing else None
+            fs[0].row.commit("infill", [f.slot for f in fs], [f.tokens[: f.length] for f in fs], how)
+
+
+def _infill_how(i: int, corrected: int | None, score: float | None, tau: float) -> str:
+    """How an infilling verify pass accepted slot token i (request.HOW)."""
+    if i == corrected:
+        return "corrected"
+    return "infill" if score is not None and score > tau else "infill-first"

@@ -53,15 +53,33 @@ class DecodeStats:
         }
 
 
+# How the decoder accepted a committed token (`TraceEvent.how`), by the code path that did it
+# (docs/algorithm.md#provenance):
+HOW = {
+    "plan": "a slot's first token, passed by global verification on its plan confidence alone (unscored)",
+    "verify": "passed global verification: its AR probability exceeded the token threshold",
+    "infill-first": "infilling's first not-yet-accepted token, passed without exceeding the threshold",
+    "infill": "passed an infilling verify pass: its AR probability exceeded the token threshold",
+    "corrected": "an AR prediction put in place of a draft (ar_correction or first_token_check)",
+    "ar": "AR decoding",
+    "mdm": "masked diffusion decoding",
+}
+
+
 @dataclass
 class TraceEvent:
-    """One commit: which slots (start position, length) entered the cache, by which path."""
+    """One commit: which slots (start position, length) entered the cache, by which path,
+    and how each token was accepted."""
 
     step: int  # 0-based index of the commit within this request's generation
     nfe: int  # this request's forward count when the commit happened
     path: str  # "fast" (global verification), "infill" (parallel AR infilling), "ar", "mdm"
     spans: list[tuple[int, int]]  # (first position relative to the generation start, length)
     tokens: list[list[int]]  # the committed tokens of each span
+    how: list[list[str]]  # per span, per token: a key of HOW
+    # per span: whether everything to its left was final and in the context its tokens were
+    # decided in (ReFusion slots decided in parallel beside an unfinished left neighbour are not)
+    exact: list[bool]
 
 
 @dataclass
@@ -118,8 +136,22 @@ class Request:
         self.filled = [None] * self.cfg.region_length
         self.started = time.perf_counter()
 
-    def commit(self, path: str, spans: Sequence[tuple[int, list[int]]]) -> None:
-        """Tokens enter the committed sequence at generation offsets (start, tokens)."""
+    @property
+    def tracing(self) -> bool:
+        """Whether commits are recorded; a decoder works out provenance only then."""
+        return self.trace is not None
+
+    def commit(
+        self,
+        path: str,
+        spans: Sequence[tuple[int, list[int]]],
+        how: Sequence[list[str]] | None = None,
+        exact: Sequence[bool] | None = None,
+    ) -> None:
+        """Tokens enter the committed sequence at generation offsets (start, tokens).
+        `how` and `exact` (read only when tracing) say how each token was accepted and
+        whether each span's left context was final; by default every token was accepted
+        by `path` itself in its exact context (AR, MDM)."""
         for start, toks in spans:
             self.filled[start : start + len(toks)] = toks
         if self.trace is not None:
@@ -130,6 +162,8 @@ class Request:
                     path,
                     [(s, len(t)) for s, t in spans],
                     [list(t) for _, t in spans],
+                    [list(h) for h in how] if how is not None else [[path] * len(t) for _, t in spans],
+                    list(exact) if exact is not None else [True] * len(spans),
                 )
             )
         row, n, limit = self.filled, self.prefix_len, self.cfg.gen_length
