@@ -37,7 +37,10 @@ from .suite import SUITE_DEFAULTS, score_item, select_items
 # (docs/algorithm.md#provenance).
 CATEGORIES = {
     "sampling": "a sampled draw (temperature > 0) that no score decided",
-    "left-not-final": "its slot was decided while a slot to its left was not final",
+    "left-not-final": (
+        "decided out of left-to-right order: a slot to its left was not final, or one to its right "
+        "was already in the cache (committed before its own left neighbour was final)"
+    ),
     "plan-first": "a slot's first token, passed by global verification on its plan confidence alone",
     "verify-threshold": "passed global verification's token threshold, though AR picks another token",
     "infill-first": "infilling's first not-yet-accepted token, passed although it failed the threshold",

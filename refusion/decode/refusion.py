@@ -137,12 +137,15 @@ class ReFusionRow:
             self.req.commit(path, spans, [how[i] for i in keep], [exact[i] for i in keep])
 
     def _exact(self, path: str, slots: list[int]) -> list[bool]:
-        """Per slot: was every slot to its left final (committed with an exact context
-        itself) and in the context its tokens were decided in? Global verification decided
-        each slot after the ones fed before it; an infilling fork saw the committed ones only."""
+        """Per slot: was its context exactly AR's, every slot to its left final (committed
+        in an exact context itself) and in it, and none to its right? Global verification
+        decided each slot after the ones fed before it; an infilling fork saw the committed
+        ones only. `self.exact` holds every committed slot."""
         out = []
         for i, j in enumerate(slots):  # position order: slots[:i] are to the left of j
-            ok = (path == "fast" or i == 0) and all(self.exact.get(k, False) for k in range(j))
+            left = all(self.exact.get(k, False) for k in range(j))
+            right = any(k > j for k in self.exact)  # committed before, at a later position
+            ok = (path == "fast" or i == 0) and left and not right
             self.exact[j] = ok
             out.append(ok)
         return out

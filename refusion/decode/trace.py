@@ -1,6 +1,7 @@
 """A self-contained HTML page that replays the order in which slots were filled (the
 paper's animation): one cell per generated position, coloured by the path that committed
-it (fast verification, parallel infilling, AR, MDM), step by step."""
+it (fast verification, parallel infilling, AR, MDM), step by step; a cell's tooltip says
+how its token was accepted (`request.HOW`) and whether its left context was final."""
 
 from __future__ import annotations
 
@@ -34,11 +35,14 @@ button{margin-right:.5em}
 <script>
 const DATA = __DATA__;
 function render(r, upto) {
-  const d = DATA[r], cells = d.tokens.map(() => null), newest = new Set();
+  const d = DATA[r], cells = d.tokens.map(() => null), how = d.tokens.map(() => ''), newest = new Set();
   for (let k = 0; k < upto && k < d.events.length; k++) {
     const ev = d.events[k];
-    ev.spans.forEach(([s, n]) => {
-      for (let i = s; i < s + n; i++) { cells[i] = ev.path; if (k === upto - 1) newest.add(i); }
+    ev.spans.forEach(([s, n], j) => {
+      for (let i = s; i < s + n; i++) {
+        cells[i] = ev.path; if (k === upto - 1) newest.add(i);
+        how[i] = ', ' + ev.how[j][i - s] + (ev.exact[j] ? '' : ', left context not final');
+      }
     });
   }
   const grid = document.getElementById('grid' + r);
@@ -47,7 +51,7 @@ function render(r, upto) {
     const c = document.createElement('span');
     c.className = 'cell' + (cells[i] ? ' ' + cells[i] : '') + (newest.has(i) ? ' new' : '');
     c.textContent = cells[i] ? t : '\\u00b7';
-    c.title = 'position +' + i;
+    c.title = 'position +' + i + how[i];
     grid.appendChild(c);
   });
   document.getElementById('step' + r).textContent =
@@ -101,7 +105,9 @@ def trace_payload(tokenizer: Any, prompts: list[Any], outs: list[RequestOutput])
                 "prompt": prompt if isinstance(prompt, str) else " ".join(map(str, prompt)),
                 "text": out.text if tokenizer is not None else " ".join(map(str, out.token_ids)),
                 "tokens": [next(it) if t is not None else "" for t in ids],
-                "events": [{"path": ev.path, "spans": ev.spans} for ev in events],
+                "events": [
+                    {"path": ev.path, "spans": ev.spans, "how": ev.how, "exact": ev.exact} for ev in events
+                ],
                 "stats": html.escape(
                     f"tokens {out.stats.tokens}, NFE {out.stats.nfe}, TPF {out.stats.tpf:.2f}, "
                     f"{out.stats.wall_time:.3f} s, {out.stats.tps:.1f} tokens/s, finish: {out.finish_reason}"
