@@ -58,7 +58,11 @@ _BY_HOW = {
     "mdm": "mdm",
 }
 _DRAWN = ("plan", "infill-first", "corrected")  # picked by the sampler, not decided by a score
-OPTION_NAMES = ("ar_correction", "first_token_check")  # the boolean options a setting line names
+OPTION_NAMES = (
+    "ar_correction",
+    "first_token_check",
+    "left_check",
+)  # the boolean options a setting line names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -28,11 +28,18 @@ The three options are `DecodeConfig` fields, off by default:
   far past the first failure are wasted; attention is causal, so the drafts a window makes
   are the ones a whole slot of MASKs would give. With ar_correction, the token after a
   window's drafts is the AR prediction of its last one.
+- `left_check`: only the leftmost undecoded slot of a block, and the slots verified in one
+  causal pass right after it, are committed. Every other slot a step completes (in
+  infilling, or in global verification behind a gap) is held, its tokens and not its KV
+  entries, and verified again once its left neighbour is final: fed after it, it keeps
+  the entries of that pass if it passes whole, and is filled again from its first failing
+  token otherwise. The leftmost slot is always selected, so every step commits a slot.
 
 With one slot per block and token_threshold >= 0.5, greedy decoding with ar_correction
 and first_token_check equals greedy AR decoding of the same weights (every accepted token
 is the AR argmax): ReFusion becomes a lossless drafter for its own AR head, and the plan's
-MDM drafts only decide the speed.
+MDM drafts only decide the speed. With left_check as well, that holds for any slot
+layout: every committed entry was computed with the whole left context and nothing else.
 """
 
 from __future__ import annotations
@@ -89,6 +96,9 @@ class PaperRule:
         """The plan's logits (n, V) less the rows `plan_head` asked for."""
         return logits
 
+    def select(self, row: ReFusionRow) -> None:
+        """The plan's selection (`row.selected`) stands, with the plan's drafts."""
+
     def check_selected(self, row: ReFusionRow) -> list[int]:
         """The selected slots' plan drafts are verified as drafted; returns the indices
         (into `row.undecoded`) of the slots whose first token was checked here: none."""
@@ -119,6 +129,21 @@ class PaperRule:
     def committed(self, row: ReFusionRow, slots: list[int]) -> None:
         """`slots` left the row's undecoded list."""
 
+    def split(self, row: ReFusionRow, path: str, slots: list[int], toks: list[list[int]]) -> int:
+        """`slots` (position order) are complete, by global verification (`path` "fast") or
+        infilling: how many of them, from the first, are committed now. All of them."""
+        return len(slots)
+
+    def waits(self, row: ReFusionRow, slots: list[int]) -> list[bool]:
+        """Which selected slots that global verification left to infill keep what they
+        hold instead: none."""
+        return [False] * len(slots)
+
+    def commits(self, row: ReFusionRow, slot: int) -> bool:
+        """Whether a slot being infilled is committed once complete (so an EOS it accepts
+        ends the row's text): always."""
+        return True
+
     # ------------------------------------------------------------------ infill
     def passing(self, f: Fork, pred: torch.Tensor, off: int, scores: list[float]) -> tuple[int, int | None]:
         """The fork's accepted length after a verify pass, and the index of the token the
@@ -141,7 +166,7 @@ class BeyondPaper(PaperRule):
 
     def __init__(self, cfg: DecodeConfig) -> None:
         super().__init__(cfg)
-        self.corrects, self.checks_first = cfg.ar_correction, cfg.first_token_check
+        self.corrects, self.checks_first, self.left = cfg.ar_correction, cfg.first_token_check, cfg.left_check
         self.window = cfg.infill_window or cfg.slot_size
         self.global_next = int(self.checks_first)  # predicts the next slot's first token
         self.infill_next = int(
@@ -154,6 +179,8 @@ class BeyondPaper(PaperRule):
         self.lookahead: dict[int, torch.Tensor] = {}
         self.ends: dict[int, torch.Tensor] = {}  # whole verified slot -> logits (V,) at its last token
         self.head = False  # this step's plan logits start with the prompt's last token's
+        # left_check: slot -> its tokens (up to an EOS), decided while its left neighbour was not final
+        self.held: dict[int, list[int]] = {}
 
     # ------------------------------------------------------------------ first_token_check
     def plan_head(self, prefilling: bool) -> int:
@@ -200,6 +227,7 @@ class BeyondPaper(PaperRule):
         at its last token predict the first token of the slot to its right."""
         for j in slots:
             self.lookahead.pop(j, None)
+            self.held.pop(j, None)
         for j in slots:
             end = self.ends.pop(j, None)
             if end is not None:
@@ -237,9 +265,55 @@ class BeyondPaper(PaperRule):
         f.tokens[n] = int(f.row.req.sampler.pick(pred[n - off : n - off + 1])[0])
         return n + 1, n
 
+    # ------------------------------------------------------------------ left_check
+    def select(self, row: ReFusionRow) -> None:
+        """The leftmost undecoded slot, and the held slots right after it (up to one that
+        ends in an EOS), are selected, with their held tokens as drafts; so are the plan's
+        choices that hold nothing. A held slot whose left neighbour is not final is not
+        filled again: it waits."""
+        if not self.left:
+            return
+        und, held = row.undecoded, self.held
+        chosen = [0]
+        while (
+            chosen[-1] + 1 < len(und)
+            and und[chosen[-1] + 1] == und[chosen[-1]] + 1
+            and und[chosen[-1] + 1] in held
+            and (und[chosen[-1]] not in held or row.ends(held[und[chosen[-1]]]) is None)
+        ):
+            chosen.append(chosen[-1] + 1)
+        row.selected = sorted(set(chosen) | {i for i in row.selected if und[i] not in held})
+        for i in row.selected:
+            toks = held.get(und[i])
+            if toks is not None:
+                row.plan.drafts[i, : len(toks)] = torch.tensor(toks, device=row.plan.drafts.device)
+
+    def split(self, row: ReFusionRow, path: str, slots: list[int], toks: list[list[int]]) -> int:
+        """With left_check, only slots decided with a final left neighbour are committed:
+        in global verification the run fed right after the committed ones, in infilling the
+        leftmost slot's fork (no fork sees its siblings). The others are held."""
+        if not self.left:
+            return len(slots)
+        first = min(row.undecoded + slots)  # the leftmost undecoded slot (an EOS it took dropped it)
+        if path == "fast":
+            n = next((i for i, j in enumerate(slots) if j != first + i), len(slots))
+        else:
+            n = int(bool(slots) and slots[0] == first)
+        for j, t in zip(slots[n:], toks[n:]):
+            self.held[j] = list(t)
+        return n
+
+    def waits(self, row: ReFusionRow, slots: list[int]) -> list[bool]:
+        """Held slots behind the leftmost one keep their tokens: their left neighbour is not
+        final yet, so filling them again would decide them without it once more."""
+        return [self.left and i > 0 and j in self.held for i, j in enumerate(slots)]
+
+    def commits(self, row: ReFusionRow, slot: int) -> bool:
+        return not self.left or slot == min(row.undecoded, default=slot)
+
 
 def rule_for(cfg: DecodeConfig) -> PaperRule:
     """The rule of a row decoded with `cfg`: the paper's unless an option is set."""
-    if cfg.ar_correction or cfg.first_token_check or cfg.infill_window is not None:
+    if cfg.ar_correction or cfg.first_token_check or cfg.infill_window is not None or cfg.left_check:
         return BeyondPaper(cfg)
     return PaperRule(cfg)

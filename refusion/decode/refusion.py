@@ -172,6 +172,7 @@ class ReFusionRow:
         conf = token_probs(logits, drafts)
         self.plan = Plan(drafts.view(-1, self.s), conf.view(-1, self.s))
         self.selected = select_slots(self.plan, self.req.cfg.slot_threshold)
+        self.rule.select(self)
         before = self.plan.drafts[self.selected, 0].tolist() if self.req.tracing else None
         checked = self.rule.check_selected(self)
         if before is not None:
@@ -240,11 +241,15 @@ class ReFusionRow:
             cut = eos + 1 - (k - 1) * s
             if how is not None:
                 how[k - 1] = how[k - 1][:cut]
-            self.commit("fast", slots[:k], chunks[: k - 1] + [chunks[k - 1][:cut]], how)
+            done = chunks[: k - 1] + [chunks[k - 1][:cut]]
+            n = self.rule.split(self, "fast", slots[:k], done)  # the rule holds the others
+            self.commit("fast", slots[:n], done[:n], how)
+            if n < k:
+                return n * s
             self.drop_after(slots[k - 1])
             return eos + 1
         if prefix >= s:
-            k = prefix // s
+            k = self.rule.split(self, "fast", slots[: prefix // s], chunks[: prefix // s])
             self.rule.whole_slots_verified(slots[:k], logits, range(s - 1, k * s, s))
             self.commit("fast", slots[:k], chunks[:k], how)
             return k * s
@@ -252,7 +257,13 @@ class ReFusionRow:
         self.rule.before_infill(self, logits, chunks, per_slot)
         if how is not None and per_slot[0] > first:  # the rule corrected the first slot's failing token
             how[0] = how[0][:first] + ["corrected"]
-        self.to_infill = (slots, chunks, per_slot, how)
+        fill = [i for i, w in enumerate(self.rule.waits(self, slots)) if not w]
+        self.to_infill = (
+            [slots[i] for i in fill],
+            [chunks[i] for i in fill],
+            [per_slot[i] for i in fill],
+            None if how is None else [how[i] for i in fill],
+        )
         return 0
 
 
@@ -377,7 +388,8 @@ class Infill:
         eos = f.row.ends(f.tokens[:n])
         if eos is not None:
             f.length = eos + 1
-            self._drop_later_forks(f, forks)
+            if f.row.rule.commits(f.row, f.slot):  # the EOS ends the row's text
+                self._drop_later_forks(f, forks)
         elif n == s:
             f.length = s
         valid = s if corrected is None else corrected  # entries this pass computed with final tokens
@@ -396,7 +408,17 @@ class Infill:
 
     @staticmethod
     def _commit(forks: list[Fork], fcache: KVCache, cache: KVCache, owner: list[int]) -> None:
-        live = [(i, f) for i, f in enumerate(forks) if not f.dropped]  # position order within each row
+        """Each row's complete slots that its rule commits (`split`; it holds the others)
+        get their fork's entries appended, in position order."""
+        by_row: dict[int, list[tuple[int, Fork]]] = {}
+        for i, f in enumerate(forks):  # position order within each row
+            if not f.dropped:
+                by_row.setdefault(id(f.row), []).append((i, f))
+        live = []
+        for fs in by_row.values():
+            row = fs[0][1].row
+            n = row.rule.split(row, "infill", [f.slot for _, f in fs], [f.tokens[: f.length] for _, f in fs])
+            live += fs[:n]
         cache.append_from(
             fcache,
             src_rows=[i for i, _ in live],
@@ -404,12 +426,11 @@ class Infill:
             counts=[f.length for _, f in live],
             dst_rows=[owner[i] for i, _ in live],
         )
-        by_row: dict[int, list[Fork]] = {}
-        for _, f in live:
-            by_row.setdefault(id(f.row), []).append(f)
         for fs in by_row.values():
-            how = [f.how[: f.length] for f in fs] if fs[0].row.req.tracing else None
-            fs[0].row.commit("infill", [f.slot for f in fs], [f.tokens[: f.length] for f in fs], how)
+            row, fs = fs[0][1].row, [f for i, f in live if f.row is fs[0][1].row]
+            if fs:
+                how = [f.how[: f.length] for f in fs] if row.req.tracing else None
+                row.commit("infill", [f.slot for f in fs], [f.tokens[: f.length] for f in fs], how)
 
 
 def _infill_how(i: int, corrected: int | None, score: float | None, tau: float) -> str:
