@@ -243,9 +243,11 @@ class ReFusionRow:
                 how[k - 1] = how[k - 1][:cut]
             done = chunks[: k - 1] + [chunks[k - 1][:cut]]
             n = self.rule.split(self, "fast", slots[:k], done)  # the rule holds the others
-            self.commit("fast", slots[:n], done[:n], how)
-            if n < k:
+            if n < k:  # the EOS's slot is held: the slots committed are whole, and the row goes on
+                self.rule.whole_slots_verified(slots[:n], logits, range(s - 1, n * s, s))
+                self.commit("fast", slots[:n], done[:n], how)
                 return n * s
+            self.commit("fast", slots[:n], done[:n], how)
             self.drop_after(slots[k - 1])
             return eos + 1
         if prefix >= s:
