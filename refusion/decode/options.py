@@ -7,7 +7,7 @@ decodes exactly what the authors' decoder does. A row gets one rule, built from 
 `DecodeConfig` by `rule_for`; rows of any rules share a batch, since each rule reads only
 its own row's logits.
 
-The three options are `DecodeConfig` fields, off by default:
+The four options are `DecodeConfig` fields, off by default:
 
 - `ar_correction`: in infilling, the first token that fails verification is replaced by
   the AR prediction its verify pass made for it and accepted. The paper re-drafts it from
