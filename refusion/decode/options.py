@@ -139,6 +139,19 @@ class PaperRule:
         hold instead: none."""
         return [False] * len(slots)
 
+    def refill(
+        self,
+        row: ReFusionRow,
+        logits: torch.Tensor,
+        slots: list[int],
+        chunks: list[list[int]],
+        passed: list[int],
+        k: int,
+    ) -> tuple[int, bool] | None:
+        """Global verification committed slots[:k] and the rest of the selection goes back
+        to planning (None), as the paper has it."""
+        return None
+
     def commits(self, row: ReFusionRow, slot: int) -> bool:
         """Whether a slot being infilled is committed once complete (so an EOS it accepts
         ends the row's text): always."""
@@ -310,6 +323,30 @@ class BeyondPaper(PaperRule):
 
     def commits(self, row: ReFusionRow, slot: int) -> bool:
         return not self.left or slot == min(row.undecoded, default=slot)
+
+    def refill(
+        self,
+        row: ReFusionRow,
+        logits: torch.Tensor,
+        slots: list[int],
+        chunks: list[list[int]],
+        passed: list[int],
+        k: int,
+    ) -> tuple[int, bool] | None:
+        """With left_check, the slot fed right after the committed run (now the leftmost)
+        was scored in AR's context, so it is filled again from its first failing token in
+        this step's infilling rather than planned again: returns its accepted length and
+        whether its last accepted token is this pass's AR prediction in place of the
+        failing one (with ar_correction, as `passing` would; else the paper's first token
+        passes)."""
+        if not self.left or k >= len(slots) or slots[k] != slots[k - 1] + 1 or passed[k] >= self.s:
+            return None
+        n = passed[k]
+        if not self.corrects:
+            return max(n, 1), False
+        i = k * self.s + n - 1  # the logits that predict slot token n
+        chunks[k][n] = int(row.req.sampler.pick(logits[i : i + 1])[0])
+        return n + 1, True
 
 
 def rule_for(cfg: DecodeConfig) -> PaperRule:

@@ -229,9 +229,9 @@ class ReFusionRow:
         self.rule.pass_first_tokens(
             passing.view(-1, s)[:, 0], slots
         )  # (n_sel,) view: the slots' first tokens
-        per_slot = passing.view(-1, s).int().cumprod(-1).sum(-1).tolist()  # passing prefix per slot
-        how = self._trace_verified(slots, per_slot) if self.req.tracing else None
-        per_slot = [max(n, 1) for n in per_slot]  # a slot keeps at least its first token, the plan's draft
+        passed = passing.view(-1, s).int().cumprod(-1).sum(-1).tolist()  # passing prefix per slot
+        how = self._trace_verified(slots, passed) if self.req.tracing else None
+        per_slot = [max(n, 1) for n in passed]  # a slot keeps at least its first token, the plan's draft
         prefix = int(passing.int().cumprod(0).sum())
         chunks = self.plan.drafts[sel].tolist()  # whole slots, also past an EOS the feed stopped at
         self.to_infill = None
@@ -254,6 +254,11 @@ class ReFusionRow:
             k = self.rule.split(self, "fast", slots[: prefix // s], chunks[: prefix // s])
             self.rule.whole_slots_verified(slots[:k], logits, range(s - 1, k * s, s))
             self.commit("fast", slots[:k], chunks[:k], how)
+            refill = self.rule.refill(self, logits, slots, chunks, passed, k)
+            if refill is not None:  # the slot fed after the committed ones is filled again in this step
+                n, corrected = refill
+                h = None if how is None else [how[k][: n - 1] + ["corrected"] if corrected else how[k][:n]]
+                self.to_infill = ([slots[k]], [chunks[k]], [n], h)
             return k * s
         first = per_slot[0]
         self.rule.before_infill(self, logits, chunks, per_slot)
