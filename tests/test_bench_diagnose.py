@@ -45,15 +45,20 @@ LAYOUTS = [
     dict(slot_size=8, serial_blocks=1),  # 4 slots per block
     dict(slot_size=4, serial_blocks=8),  # 1 slot per block
 ]
-OPTIONS = [{}, dict(ar_correction=True, first_token_check=True)]
+OPTIONS = [
+    {},
+    dict(ar_correction=True, first_token_check=True),
+    dict(ar_correction=True, first_token_check=True, left_check=True),
+]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=["s4x2", "s8x1", "s4x8"])
-@pytest.mark.parametrize("options", OPTIONS, ids=["paper", "both"])
+@pytest.mark.parametrize("options", OPTIONS, ids=["paper", "both", "both+left"])
 def test_provenance_agrees_with_a_direct_forward(tiny, layout, options):
     """In an exact context a token labelled as passing the threshold has AR probability
     above it, one that infilling passed without it has not, and an AR correction is the
-    argmax; outside one (several slots per block) some slot is labelled not exact."""
+    argmax; outside one (several slots per block, without left_check) some slot is
+    labelled not exact."""
     tau, seen = 0.1, set()
     for c in CASES[:16]:
         cfg = golden_config(c, gen_length=32, token_threshold=tau, slot_threshold=0.5, **layout, **options)
@@ -76,8 +81,9 @@ def test_provenance_agrees_with_a_direct_forward(tiny, layout, options):
                         assert prob <= tau, (c["prompt_ids"], p, h, prob)
                     elif h == "corrected":
                         assert ids[p] == int(probs[p].argmax()), (c["prompt_ids"], p)
-    one_slot = layout["serial_blocks"] == 8  # every slot is decided after its left neighbour
-    assert any(not exact for _, exact in seen) != one_slot
+    # with one slot per block, or left_check, every slot is decided after its left neighbour
+    in_order = layout["serial_blocks"] == 8 or options.get("left_check", False)
+    assert any(not exact for _, exact in seen) != in_order
     assert {("verify", True), ("infill", True), ("infill-first", True)} & seen
     if options:
         assert ("corrected", True) in seen
