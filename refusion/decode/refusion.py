@@ -421,11 +421,12 @@ class Infill:
         for i, f in enumerate(forks):  # position order within each row
             if not f.dropped:
                 by_row.setdefault(id(f.row), []).append((i, f))
-        live = []
+        done = []  # per row: the (fork index, fork) pairs committed now
         for fs in by_row.values():
             row = fs[0][1].row
             n = row.rule.split(row, "infill", [f.slot for _, f in fs], [f.tokens[: f.length] for _, f in fs])
-            live += fs[:n]
+            done.append(fs[:n])
+        live = [pair for fs in done for pair in fs]
         cache.append_from(
             fcache,
             src_rows=[i for i, _ in live],
@@ -433,11 +434,10 @@ class Infill:
             counts=[f.length for _, f in live],
             dst_rows=[owner[i] for i, _ in live],
         )
-        for fs in by_row.values():
-            row, fs = fs[0][1].row, [f for i, f in live if f.row is fs[0][1].row]
-            if fs:
-                how = [f.how[: f.length] for f in fs] if row.req.tracing else None
-                row.commit("infill", [f.slot for f in fs], [f.tokens[: f.length] for f in fs], how)
+        for fs in filter(None, done):
+            row = fs[0][1].row
+            how = [f.how[: f.length] for _, f in fs] if row.req.tracing else None
+            row.commit("infill", [f.slot for _, f in fs], [f.tokens[: f.length] for _, f in fs], how)
 
 
 def _infill_how(i: int, corrected: int | None, score: float | None, tau: float) -> str:
