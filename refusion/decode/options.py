@@ -33,7 +33,8 @@ The four options are `DecodeConfig` fields, off by default:
   infilling, or in global verification behind a gap) is held, its tokens and not its KV
   entries, and verified again once its left neighbour is final: fed after it, it keeps
   the entries of that pass if it passes whole, and is filled again from its first failing
-  token otherwise. The leftmost slot is always selected, so every step commits a slot.
+  token otherwise (in the same step, when it was fed right after the committed run). The
+  leftmost slot is always selected, so every step commits a slot.
 
 With one slot per block and token_threshold >= 0.5, greedy decoding with ar_correction
 and first_token_check equals greedy AR decoding of the same weights (every accepted token
