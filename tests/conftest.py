@@ -253,3 +253,27 @@ def tiny_model() -> Transformer:
     model = Transformer(config)
     randomise_(model, seed=0)
     return model.eval()
+
+
+@pytest.fixture
+def within() -> Callable[[int], Any]:
+    """`with within(30): ...` fails the block after 30 s (SIGALRM): for a reader that once
+    blocked on a FIFO or built a model of a million layers, a failure rather than a suite
+    that never ends."""
+    import contextlib
+    import signal
+
+    @contextlib.contextmanager
+    def limit(seconds: int) -> Iterator[None]:
+        def expire(*_: Any) -> None:
+            raise TimeoutError(f"took more than {seconds} s")
+
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.alarm(seconds)
+        try:
+            yield
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
+
+    return limit

@@ -1,7 +1,10 @@
 """Checkpoints and outputs that are not what they claim: damaged weights that `refusion
-info` must refuse as `load` does, configs whose architecture disagrees with itself, saves
-that must follow the umask and clean up after killed writers, and a reader that closes
-the pipe early."""
+info` must refuse as `load` does, configs whose architecture disagrees with itself,
+hostile files (fields of the wrong type or range, JSON the parser cannot take, FIFOs and
+devices, shard paths outside the directory, GGUF headers claiming more than the file
+holds, failing chat templates, NaN weights) that must fail in one line, saves that must
+follow the umask and clean up after killed writers, and a reader that closes the pipe
+early."""
 
 from __future__ import annotations
 
@@ -9,12 +12,15 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import stat
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
@@ -22,6 +28,7 @@ from refusion.cli.dispatch import EXIT_BROKEN_PIPE, main
 from refusion.errors import CheckpointError, UnsupportedArchitectureError
 from refusion.io import convert, describe, load, loading, save, save_pretrained
 from refusion.io import staging as staging_dirs
+from refusion.io.resolve import BUNDLED_DIR
 from refusion.model.config import ModelConfig
 
 
@@ -374,3 +381,252 @@ def test_info_piped_to_head_prints_no_traceback():
     done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120)
     assert "Traceback" not in done.stderr and "Error" not in done.stderr, done.stderr
     assert done.stderr.strip() in ("0", str(EXIT_BROKEN_PIPE)), done.stderr
+
+
+# ---------------------------------------------------------------------------- hostile files
+DEEP = "[" * 100_000 + "]" * 100_000  # nesting past the JSON parser's recursion limit
+LONG = "9" * 5000  # more digits than Python's int() converts
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> Path:
+    """A copy of the bundled model, to spoil."""
+    out = tmp_path / "model"
+    shutil.copytree(BUNDLED_DIR, out)
+    return out
+
+
+def set_config_text(model: Path, key: str, text: str) -> None:
+    """config.json with `key` set to the raw JSON `text` (what json.dumps cannot write)."""
+    config = json.loads((model / "config.json").read_text())
+    config[key] = "@@"
+    (model / "config.json").write_text(json.dumps(config).replace('"@@"', text))
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("vocab_size", "865", "must be an integer, got '865' (str)"),
+        ("hidden_size", 256.0, "must be an integer, got 256.0 (float)"),
+        ("num_hidden_layers", -4, "between 1 and"),
+        ("intermediate_size", 0, "between 1 and"),
+        ("num_attention_heads", 10**40, "an integer of about 41 digits"),
+        ("num_key_value_heads", "4", "must be an integer"),
+        ("max_position_embeddings", -1, "between 1 and"),
+        ("head_dim", 63, "even number"),
+        ("rms_norm_eps", float("nan"), "finite number, got NaN"),
+        ("rms_norm_eps", -1e-6, "between 0.0 and 1.0"),
+        ("rope_theta", -10000.0, ">= 1.0"),
+        ("rope_theta", float("inf"), "finite number, got Infinity"),
+        ("rope_scaling", "linear", "must be an object"),
+        ("rope_scaling", {"rope_type": "linear", "factor": float("nan")}, "rope_scaling.factor"),
+        ("eos_token_id", 865, "between 0 and 864, got 865"),
+        ("eos_token_id", [2, 99999], "between 0 and 864, got 99999"),
+        ("eos_token_id", -1, "between 0 and 864"),
+        ("bos_token_id", 10**6, "between 0 and 864"),
+        ("mask_token_id", "3", "must be an integer"),
+        ("tie_word_embeddings", "no", "must be a boolean"),
+        ("torch_dtype", ["float32"], "must be a string"),
+    ],
+)
+def test_a_config_field_of_the_wrong_type_or_range_is_one_line(checkpoint, capsys, field, value, words):
+    edit_json(checkpoint / "config.json", **{field: value})
+    assert_one_line_error(capsys, checkpoint, "config.json", field, words)
+
+
+@pytest.mark.parametrize(
+    "key, text, words",
+    [
+        ("vocab_size", LONG, "a number too long to read"),
+        ("extra", DEEP, "nested deeper"),
+        ("extra", '"\\ud800"', "lone UTF-16 surrogate"),
+    ],
+)
+def test_config_json_the_parser_cannot_take_is_one_line(checkpoint, capsys, key, text, words):
+    set_config_text(checkpoint, key, text)
+    assert_one_line_error(capsys, checkpoint, "config.json", words)
+
+
+def test_a_config_of_a_million_layers_is_weighed_against_the_weights(checkpoint, capsys, within):
+    edit_json(checkpoint / "config.json", num_hidden_layers=1_000_000)
+    with within(30):
+        assert_one_line_error(
+            capsys, checkpoint, "config.json", "num_hidden_layers=1000000", "more than the weight files"
+        )
+
+
+def spoil(path: Path, how: str) -> None:
+    """Put something other than a regular file where a checkpoint's file was."""
+    path.unlink()
+    if how == "fifo":
+        os.mkfifo(path)
+    elif how == "/dev/zero":
+        path.symlink_to("/dev/zero")
+    elif how == "symlink loop":
+        path.symlink_to(path.name + ".loop")
+        path.with_name(path.name + ".loop").symlink_to(path.name)
+    elif how == "directory":
+        path.mkdir()
+
+
+@pytest.mark.parametrize(
+    "name, how, words",
+    [
+        ("config.json", "fifo", "is a FIFO"),
+        ("config.json", "/dev/zero", "is a character device"),
+        ("config.json", "symlink loop", "is a symlink loop"),
+        ("config.json", "directory", "is a directory"),
+        ("tokenizer.json", "fifo", "is a FIFO"),
+        ("tokenizer.json", "/dev/zero", "is a character device"),
+        ("tokenizer_config.json", "symlink loop", "is a symlink loop"),
+        ("chat_template.jinja", "fifo", "is a FIFO"),
+        ("model.safetensors", "fifo", "is a FIFO"),
+        ("model.safetensors", "/dev/zero", "is a character device"),
+    ],
+)
+def test_a_checkpoint_file_that_is_not_a_regular_file_is_one_line(
+    checkpoint, capsys, within, name, how, words
+):
+    spoil(checkpoint / name, how)
+    with within(30):
+        assert_one_line_error(capsys, checkpoint, name, words, "not a")
+
+
+@pytest.mark.parametrize(
+    "name, text, words",
+    [
+        ("tokenizer.json", DEEP, "nested deeper"),
+        ("tokenizer.json", '{"version": ' + LONG + "}", "a number too long"),
+        ("tokenizer_config.json", DEEP, "nested deeper"),
+        ("tokenizer_config.json", '{"eos_token": "\\ud800"}', "lone UTF-16 surrogate"),
+        ("tokenizer_config.json", '{"model_max_length": ' + LONG + "}", "a number too long"),
+    ],
+)
+def test_tokenizer_files_the_parser_cannot_take_are_one_line(checkpoint, capsys, name, text, words):
+    (checkpoint / name).write_text(text)
+    assert_one_line_error(capsys, checkpoint, name, words)
+
+
+@pytest.mark.parametrize(
+    "template, words",
+    [
+        ("{{ raise_exception('no system prompts') }}", "no system prompts"),
+        ("{% if %}", "TemplateSyntaxError"),
+        ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "SecurityError"),
+    ],
+)
+def test_a_chat_template_that_fails_is_one_line(checkpoint, capsys, template, words):
+    (checkpoint / "chat_template.jinja").write_text(template)
+    assert_one_line_error(capsys, checkpoint, "chat template", words, "--no-chat")
+
+
+def shard_index(model: Path, weight_map) -> None:
+    """The single weight file as a one-shard checkpoint whose index holds `weight_map`."""
+    (model / "model.safetensors").rename(model / "model-00001-of-00001.safetensors")
+    (model / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+
+
+def test_an_index_naming_a_shard_outside_the_directory_is_refused(checkpoint, tmp_path, capsys):
+    """An absolute path to another (loadable) copy of the weights: it must not be read."""
+    outside = tmp_path / "elsewhere.safetensors"
+    shutil.copyfile(checkpoint / "model.safetensors", outside)
+    names = list(load_file(outside))
+    shard_index(checkpoint, {name: str(outside) for name in names})
+    assert_one_line_error(capsys, checkpoint, "model.safetensors.index.json", outside.name, "inside")
+
+
+@pytest.mark.parametrize(
+    "weight_map, words",
+    [
+        ({"model.embed_tokens.weight": "../model/model-00001-of-00001.safetensors"}, "inside"),
+        ({"model.embed_tokens.weight": "/dev/zero"}, "inside"),
+        ({"model.embed_tokens.weight": 5}, "inside"),
+        (["model-00001-of-00001.safetensors"], "weight_map must be an object"),
+    ],
+)
+def test_an_index_that_is_not_a_map_of_shard_names_is_refused(checkpoint, capsys, weight_map, words):
+    shard_index(checkpoint, weight_map)
+    assert_one_line_error(capsys, checkpoint, "model.safetensors.index.json", words)
+
+
+def test_an_index_too_deep_to_parse_is_one_line(checkpoint, capsys):
+    shard_index(checkpoint, {})
+    (checkpoint / "model.safetensors.index.json").write_text('{"weight_map": ' + DEEP + "}")
+    assert_one_line_error(capsys, checkpoint, "model.safetensors.index.json", "nested deeper")
+
+
+def spoil_weight(model: Path, value: float) -> str:
+    name = "model.layers.0.mlp.down_proj.weight"
+    state = load_file(model / "model.safetensors")
+    state[name][0, 0] = value
+    save_file(state, model / "model.safetensors", metadata={"format": "pt"})
+    return name
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_weights_are_refused_unless_allowed(checkpoint, capsys, value):
+    name = spoil_weight(checkpoint, value)
+    with pytest.raises(CheckpointError, match="--allow-nonfinite-weights") as err:
+        load(checkpoint)
+    assert name in str(err.value) and "1 NaN or infinite value" in str(err.value)
+    code, out, err_text = run_cli(capsys, "generate", checkpoint, "hi", "--gen-length", "4")
+    assert (code, out) == (2, "") and err_text.count("\n") == 1, err_text
+    assert name in err_text and "--allow-nonfinite-weights" in err_text
+    model, _ = load(checkpoint, allow_nonfinite=True)
+    assert not bool(torch.isfinite(model.state_dict()[name]).all())
+    code, _, err_text = run_cli(
+        capsys, "generate", checkpoint, "hi", "--gen-length", "4", "--allow-nonfinite-weights"
+    )
+    assert code == 0, err_text
+
+
+def test_integer_weights_are_refused_not_cast(checkpoint, capsys):
+    """int8 values cast to float would be weights of the wrong scale, without a word."""
+    state = load_file(checkpoint / "model.safetensors")
+    name = "model.embed_tokens.weight"
+    state[name] = (state[name] * 100).to(torch.int8)
+    save_file(state, checkpoint / "model.safetensors", metadata={"format": "pt"})
+    assert_one_line_error(capsys, checkpoint, name, "stored as I8", "not as floating point")
+
+
+def test_a_safetensors_header_too_deep_to_parse_is_one_line(checkpoint, capsys):
+    header = DEEP.encode()
+    (checkpoint / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    assert_one_line_error(capsys, checkpoint, "model.safetensors", "not a readable safetensors file")
+
+
+def gguf_file(tmp_path: Path, body: bytes, version: int = 3) -> Path:
+    """A GGUF file: the magic, `version`, then `body` (the counts and what follows)."""
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<I", version) + body + b"\0" * 64)
+    return path
+
+
+def kv(key: bytes, kind: int, value: bytes) -> bytes:
+    return struct.pack("<Q", len(key)) + key + struct.pack("<I", kind) + value
+
+
+@pytest.mark.parametrize(
+    "body, version, words",
+    [
+        (struct.pack("<QQ", 2**63 - 1, 0), 3, "tensor_count=9,223,372,036,854,775,807"),
+        (struct.pack("<QQ", 0, 2**63 - 1), 3, "kv_count=9,223,372,036,854,775,807"),
+        (struct.pack("<QQQ", 0, 1, 2**60) + b"general.architecture", 3, "key 0 declares"),
+        (struct.pack("<QQ", 0, 1) + kv(b"general.name", 8, struct.pack("<Q", 2**62)), 3, "'general.name'"),
+        (
+            struct.pack("<QQ", 0, 1) + kv(b"tokenizer.ggml.tokens", 9, struct.pack("<IQ", 8, 2**61)),
+            3,
+            "length",
+        ),
+        (struct.pack("<QQ", 0, 1) + kv(b"x", 77, b""), 3, "unknown value type 77"),
+        (struct.pack("<QQ", 0, 0), 99, "version 99"),
+    ],
+)
+def test_a_gguf_header_that_claims_more_than_the_file_holds_is_one_line(
+    tmp_path, capsys, within, body, version, words
+):
+    path = gguf_file(tmp_path, body, version)
+    with within(30):
+        assert_one_line_error(capsys, path, "model.gguf", "GGUF header is damaged", words)

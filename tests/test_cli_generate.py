@@ -7,6 +7,7 @@ import pytest
 
 import refusion
 from refusion.cli.dispatch import main
+from refusion.decode.request import NOTES
 
 
 def test_generate_json_matches_the_library(model_dir, capsys):
@@ -80,10 +81,16 @@ def test_generate_trace_page_replays_the_commits(model_dir, tmp_path, capsys):
     html = page.read_text()
     data = json.loads(re.search(r"const DATA = (.*);\n", html).group(1))
     events = data[0]["events"]
-    assert events and {e["path"] for e in events} <= {"fast", "infill"}
-    covered = sorted(i for e in events for s, n in e["spans"] for i in range(s, s + n))
+    commits = [e for e in events if e["path"] not in NOTES]
+    assert commits and {e["path"] for e in commits} <= {"fast", "infill"}
+    assert {e["path"] for e in events} - {"fast", "infill"} <= set(NOTES)
+    assert "plan" in {e["path"] for e in events}  # each step's plan is shown with its drafts
+    covered = sorted(i for e in commits for s, n in e["spans"] for i in range(s, s + n))
     assert covered[: len(covered)] == list(range(len(covered)))  # each position once, from the start
+    # each span's texts are its tokens' own
+    assert all(len(t) == n for e in events for (_, n), t in zip(e["spans"], e["texts"]))
     assert "<script>" in html and "http" not in html.split("<script>")[1]  # self-contained
+    assert "class SlotView" in html  # drawn by the slot view the playground uses
 
 
 def test_generate_preset_and_overrides_reach_the_config(model_dir, capsys):
@@ -160,8 +167,9 @@ def test_bench_decode_prints_the_table(model_dir, capsys):
     for method in ("ar", "refusion", "mdm"):
         assert re.search(rf"^{method}\s+\d+\s+\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+x", out, re.M)
     assert "batch-size sweep" in out
-    for method in ("ar", "refusion", "mdm"):  # what each asks of the machine
-        assert re.search(rf"^{method}\s+fed/token\s+[\d.]+\s+GFLOP/s(\s+[\d.]+){{2}}$", out, re.M)
+    for method in ("ar", "refusion", "mdm"):  # what each asks of the machine, per batch size
+        assert re.search(rf"^{method}\s+fed/token(\s+[\d.]+){{2}}\n\s+GFLOP/s(\s+[\d.]+){{2}}$", out, re.M)
+    assert re.search(r"^refusion / ar(\s+[\d.]+x){2}$", out, re.M)  # the sweep against AR, per batch size
     assert re.search(r"a matmul of the model's shapes reaches [\d.]+ GFLOP/s", out)
     for method in ("ar", "refusion", "mdm"):  # the linear layers' ceiling, against b=1 and the best batch
         assert re.search(rf"^{method}\s+[\d.]+\s+[\d.]+x\s+[\d.]+\s+[\d.]+%$", out, re.M)
@@ -206,4 +214,25 @@ def test_bench_decode_compares_compiled_and_eager(model_dir, capsys, tmp_path):
 
 def test_bench_decode_rejects_an_unknown_suffix(model_dir, capsys):
     assert main(["bench", "decode", str(model_dir), "--methods", "ar+x", "--prompts", "1"]) == 2
-    assert "the only suffix is +c" in capsys.readouterr().err
+    assert "a suffix is +c (compiled), +f (fixed draft widths) or +cf" in capsys.readouterr().err
+
+
+def test_bench_decode_compares_fixed_and_adaptive_widths(capsys, tmp_path):
+    """`refusion+f` decodes the bundled model's own (lossless) settings with fixed widths in
+    the same run: the same tokens, and the widths table says what each chose."""
+    path = tmp_path / "decode.json"
+    args = ["bench", "decode", "--prompts", "2", "--rounds", "1", "--batch-sizes", "1,4"]
+    assert (
+        main([*args, "--sweep-prompts", "4", "--methods", "ar,refusion,refusion+f", "--json", str(path)]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "draft widths per batch size" in out
+    assert re.search(r"^refusion\+f\s+32/12\s+0%\s+32/12\s+0%$", out, re.M)  # fixed: the settings' widths
+    fig = json.loads(path.read_text())
+    for key in ("tokens",):
+        assert fig["table"]["refusion+f"][key] == fig["table"]["refusion"][key] == fig["table"]["ar"][key]
+    for b in ("1", "4"):
+        assert (
+            fig["sweep_detail"]["refusion"][b]["overhead"] >= 0
+            and fig["sweep_detail"]["ar"][b]["overhead"] >= 0
+        )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import tracemalloc
 from pathlib import Path
 
@@ -203,3 +204,69 @@ def test_collate_right_pads(tmp_path, tiny_tokenizer):
         ids, m = ds[i]
         assert tokens[row, : len(ids)].tolist() == ids.tolist() and int(prompt_lens[row]) == m
         assert tokens[row, len(ids) :].eq(0).all()
+
+
+# ------------------------------------------------------------------------------ hostile files
+DEEP = "[" * 100_000 + "]" * 100_000  # nesting past the JSON parser's recursion limit
+LONG = "9" * 5000  # more digits than Python's int() converts
+GOOD = '{"query": "q", "response": "fine"}'
+
+
+@pytest.mark.parametrize(
+    "line, reason",
+    [
+        ('{"query": "\\ud800", "response": "x"}', "a lone UTF-16 surrogate"),
+        ('{"query": "q", "response": "\\udfff"}', "a lone UTF-16 surrogate"),
+        (
+            '{"messages": [{"role": "user", "content": "\\ud83d"}, {"role": "assistant", "content": "x"}]}',
+            "a lone UTF-16 surrogate",
+        ),
+        ('{"query": "q", "response": "r", "x": ' + DEEP + "}", "nested too deep"),
+        ('{"query": "q", "response": "r", "x": ' + LONG + "}", "number too long"),
+    ],
+)
+def test_a_hostile_record_is_skipped_and_counted(tmp_path, tiny_tokenizer, line, reason):
+    path = write_jsonl(tmp_path / "d.jsonl", [GOOD, line, GOOD])
+    ds, stats = load_dataset(path, tiny_tokenizer, 64)
+    assert (len(ds), stats.records, stats.bad) == (2, 3, {reason: 1})
+    assert f"line 2: {reason}" in stats.summary()
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("[" + GOOD + ", " + DEEP + "]", "nested deeper"),
+        ("[" + GOOD + ', {"x": ' + LONG + "}]", "a number too long"),
+    ],
+)
+def test_a_json_list_the_parser_cannot_take_is_one_line(tmp_path, tiny_tokenizer, text, words):
+    path = tmp_path / "d.json"
+    path.write_text(text)
+    with pytest.raises(DataError) as err:
+        load_dataset(path, tiny_tokenizer, 64)
+    message = str(err.value)
+    assert str(path) in message and words in message and "\n" not in message and "--data" in message
+
+
+def test_a_lone_surrogate_in_a_json_list_skips_that_record(tmp_path, tiny_tokenizer):
+    path = tmp_path / "d.json"
+    path.write_text("[" + GOOD + ', {"query": "\\ud800", "response": "x"}]')
+    ds, stats = load_dataset(path, tiny_tokenizer, 64)
+    assert (len(ds), stats.bad) == (1, {"a lone UTF-16 surrogate": 1})
+
+
+@pytest.mark.parametrize("how", ["/dev/zero", "fifo", "symlink loop"])
+def test_a_data_path_that_is_not_a_regular_file_is_one_line(tmp_path, tiny_tokenizer, within, how):
+    """/dev/zero is one endless line, a FIFO blocks the read: both are refused unread."""
+    path = tmp_path / "d.jsonl"
+    if how == "/dev/zero":
+        path.symlink_to("/dev/zero")
+    elif how == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("d.loop")
+        (tmp_path / "d.loop").symlink_to("d.jsonl")
+    with within(30), pytest.raises(DataError) as err:
+        load_dataset(path, tiny_tokenizer, 64)
+    message = str(err.value)
+    assert str(path) in message and "not a" in message and "--data" in message and "\n" not in message

@@ -16,11 +16,13 @@ from refusion.evaluate.paper_rules import (
     cut_at_stops,
     exact_match,
     finish,
+    last_boxed_only_string,
     longest_parseable_span,
     minerva_answer,
     multi_choice_extract,
     normalize_final_answer,
     regex_extract,
+    remove_boxed,
     sanitize_reachable,
 )
 
@@ -164,6 +166,85 @@ def test_math_prompt_has_no_boxed_instruction_and_the_gold_is_minerva_normalised
 def test_math_verify_and_minerva_exact_match(output, verify, exact):
     bench, s = one("math", MATH_DOC)
     assert metrics(bench, s, finish(output, s.request.until)) == {"math_verify": verify, "exact_match": exact}
+
+
+def final(answer: str) -> str:
+    return f"Final Answer: The final answer is ${answer}$. I hope it is correct."
+
+
+# (reference solution, output, math_verify, exact_match), the verdicts checked by hand
+MATH_PAIRS = [
+    ("So the domain is $\\boxed{[2,5)}$.", final("[2,5)"), True, False),  # interval: sympy cannot parse it
+    ("Thus $\\boxed{x\\in[-2,7]}$.", final("x \\in [-2,7]"), True, True),
+    ("The point is $\\boxed{(1,2)}$.", final("(1,2)"), True, False),  # tuple
+    ("The point is $\\boxed{(1,2)}$.", final("(2,1)"), False, False),
+    ("The roots are $\\boxed{-2,5}$.", final("-2,5"), True, True),
+    ("The length is $\\boxed{5\\sqrt{2}}$.", final("5\\sqrt{2}"), True, True),  # radical
+    ("The length is $\\boxed{5\\sqrt{2}}$.", "The answer is 5.", False, False),  # shares the 5
+    ("The length is $\\boxed{5\\sqrt{2}}$.", final("5"), False, False),
+    ("The area is $\\boxed{3\\pi}$.", final("3\\pi"), True, True),  # pi
+    ("The area is $\\boxed{3\\pi}$.", final("3"), False, False),  # shares the 3
+    ("So $\\boxed{\\dfrac{3}{4}}$.", final("\\frac{3}{4}"), True, True),  # a fraction three ways
+    ("So $\\boxed{\\dfrac{3}{4}}$.", final("3/4"), True, True),
+    ("So $\\boxed{\\dfrac{3}{4}}$.", final("0.75"), True, True),
+    ("So $\\boxed{\\dfrac{3}{4}}$.", final("\\frac{4}{3}"), False, False),
+    ("Hence $f(x) = \\boxed{2x+3}$.", final("2x+3"), True, True),
+    ("The answer is $\\boxed{\\text{(C)}}$.", final("\\text{(C)}"), True, True),  # text answers
+    ("The day is $\\boxed{\\text{Monday}}$.", final("\\text{Monday}"), True, True),
+    ("The day is $\\boxed{\\text{Monday}}$.", "It is Monday.", False, False),
+    ("The rate is $\\boxed{10\\%}$.", final("10\\%"), True, False),  # percentages
+    ("The rate is $\\boxed{10\\%}$.", final("0.1"), True, False),
+    ("The rate is $\\boxed{10\\%}$.", final("10"), False, False),
+    ("There are $\\boxed{12}$ ways.", "We count 12 ways in all, so the answer is 13.", False, False),
+]
+
+
+def math_doc(solution: str) -> dict:
+    return {"problem": "p", "solution": solution}
+
+
+@pytest.mark.parametrize("solution, output, verify, exact", MATH_PAIRS)
+def test_math_scores_the_whole_solution_against_the_whole_output(solution, output, verify, exact):
+    bench, s = one("math", math_doc(solution))
+    assert metrics(bench, s, output) == {"math_verify": verify, "exact_match": exact}
+
+
+@pytest.mark.parametrize("solution, output, verify, exact", MATH_PAIRS)
+def test_the_hand_checked_verdicts_are_the_authors_rule(solution, output, verify, exact):
+    """Their process_results, called directly: math-verify of doc["solution"] against the
+    output, and Minerva's is_equiv (sympy's LaTeX parser) of the normalised answers."""
+    from math_verify import parse
+    from math_verify import verify as math_verify
+
+    assert bool(math_verify(parse(solution), parse(output))) is verify
+    parse_latex = pytest.importorskip("sympy.parsing.latex").parse_latex
+    try:
+        parse_latex("1")
+    except ImportError:
+        pytest.skip("sympy's LaTeX parser needs antlr4 4.11 (the `math` extra pins it)")
+    import sympy
+
+    gold = normalize_final_answer(remove_boxed(last_boxed_only_string(solution)))
+    stated = minerva_answer(output)
+    try:
+        equal = (
+            stated != "[invalidanswer]"
+            and sympy.simplify(parse_latex(normalize_final_answer(stated)) - parse_latex(gold)) == 0
+        )
+    except Exception:
+        equal = False
+    assert equal is exact
+
+
+def test_paper_math_needs_the_reference_solution_and_records_its_scorer():
+    bench = paper("math")
+    with pytest.raises(KeyError):
+        bench.sample({"problem": "p", "answer": "5"}, 0)
+    assert bench.sample(math_doc("$\\boxed{5}$"), 0).data["solution"] == "$\\boxed{5}$"
+    notes = bench.notes()
+    scorers = {"math-verify", "latex2sympy2_extended", "antlr4-python3-runtime", "sympy"}
+    assert set(notes["versions"]) == scorers
+    assert notes["exact_match_latex_parser"] in ("sympy", "latex2sympy2_extended")
 
 
 # ------------------------------------------------------------------------------- ARC
@@ -486,6 +567,73 @@ def test_predictions_are_scored_with_every_metric_named(tmp_path):
     assert summary["protocol"] == "paper" and summary["accuracy"] == 1.0
     assert summary["metrics"] == {"flexible-extract": 1.0, "strict-match": 0.5}
     assert "strict-match 50.00%" in summary["line"]
+
+
+RAW_GSM = "The answer is 1<|mask|>8.\nQ: And 2 + 3?\nA: The answer is 5."
+RAW_MBPP = (
+    "Here it is:\n```python\nimport math\ndef add_one(x):\n    return x + 1\n```\n"
+    "It adds one.[DONE] more prose"
+)
+
+
+def score_predictions(tmp_path, task: str, doc: dict, output: str, **options) -> dict:
+    """The record of one prediction scored under the paper protocol."""
+    data, preds, out = tmp_path / f"{task}.jsonl", tmp_path / "preds.jsonl", tmp_path / "out"
+    data.write_text(json.dumps(doc) + "\n")
+    preds.write_text(json.dumps({"index": 0, "output": output}) + "\n")
+    evaluate(
+        paper(task), predictions=preds, data=str(data), out_dir=out, progress=False, overwrite=True, **options
+    )
+    return json.loads((out / "samples.jsonl").read_text())
+
+
+@pytest.mark.parametrize("task, doc, raw", [("gsm8k", GSM, RAW_GSM), ("mbpp", MB, RAW_MBPP)])
+def test_raw_predictions_are_finished_as_a_generation_here(tmp_path, task, doc, raw):
+    """Another engine's raw text: taken as finished (the default) it is scored as it is;
+    with raw_predictions it gets what a generation here gets, `finish` with the tokenizer."""
+    from refusion.io import load_metadata
+
+    _, tokenizer = load_metadata(None)
+    as_is = score_predictions(tmp_path, task, doc, raw)
+    assert as_is["output"] == raw and not as_is["correct"]
+    finished = score_predictions(tmp_path, task, doc, raw, raw_predictions=True, tokenizer=tokenizer)
+    assert finished["output"] == finish(raw, paper(task).sample(doc, 0).request.until, tokenizer)
+    assert finished["correct"], finished["detail"]
+    if task == "gsm8k":
+        assert finished["output"] == "The answer is 18.\n"  # cut at "Q:", the special token gone
+
+
+def test_raw_predictions_need_a_file_and_the_paper_protocol(tmp_path, capsys):
+    from refusion.errors import ConfigError
+
+    data, preds = tmp_path / "gsm8k.jsonl", tmp_path / "preds.jsonl"
+    data.write_text(json.dumps(GSM) + "\n")
+    preds.write_text(json.dumps({"index": 0, "output": RAW_GSM}) + "\n")
+    with pytest.raises(ConfigError, match="--protocol paper"):
+        evaluate("gsm8k", predictions=preds, data=str(data), raw_predictions=True, out_dir=tmp_path / "o")
+    assert main(["eval", "--task", "gsm8k", "--protocol", "paper", "--raw-predictions"]) == 2
+    assert "give one, or drop the flag" in capsys.readouterr().err
+    base = [
+        "eval",
+        "bundled:refusion-tiny",
+        "--task",
+        "gsm8k",
+        "--protocol",
+        "paper",
+        "--data",
+        str(data),
+        "--predictions",
+        str(preds),
+    ]
+    assert main([*base, "--out", str(tmp_path / "a")]) == 2
+    assert "only lends its tokenizer to --raw-predictions" in capsys.readouterr().err
+    out = tmp_path / "b"
+    assert main([*base, "--raw-predictions", "--out", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["raw_predictions"] is True and summary["metrics"] == {
+        "flexible-extract": 1.0,
+        "strict-match": 1.0,
+    }
 
 
 def test_a_robust_run_directory_is_not_resumed_as_paper(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from refusion.evaluate import (
     ResumeMismatchError,
     evaluate,
     get_benchmark,
+    read_predictions,
 )
 
 GSM8K = [
@@ -329,8 +331,8 @@ def test_suite_task_uses_the_bundled_tasks(tmp_path):
 def test_cli_runs_a_model_with_the_task_preset(tmp_path, gsm8k_file, monkeypatch, capsys):
     seen = {}
 
-    def fake_load(path, device="cpu", dtype=None, tensor_parallel_size=1):
-        seen["load"] = (path, device, dtype)
+    def fake_load(path, device="cpu", dtype=None, tensor_parallel_size=1, allow_nonfinite=False):
+        seen["load"] = (path, device, dtype, allow_nonfinite)
         return "model", "tokenizer"
 
     def fake_generate(model, tokenizer, prompts, cfg, engine_config=None):
@@ -361,7 +363,7 @@ def test_cli_runs_a_model_with_the_task_preset(tmp_path, gsm8k_file, monkeypatch
         ]
     )
     assert code == 0
-    assert seen["load"] == (None, "cpu", None)
+    assert seen["load"] == (None, "cpu", None, False)
     cfg = seen["cfg"]
     assert (cfg.method, cfg.slot_size, cfg.serial_blocks, cfg.slot_threshold, cfg.token_threshold) == (
         "refusion",
@@ -398,3 +400,61 @@ def test_a_prompt_too_long_for_the_model_is_recorded_and_the_run_goes_on(tmp_pat
     )
     assert records[2]["detail"]["reason"] == "generation_error"
     assert len(inner.prompts) == 5  # the rest of the failed batch was retried one by one
+
+
+# ------------------------------------------------------------------ hostile predictions files
+DEEP = "[" * 100_000 + "]" * 100_000  # nesting past the JSON parser's recursion limit
+
+
+@pytest.mark.parametrize(
+    "line, words",
+    [
+        (b'{"index": 0, "completion": "caf\xe9"}', "not UTF-8"),
+        ('{"index": 0, "completion": ' + DEEP + "}", "nested deeper"),
+        ('{"index": ' + "9" * 5000 + ', "completion": "2"}', "a number too long"),
+        ('{"index": "zero", "completion": "2"}', "index='zero' is not a dataset index"),
+        ('{"index": -1, "completion": "2"}', "index=-1 is not a dataset index"),
+        ('{"index": 0.5, "completion": "2"}', "index=0.5 is not a dataset index"),
+        ('{"index": true, "completion": "2"}', "index=True is not a dataset index"),
+        ('{"index": 0, "completion": "\\ud800"}', "lone UTF-16 surrogate"),
+        ('{"task_id": {"a": 1}, "completion": "2"}', "is not a sample id"),
+        ('{"index": 0, "completion": {"text": "2"}}', "is not text"),
+    ],
+)
+def test_a_hostile_predictions_line_is_one_line_naming_it(tmp_path, gsm8k_file, capsys, line, words):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(
+        b'{"index": 1, "completion": "4"}\n' + (line if isinstance(line, bytes) else line.encode())
+    )
+    with pytest.raises(PredictionsError) as err:
+        read_predictions(path)
+    message = str(err.value)
+    assert f"{path}:2" in message and words in message and "\n" not in message
+    argv = ["eval", "--task", "gsm8k", "--data", str(gsm8k_file), "--predictions", str(path)]
+    code = main([*argv, "--out", str(tmp_path / "o"), "--no-progress"])
+    err_text = capsys.readouterr().err
+    assert code == 2 and err_text.count("\n") == 1 and f"{path}:2" in err_text, err_text
+
+
+@pytest.mark.parametrize("how", ["/dev/zero", "fifo", "directory", "symlink loop"])
+def test_a_predictions_path_that_is_not_a_regular_file_is_refused(tmp_path, within, how):
+    path = tmp_path / "p.jsonl"
+    if how == "/dev/zero":
+        path.symlink_to("/dev/zero")
+    elif how == "fifo":
+        os.mkfifo(path)
+    elif how == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to("p.loop")
+        (tmp_path / "p.loop").symlink_to("p.jsonl")
+    with within(30), pytest.raises(PredictionsError) as err:
+        read_predictions(path)
+    assert str(path) in str(err.value) and "not a" in str(err.value) and "--predictions" in str(err.value)
+
+
+def test_numbers_as_completions_and_indexes_written_as_strings_still_read(tmp_path):
+    """What the stricter reader must still take (the old one did)."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"index": "3", "completion": 42}\n{"task_id": 7, "output": "x"}\n')
+    assert read_predictions(path) == ({"7": "x"}, {3: "42"})

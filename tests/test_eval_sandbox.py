@@ -5,10 +5,13 @@ Most programs here are top-level code with a function `f` that the checker's tes
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -227,3 +230,181 @@ def test_humaneval_broken_solutions_all_fail():
     passed = [s.id for s, r in zip(samples, scored) if r.correct]
     assert not passed
     assert all(r.detail["status"] == "failed" for r in scored)
+
+
+# ------------------------------------------------------------------ walls of a check
+needs_walls = pytest.mark.skipif(
+    not isolation().mounts, reason="this machine allows no private namespaces (the sandbox says which)"
+)
+LIBC = "import ctypes, os, select, time\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+SU = "/usr/bin/su"
+
+
+def _sysv(kind: str, key: int) -> list[str]:
+    """Rows of /proc/sysvipc/<kind> (the host's IPC namespace) with this key."""
+    rows = open(f"/proc/sysvipc/{kind}").read().splitlines()[1:]
+    return [row for row in rows if row.split() and int(row.split()[0]) == key]
+
+
+def _key_counts() -> dict[str, str]:
+    return {line.split(":")[0].strip(): line.split()[2] for line in open("/proc/key-users")}
+
+
+def _keys_kept(uids: set[str], before: dict[str, str]) -> dict[str, str]:
+    """Key counts of these uids that differ from before, once the kernel has collected
+    the keys of ended keyrings (it does so a moment later)."""
+    for _ in range(50):
+        kept = {u: n for u, n in _key_counts().items() if u in uids and n != before.get(u)}
+        if not kept:
+            break
+        time.sleep(0.1)
+    return kept
+
+
+@needs_walls
+def test_system_v_ipc_and_keys_made_by_a_check_are_gone_after_it():
+    key = 0x5EB00000 + os.getpid() % 0xFFFF
+    mark = f"refusion-key-{os.getpid()}"
+    add_key = {"x86_64": 248, "aarch64": 217}.get(os.uname().machine)
+    src = LIBC + (
+        "def f(n):\n"
+        f"    shm = libc.shmget({key}, 64 << 20, 0o1666)\n"
+        "    libc.shmat(shm, None, 0)\n"
+        f"    queue, sems = libc.msgget({key}, 0o1666), libc.semget({key}, 1, 0o1666)\n"
+        f"    for ring in (-4, -3) if {add_key} else ():  # the user and the session keyring\n"
+        f"        libc.syscall({add_key}, b'user', b'{mark}', b'secret', 6, ring)\n"
+        "    return min(shm, queue, sems) >= 0\n"
+    )
+    pool = {str(uid) for uid in checks._uids._free}
+    before = _key_counts()
+    try:
+        assert run_check(Check(src, "assert f(0)\n", ("f",)), FAST).passed  # they were made
+        left = {kind: _sysv(kind, key) for kind in ("shm", "msg", "sem")}
+        assert left == {"shm": [], "msg": [], "sem": []}
+        assert mark not in open("/proc/keys").read()
+        assert not _keys_kept(pool, before)
+    finally:
+        for flag, kind in (("-M", "shm"), ("-Q", "msg"), ("-S", "sem")):
+            if _sysv(kind, key):
+                subprocess.run(["ipcrm", flag, str(key)], check=False)
+
+
+THREE_CHILDREN = LIBC + (
+    "def f(n):\n"
+    "    r, w = os.pipe()\n"
+    "    children = []\n"
+    "    for _ in range(3):\n"
+    "        pid = libc.fork()\n"
+    "        if pid == 0:\n"
+    "            held = b'x' * (700 << 20)\n"
+    "            os.write(w, b'1')\n"
+    "            time.sleep(4)\n"
+    "            libc._exit(0)\n"
+    "        children.append(pid)\n"
+    "    os.close(w)\n"
+    "    ready, end = b'', time.time() + 8\n"
+    "    while len(ready) < 3 and time.time() < end:\n"
+    "        if select.select([r], [], [], 0.1)[0]:\n"
+    "            chunk = os.read(r, 3)\n"
+    "            if not chunk:\n"
+    "                break\n"
+    "            ready += chunk\n"
+    "    return sum(os.waitpid(pid, os.WNOHANG)[0] == 0 for pid in children)  # alive together\n"
+)
+
+
+@needs_walls
+@pytest.mark.parametrize("memory", ["this machine's", "watched by PID 1"])
+def test_one_memory_limit_holds_for_all_processes_of_a_check(monkeypatch, memory):
+    if memory != "this machine's":  # the fallback where no cgroup can be made
+        walls = dataclasses.replace(isolation(), memory=memory)
+        monkeypatch.setattr(checks, "isolation", lambda: walls)
+    check = Check(THREE_CHILDREN, "assert f(0) == 3\n", ("f",))  # 2.1 GB alive at once
+    result = run_check(check, Limits(timeout=15.0, memory_mb=1024))
+    assert not result.passed and result.reason.startswith("memory:"), result
+    small = Check(THREE_CHILDREN.replace("700 << 20", "100 << 20"), "assert f(0) == 3\n", ("f",))
+    assert run_check(small, Limits(timeout=15.0, memory_mb=1024)).passed  # 300 MB together is fine
+
+
+@needs_walls
+@pytest.mark.skipif(not os.path.exists(SU) or not os.stat(SU).st_mode & 0o4000, reason="no setuid su here")
+def test_a_setuid_program_runs_without_raising_privileges():
+    # a child becomes su (blocked reading a password from a pipe); the program reads its euid
+    src = LIBC + (
+        "def f(n):\n"
+        "    r, w = os.pipe()\n"
+        "    pid = libc.fork()\n"
+        "    if pid == 0:\n"
+        "        libc.dup2(r, 0)\n"
+        f"        libc.execv(b'{SU}', (ctypes.c_char_p * 3)(b'su', b'root', None))\n"
+        "        libc._exit(3)\n"
+        "    time.sleep(1.0)\n"
+        "    status = open(f'/proc/{pid}/status').read()\n"
+        "    return [line.split()[2] for line in status.splitlines() if line.startswith('Uid:')][0]\n"
+    )
+    result = run_check(Check(src, "assert f(0) != '0'\n", ("f",)), FAST)
+    assert result.passed, result
+    nnp = "def f(n):\n    return 'NoNewPrivs:\\t1' in open('/proc/self/status').read()\n"
+    assert run_check(Check(nnp, "assert f(0)\n", ("f",)), FAST).passed
+
+
+@needs_walls
+def test_numpy_imports_in_the_evaluators_own_interpreter():
+    pytest.importorskip("numpy")
+    src = "import sys\nimport numpy\ndef f(n):\n    return [sys.version, int(numpy.arange(n).sum())]\n"
+    result = run_check(Check(src, f"assert f(4) == [{sys.version!r}, 6]\n", ("f",)), FAST)
+    assert result.passed, result
+
+
+def test_walls_that_cannot_be_built_are_said_once(monkeypatch):
+    monkeypatch.setattr(checks, "_options", lambda: [])  # a machine that allows nothing
+    monkeypatch.setattr(checks._cgroup, "parent", lambda: None)
+    with pytest.warns(RuntimeWarning, match="no PID/network/IPC namespaces.*no private root.*per process"):
+        chosen = checks.isolation.__wrapped__()
+    assert chosen.memory == "per process" and not chosen.mounts and not chosen.namespaces
+    assert "memory limit: per process" in chosen.describe()
+
+
+@needs_walls
+def test_without_root_the_program_holds_no_capability_in_its_user_namespace(monkeypatch):
+    # started as a user without root is: `unshare --map-root-user`, root of a user namespace
+    # that owns its mounts; the program must not keep the power to undo them
+    monkeypatch.setattr(checks.os, "geteuid", lambda: 1000)
+    walls = dataclasses.replace(isolation(), own_uid=False)
+    assert "--map-root-user" in checks._prefix(walls)
+    monkeypatch.setattr(checks, "isolation", lambda: walls)
+    src = LIBC + (
+        "def f(n):\n"
+        "    status = dict(line.split(':', 1) for line in open('/proc/self/status').read().splitlines())\n"
+        "    unmounted = libc.umount2(b'/usr', 2) == 0\n"
+        "    walls = [status[name].strip() for name in ('CapEff', 'CapBnd', 'NoNewPrivs')]\n"
+        "    return walls + [unmounted]\n"
+    )
+    test = "assert f(0) == ['0000000000000000', '0000000000000000', '1', False]\n"
+    result = run_check(Check(src, test, ("f",)), FAST)
+    assert result.passed, result
+    checkout = str(Path(__file__).resolve().parents[1])
+    assert run_check(
+        Check(
+            f"import os\ndef f(n):\n    return os.path.exists({checkout!r})\n", "assert not f(0)\n", ("f",)
+        ),
+        FAST,
+    ).passed
+
+
+def test_the_memory_cgroup_is_found_under_our_own_group():
+    v1 = (
+        "9:name=systemd:/\n4:memory:/jobs/a\n3:cpu,cpuacct:/\n0::/",
+        "35 24 0:30 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
+        "36 24 0:31 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu,cpuacct\n"
+        "37 24 0:32 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n",
+    )
+    assert checks._cgroup.hierarchies(*v1) == [
+        (1, "/sys/fs/cgroup/memory/jobs/a"),
+        (2, "/sys/fs/cgroup/unified/"),
+    ]
+    v2 = (
+        "0::/user.slice/run-1.scope",
+        "30 23 0:26 / /sys/fs/cgroup rw,nosuid shared:4 - cgroup2 cgroup2 rw\n",
+    )
+    assert checks._cgroup.hierarchies(*v2) == [(2, "/sys/fs/cgroup/user.slice/run-1.scope")]

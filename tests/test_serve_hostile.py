@@ -23,9 +23,10 @@ httpx = pytest.importorskip("httpx")
 import test_serve  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_serve import MODEL, GatedEngine, LiveServer, live, wait_for  # noqa: E402
+from test_serve import MODEL, GatedEngine, LiveServer, in_thread, live, wait_for  # noqa: E402
 
 from refusion.decode import DecodeConfig, EngineConfig  # noqa: E402
+from refusion.serve import app as serve_app  # noqa: E402
 from refusion.serve import create_app  # noqa: E402
 from refusion.serve.app import _for_template  # noqa: E402
 from refusion.serve.protocol import APIError, fit_length, parse_request  # noqa: E402
@@ -85,6 +86,42 @@ def test_bodies_that_break_json_parsers_are_400s(server, name, body):
     assert "integer string conversion" not in err["message"] and "sys.set_int" not in err["message"]
 
 
+NOT_OBJECTS = [b"null", b"5", b"true", b"1.5", b"[]", b'[{"prompt": "x"}]', b'"x"', b'"{}"']
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", CHAT])
+@pytest.mark.parametrize("body", NOT_OBJECTS, ids=[b.decode() for b in NOT_OBJECTS])
+def test_a_body_that_is_not_an_object_is_a_400(server, path, body):
+    """Valid JSON, but not the object both endpoints take: a 400 naming the body, not a
+    500 from whatever first treats it as a container."""
+    err = openai_error(post(server, path, body), 400)
+    assert err["code"] == "invalid_type" and "JSON object" in err["message"], err
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "user"},
+        {"role": "user", "content": None},
+        {"role": "system", "name": "setup"},
+        {"role": "tool", "tool_call_id": "call_1"},
+        {"role": "assistant", "content": None},
+    ],
+)
+def test_a_message_without_content_is_a_400(server, message):
+    messages = [message] if message["role"] != "tool" else [*TOOL_TURN[:3], message]
+    err = openai_error(post(server, CHAT, {"messages": messages, "max_tokens": 4}), 400)
+    where = f"messages[{len(messages) - 1}].content"
+    assert (err["param"], err["code"]) == (where, "missing_required_parameter"), err
+
+
+def test_an_assistant_message_may_leave_content_out_for_tool_calls_or_a_refusal():
+    for message in (TOOL_TURN[2], {"role": "assistant", "refusal": "I cannot help with that."}):
+        said = {k: v for k, v in message.items() if k != "content"}
+        req = parse_request({"messages": [USER[0], said, USER[0]]}, "chat")
+        assert req.messages[1]["content"] == ""
+
+
 @pytest.mark.parametrize(
     "literal,shown",
     [("NaN", "NaN"), ("Infinity", "Infinity"), ("-Infinity", "-Infinity"), ("1e999", "Infinity")],
@@ -122,6 +159,136 @@ def test_lone_surrogates_are_400s(server, body, path, param):
     r = post(server, path, json.dumps(body).encode())  # json.dumps writes the escape
     err = openai_error(r, 404 if param == "model" else 400)
     assert err["param"] == param
+
+
+# ---------------------------------------------------------------------------- what one client cannot hold up
+def test_a_huge_prompt_is_tokenised_without_holding_up_health_or_other_clients(loaded, monkeypatch):
+    """A 2 MB prompt takes seconds to tokenise (only to be refused as too long; the
+    length check that would refuse it untokenised is loosened here): /health and a small
+    request answer meanwhile, because the tokenisation is not on the event loop."""
+    monkeypatch.setattr(serve_app, "TEXT_SLACK", 10**6)
+    huge = {"prompt": "Hello there, how are you? " * 80_000, "max_tokens": 4}
+    with live(loaded) as s:
+        t0 = time.monotonic()
+        big, answer = in_thread(lambda: post(s, "/v1/completions", huge))
+        time.sleep(0.3)  # the body is in; its tokenisation has begun
+        health: list[float] = []
+        while big.is_alive() and len(health) < 20:
+            t = time.monotonic()
+            assert httpx.get(s.url + "/health", timeout=30).status_code == 200
+            health.append(time.monotonic() - t)
+            time.sleep(0.05)
+        small_took = time.monotonic()
+        small = post(s, "/v1/completions", {"prompt": "Hello", "max_tokens": 4})
+        small_took, still_busy = time.monotonic() - small_took, big.is_alive()
+        big.join(120)
+        took = time.monotonic() - t0
+    assert openai_error(answer[0], 400)["code"] == "context_length_exceeded"
+    assert took > 1.0, f"the prompt took {took:.2f} s: too little to show anything"
+    assert health and max(health) < 0.5, health
+    assert small.status_code == 200 and (still_busy or small_took < 0.5), (small_took, took)
+
+
+def test_a_chunked_body_over_the_limit_is_refused_while_it_arrives(server):
+    """A chunked body declares no length: the 413 comes once the limit is passed, not
+    after the client has sent (and the server buffered) all of it."""
+    host, port = server.url.removeprefix("http://").split(":")
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    chunk = b"x" * 2**20
+    with socket.create_connection((host, int(port))) as c:
+        c.sendall(head + b"transfer-encoding: chunked\r\n\r\n")
+        for _ in range(17):  # 17 MiB, one over the limit, and no last chunk: the body never ends
+            c.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        c.settimeout(10)
+        got = b""
+        while b"\r\n\r\n" not in got or not got.rstrip().endswith(b"}"):
+            part = c.recv(65536)
+            if not part:
+                break
+            got += part
+    assert got.startswith(b"HTTP/1.1 413"), got[:200]
+    assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_too_large"
+
+
+def test_text_too_long_to_fit_is_refused_without_tokenising_it(loaded):
+    """No token spells more than the vocabulary's longest entry, so text longer than the
+    context times that cannot fit: a 15 MB prompt is a 400 at once, not after seconds
+    of tokenisation; text within the bound is tokenised and measured in tokens."""
+    limit = 512 * serve_app._longest_token(loaded[1]) * serve_app.TEXT_SLACK  # the tiny models: 512 positions
+    with live(loaded) as s:
+        t0 = time.monotonic()
+        err = openai_error(post(s, "/v1/completions", {"prompt": "Hello there. " * 1_150_000}), 400)
+        took = time.monotonic() - t0
+        assert (err["param"], err["code"]) == (
+            "prompt",
+            "context_length_exceeded",
+        ) and "14950000 characters" in err["message"]
+        assert took < 5, took
+        chat = {"messages": [USER[0], {"role": "user", "content": "x" * limit}]}
+        err = openai_error(post(s, CHAT, chat), 400)
+        assert (err["param"], err["code"]) == ("messages", "context_length_exceeded") and "characters" in err[
+            "message"
+        ]
+        within = openai_error(post(s, "/v1/completions", {"prompt": "Hello " * (limit // 6)}), 400)
+        assert within["code"] == "context_length_exceeded" and "characters" not in within["message"], within
+
+
+@pytest.mark.parametrize("size", [100_000, 20_000])
+def test_a_header_over_the_limit_is_refused_before_the_app(server, size):
+    """uvicorn's h11 refuses a head over the limit while it arrives in pieces (a plain 400);
+    one that arrives whole is measured before the app runs (a 431 in OpenAI's shape)."""
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": "Hello", "max_tokens": 4},
+        headers={"x-padding": "a" * size},
+        timeout=60,
+    )
+    assert r.status_code in (400, 431), (r.status_code, r.text[:200])
+    if r.status_code == 431:
+        assert openai_error(r, 431)["code"] == "request_headers_too_large"
+    ok = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": "Hello", "max_tokens": 4},
+        headers={"x-padding": "a" * 8_000},
+        timeout=60,
+    )
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_client_that_sends_its_headers_slowly_is_closed(loaded, monkeypatch):
+    """One byte a second never finishes a head: the connection is closed at the header
+    timeout, with a 408 (one that sends nothing is closed without one). A kept-alive
+    connection idle between requests is not timed by it."""
+    from refusion.serve.server import HeadTimeoutProtocol
+
+    monkeypatch.setattr(HeadTimeoutProtocol, "header_timeout", 1.0)
+    with live(loaded) as s:
+        host, port = s.url.removeprefix("http://").split(":")
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        address = (host, int(port))
+        with socket.create_connection(address) as slow, socket.create_connection(address) as mute:
+            slow.settimeout(0.5)  # the pace: a byte, then half a second's wait for an answer
+            t0, got = time.monotonic(), b""
+            for byte in head:
+                try:
+                    slow.sendall(bytes([byte]))
+                    chunk = slow.recv(4096)
+                except TimeoutError:
+                    continue
+                except OSError:  # reset, or a broken pipe: closed
+                    break
+                got += chunk
+                if not chunk or time.monotonic() - t0 > 6:
+                    break
+            closed_after = time.monotonic() - t0
+            mute.settimeout(5)
+            assert mute.recv(4096) == b""  # closed, nothing said
+        assert got.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in got, got[:300]
+        assert closed_after < 3, closed_after
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            assert c.get("/health").status_code == 200
+            time.sleep(1.5)
+            assert c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4}).status_code == 200
 
 
 # ---------------------------------------------------------------------------- OpenAI message fields
@@ -505,6 +672,46 @@ def test_sigterm_under_load_drains_within_the_timeout(model_dirs):
         log
     )  # one line per event, not per request
     assert sum(1 for x in log if '" 200' not in x and '" 503' not in x) <= 10, "\n".join(log)
+
+
+def health_status(url: str) -> int | None:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code
+    except httpx.HTTPError:
+        return None
+
+
+@pytest.mark.slow
+def test_after_sigterm_new_requests_get_503_until_the_drain_ends(model_dirs):
+    """While running requests drain, the server still listens and keeps its connections:
+    a request on a new connection and one on a kept-alive connection both get 503
+    `shutting_down` in the OpenAI format (not a refused or closed connection), /health
+    503; the streams end with [DONE] and the process exits."""
+    p = Process(model_dirs[1], "--shutdown-timeout", "5", "--max-batch-size", "4")
+    body = {"messages": USER, "max_tokens": 400, "method": "ar", "stop_token_ids": []}
+    results: list[list] = [[] for _ in range(4)]
+    started = [threading.Event() for _ in results]
+    try:
+        for out, ev in zip(results, started):
+            threading.Thread(target=stream_client, args=(p.url, body, out, ev), daemon=True).start()
+        for ev in started:
+            assert ev.wait(60)
+        with (
+            httpx.Client(base_url=p.url, timeout=10) as kept,
+            httpx.Client(base_url=p.url, timeout=10) as new,
+        ):
+            assert kept.get("/v1/models").status_code == 200  # a connection now kept alive
+            p.proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: health_status(p.url) == 503, timeout=5, what="/health to answer 503")
+            for client in (kept, new):
+                r = client.post(CHAT, json={"messages": USER, "max_tokens": 4})
+                assert openai_error(r, 503)["code"] == "shutting_down"
+        p.proc.wait(30)
+    finally:
+        p.kill()
+    streams = [o[1] for out in results for o in out if o[0] == "stream"]
+    assert streams and all(lines[-1] == "data: [DONE]" for lines in streams)
+    assert not any("Traceback" in x for _, x in p.lines)
 
 
 @pytest.mark.slow

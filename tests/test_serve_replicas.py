@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,12 +51,15 @@ def _gone(pid: int) -> bool:
 
 def test_least_loaded_takes_the_request_and_a_tie_goes_to_the_first():
     reps = ReplicaPool(
-        [SimpleNamespace(index=i, in_flight=n, alive=True) for i, n in enumerate((2, 1, 1))], "/nonexistent"
+        [SimpleNamespace(index=i, in_flight=n, alive=True, ready=True) for i, n in enumerate((2, 1, 1))],
+        "/nonexistent",
     )
     assert reps.pick().index == 1
     reps.all[1].in_flight = 3
     assert reps.pick().index == 2
     reps.all[2].alive = False  # an exited replica takes nothing
+    assert reps.pick().index == 0
+    reps.all[2].alive, reps.all[2].ready = True, False  # nor one started again but not yet ready
     assert reps.pick().index == 0
     for r in reps.all:
         r.alive = False
@@ -82,7 +86,7 @@ def test_metrics_of_the_replicas_merge_under_one_header_each():
     ]
 
 
-def test_two_replicas_share_requests_report_each_and_outlive_one_of_them():
+def test_two_replicas_share_requests_report_each_and_outlive_one_of_them_until_it_is_back():
     server = Process(BUNDLED_DIR, "--data-parallel-size", "2", "--log-level", "warning")
     try:
         health = httpx.get(server.url + "/health").json()
@@ -126,13 +130,14 @@ def test_two_replicas_share_requests_report_each_and_outlive_one_of_them():
             time.sleep(0.1)
         assert _cancelled(server) == 2
         # a replica that dies mid-stream: the stream ends with an error event; /health says so, and the
-        # other replica takes every request
+        # other replica takes every request until the front has started it again
         with httpx.stream(
             "POST", server.url + "/v1/chat/completions", json={**long, "stream": True}, timeout=60
         ) as r:
             it = r.iter_lines()
             lines = [next(it)]  # both idle: the first replica runs it
-            os.kill(_by_index(server.proc.pid, 0), signal.SIGKILL)
+            killed = _by_index(server.proc.pid, 0)
+            os.kill(killed, signal.SIGKILL)
             lines += [x for x in it if x]
         assert (
             lines[-1] == "data: [DONE]"
@@ -142,7 +147,7 @@ def test_two_replicas_share_requests_report_each_and_outlive_one_of_them():
         while httpx.get(server.url + "/health").status_code == 200 and time.monotonic() < deadline:
             time.sleep(0.1)
         health = httpx.get(server.url + "/health")
-        assert health.status_code == 503 and health.json()["replicas"][0]["status"] == "exited"
+        assert health.status_code == 503 and health.json()["replicas"][0]["status"] in ("exited", "starting")
         before = _sample(
             httpx.get(server.url + "/metrics").text, 'refusion_replica_requests_total{replica="1"}'
         )
@@ -151,6 +156,22 @@ def test_two_replicas_share_requests_report_each_and_outlive_one_of_them():
         metrics = httpx.get(server.url + "/metrics").text
         assert _sample(metrics, 'refusion_replica_up{replica="0"}') == 0
         assert _sample(metrics, 'refusion_replica_requests_total{replica="1"}') == before + 1
+        # the front starts it again (after a second's backoff) and /health recovers
+        deadline = time.monotonic() + 120
+        while httpx.get(server.url + "/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 200, health.text
+        assert [(x["status"], x["restarts"]) for x in health.json()["replicas"]] == [("ok", 1), ("ok", 0)]
+        assert _by_index(server.proc.pid, 0) != killed
+        metrics = httpx.get(server.url + "/metrics").text
+        assert _sample(metrics, 'refusion_replica_restarts_total{replica="0"}') == 1
+        before = _sample(metrics, 'refusion_replica_requests_total{replica="0"}')
+        r = client.chat.completions.create(model="refusion-tiny", messages=CHAT, max_tokens=64)
+        assert r.choices[0].message.content == texts[0]  # both idle: the first replica, back, answers
+        metrics = httpx.get(server.url + "/metrics").text
+        assert _sample(metrics, 'refusion_replica_requests_total{replica="0"}') == before + 1
+        assert _sample(metrics, 'refusion_replica_up{replica="0"}') == 1
     finally:
         _stop(server)
 
@@ -206,7 +227,14 @@ def test_sigterm_on_the_front_drains_the_replicas_and_ends_them():
             it = r.iter_lines()
             lines.append(next(it))  # the stream has begun
             server.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while httpx.get(server.url + "/health").status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            refused = httpx.post(  # while the stream drains, a new request is answered
+                server.url + "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4}, timeout=30
+            )
             lines += [x for x in it if x]
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
         assert lines[-1] == "data: [DONE]" and not any('"error"' in x for x in lines)  # it ran to its end
         assert server.proc.wait(60) in (0, -signal.SIGTERM)
         deadline = time.monotonic() + 30
@@ -259,8 +287,10 @@ def test_a_taken_port_fails_before_any_replica_starts():
     assert "starting 2 replicas" not in out.stderr and time.monotonic() - t0 < 60
 
 
-def test_the_front_checks_the_key_first_and_stops_when_every_replica_is_gone():
-    server = Process(BUNDLED_DIR, "--data-parallel-size", "2", "--api-key", "k", "--log-level", "warning")
+def test_the_front_checks_the_key_first_and_stops_when_no_replica_can_start_again(tmp_path):
+    model = tmp_path / BUNDLED_DIR.name
+    shutil.copytree(BUNDLED_DIR, model)
+    server = Process(model, "--data-parallel-size", "2", "--api-key", "k", "--log-level", "warning")
     try:
         big = b"x" * (17 * 2**20)  # over the body limit: a wrong key is still what the answer says
         r = httpx.post(
@@ -283,9 +313,12 @@ def test_the_front_checks_the_key_first_and_stops_when_every_replica_is_gone():
             'refusion_replica_up{replica="1"} 1'
             in httpx.get(server.url + "/metrics", headers={"authorization": "Bearer k"}).text
         )
+        shutil.rmtree(model)  # every start from now on fails
         for i in (0, 1):
             os.killpg(_by_index(server.proc.pid, i), signal.SIGKILL)
-        assert server.proc.wait(30) == 2  # a supervisor sees the front go, and can start it again
+        assert server.proc.wait(180) == 2  # a supervisor sees the front go, and can start it again
+        log = "\n".join(server.log_after(0))
+        assert log.count("starting it again in") == 6 and log.count("not started again") == 2, log
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and not any(
             "every replica exited" in x for x in server.log_after(0)

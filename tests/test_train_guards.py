@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -273,3 +274,35 @@ def test_a_fine_tune_keeps_the_base_model_s_decode_settings(model_dir, workdir, 
     assert Recommended.read(out) == rec
     assert Recommended.read(out / "checkpoints" / "step-00000002") == rec
     assert (out / FILE).is_file()
+
+
+# ------------------------------------------------------------------ a data path that is not a file
+@pytest.mark.parametrize("data", ["/dev/zero", "fifo"])
+def test_train_refuses_a_data_path_that_is_not_a_regular_file(
+    workdir, tokenizer_dir, tmp_path, capsys, within, data
+):
+    """/dev/zero (an endless line) and a FIFO (a read that never returns) are refused
+    before a model is built, in one line."""
+    if data == "fifo":
+        data = str(tmp_path / "data.jsonl")
+        os.mkfifo(data)
+    with within(60):
+        code = cli_train(workdir, tokenizer_dir, tmp_path / "o", "--data", data)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert data in err and "not a regular file" in err and "--data" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_train_refuses_a_tokenizer_file_that_is_a_fifo(workdir, tokenizer_dir, tmp_path, capsys, within):
+    """--tokenizer DIR is checked as a checkpoint's tokenizer is: a FIFO in a file's place
+    would block the read."""
+    tokenizer = tmp_path / "tokenizer"
+    shutil.copytree(tokenizer_dir, tokenizer)
+    (tokenizer / "tokenizer.json").unlink()
+    os.mkfifo(tokenizer / "tokenizer.json")
+    with within(60):
+        code = cli_train(workdir, tokenizer, tmp_path / "o")
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert str(tokenizer / "tokenizer.json") in err and "FIFO" in err

@@ -60,8 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--methods",
         default="ar,refusion,mdm",
-        help="comma-separated; a +c suffix (ar+c, refusion+c) runs that method with --compile, so "
-        "compiled and eager decoding compare in one run",
+        help="comma-separated; a suffix runs a method with an engine setting changed, so both compare in "
+        "one run: +c with --compile (ar+c, refusion+c), +f with fixed draft widths (refusion+f: "
+        "--no-adaptive-drafts); +cf both",
     )
     parser.add_argument("--batch-sizes", default="1,4,16")
     parser.add_argument(
@@ -76,11 +77,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def method_config(base: DecodeConfig, engine: EngineConfig, name: str) -> tuple[DecodeConfig, EngineConfig]:
-    """The configs of a method name: `refusion`, or `refusion+c` for the same compiled."""
-    method, plus, flag = name.partition("+")
-    if plus and flag != "c":
-        raise ConfigError(f"method {name!r}: the only suffix is +c (compiled), as in {method}+c")
-    return base.replace(method=method), engine.replace(compile=engine.compile or bool(plus))
+    """The configs of a method name: `refusion`; `refusion+c` for the same compiled,
+    `refusion+f` with fixed draft widths, `refusion+cf` both."""
+    method, plus, flags = name.partition("+")
+    if plus and (not flags or set(flags) - {"c", "f"}):
+        raise ConfigError(
+            f"method {name!r}: a suffix is +c (compiled), +f (fixed draft widths) or +cf, as in {method}+c"
+        )
+    return base.replace(method=method), engine.replace(
+        compile=engine.compile or "c" in flags,
+        adaptive_drafts=engine.adaptive_drafts and "f" not in flags,
+    )
 
 
 def warm_up(
@@ -121,12 +128,13 @@ def timed(model, tokenizer, prompts, cfg: DecodeConfig, engine: EngineConfig) ->
     wall = time.perf_counter() - t0
     tokens = sum(o.stats.tokens for o in outs)
     nfe = sum(o.stats.nfe for o in outs)
-    # share of the time outside forward passes: the decoder's own per-step overhead (exact
-    # at batch size 1, where each prompt's forward time is its own)
-    overhead = 1.0 - sum(o.stats.forward_time for o in outs) / wall
+    # share of the time outside forward passes: the decoder's own per-step overhead (each
+    # forward's time is split over the requests in it, so the shares add up to the forward time)
+    overhead = 1.0 - sum(o.stats.forward_share for o in outs) / wall
     fed, logit_rows = sum(o.stats.fed for o in outs), sum(o.stats.logit_rows for o in outs)
     flops = linear_flops(model, fed, logit_rows)
     return {
+        **draft_widths(outs),
         "tokens": tokens,
         "nfe": nfe,
         "tpf": tokens / max(nfe, 1),
@@ -136,6 +144,19 @@ def timed(model, tokenizer, prompts, cfg: DecodeConfig, engine: EngineConfig) ->
         "fed_per_token": fed / max(tokens, 1),
         "logit_rows_per_token": logit_rows / max(tokens, 1),
         "gflops": flops / wall / 1e9,
+    }
+
+
+def draft_widths(outs) -> dict[str, float]:
+    """ReFusion's draft widths over a set: the mean plan width (MASKs per slot) and
+    infilling window of the steps that drafted, and the share of blocks decoded as AR
+    decoding (docs/algorithm.md#adaptive-widths); zeros for other methods."""
+    steps = sum(o.stats.draft_steps for o in outs)
+    ar = sum(o.stats.ar_blocks for o in outs)
+    return {
+        "plan_width": sum(o.stats.plan_width_sum for o in outs) / max(steps, 1),
+        "window": sum(o.stats.window_sum for o in outs) / max(steps, 1),
+        "ar_block_share": ar / max(steps + ar, 1),
     }
 
 
@@ -249,12 +270,17 @@ def _run(args: argparse.Namespace, report: bool) -> int:
         f"tokens/s of the whole set, median of {args.rounds} interleaved rounds"
     )
     print(f"{'method':10} " + " ".join(f"{'b=' + str(b):>9}" for b in sizes) + f" {'max/b1':>7}")
+    ar_sweep = sweep.get("ar")
     for m in methods:
         print(
             f"{m:10} "
             + " ".join(f"{sweep[m][b]:9.1f}" for b in sizes)
             + f" {max(sweep[m].values()) / sweep[m][sizes[0]]:6.2f}x"
         )
+    if ar_sweep:
+        for m in methods:
+            if m != "ar":
+                print(f"{m + ' / ar':10} " + " ".join(f"{sweep[m][b] / ar_sweep[b]:8.2f}x" for b in sizes))
     peak = statistics.median(r["peak_gflops"] for per in full.values() for r in per.values())
     print(
         "\nwhat the sweep asks of the machine: tokens fed per token committed, "
@@ -262,10 +288,9 @@ def _run(args: argparse.Namespace, report: bool) -> int:
         f"a matmul of the model's shapes reaches {peak:.1f} GFLOP/s in this run"
     )
     for m in methods:
-        print(
-            f"{m:10} fed/token {full[m][sizes[0]]['fed_per_token']:5.2f}   GFLOP/s "
-            + " ".join(f"{full[m][b]['gflops']:9.1f}" for b in sizes)
-        )
+        print(f"{m:10} fed/token " + " ".join(f"{full[m][b]['fed_per_token']:9.2f}" for b in sizes))
+        print(f"{'':10} GFLOP/s   " + " ".join(f"{full[m][b]['gflops']:9.1f}" for b in sizes))
+    print_widths(full, methods, sizes)
     ceilings = print_ceilings(model, full, methods, sizes)
     if args.json_out and report:
         with open(args.json_out, "w") as f:
@@ -285,6 +310,23 @@ def _run(args: argparse.Namespace, report: bool) -> int:
                 indent=2,
             )
     return 0
+
+
+def print_widths(full: dict[str, dict[int, dict[str, float]]], methods: list[str], sizes: list[int]) -> None:
+    """The draft widths each ReFusion method chose per batch size: mean plan width / mean
+    infilling window of the steps that drafted, and the share of blocks decoded as AR."""
+    drafting = [
+        m for m in methods if any(full[m][b]["plan_width"] or full[m][b]["ar_block_share"] for b in sizes)
+    ]
+    if not drafting:
+        return
+    print("\ndraft widths per batch size: plan width / infill window (mean of drafting steps), blocks as AR")
+    for m in drafting:
+        cells = [
+            f"{full[m][b]['plan_width']:.0f}/{full[m][b]['window']:.0f} {full[m][b]['ar_block_share']:4.0%}"
+            for b in sizes
+        ]
+        print(f"{m:10} " + " ".join(f"{c:>12}" for c in cells))
 
 
 def print_ceilings(

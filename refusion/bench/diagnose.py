@@ -113,7 +113,7 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 def committed_at(trace: Sequence[TraceEvent], position: int) -> tuple[str, bool]:
     """(how, exact) of the commit that put a token at `position`; ("", True) if none did."""
-    for ev in trace:
+    for ev in (e for e in trace if e.committed):  # a trace of the steps has notes too
         for (start, n), how, exact in zip(ev.spans, ev.how, ev.exact):
             if start <= position < start + n:
                 return how[position - start], exact

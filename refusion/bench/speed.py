@@ -149,7 +149,9 @@ def random_model(
     return model.to(dtype).eval()
 
 
-def load_model(spec: str | None, device: str, dtype: str | None) -> tuple[Transformer, Any]:
+def load_model(
+    spec: str | None, device: str, dtype: str | None, allow_nonfinite: bool = False
+) -> tuple[Transformer, Any]:
     """(model, tokenizer) for a checkpoint path / hub id / None (bundled), or `random:NAME`
     (tokenizer None: prompts then come from the bundled tokenizer's ids)."""
     if spec and spec.startswith("random:"):
@@ -158,7 +160,7 @@ def load_model(spec: str | None, device: str, dtype: str | None) -> tuple[Transf
         return random_model(spec.split(":", 1)[1], device, parse_dtype(dtype, torch.device(device))), None
     from ..io import load
 
-    return load(spec, device=device, dtype=dtype)
+    return load(spec, device=device, dtype=dtype, allow_nonfinite=allow_nonfinite)
 
 
 def hf_twin(model: Transformer) -> Any:
@@ -529,7 +531,7 @@ def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     spec = args.model or args.model_pos
-    model, tokenizer = load_model(spec, args.device, args.dtype)
+    model, tokenizer = load_model(spec, args.device, args.dtype, args.allow_nonfinite_weights)
     hf = hf_twin(model) if args.hf == "auto" else None
     dev = model.device
     bw_mib = args.bw_mib or (2048 if dev.type == "cuda" else 256)

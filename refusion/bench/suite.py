@@ -564,7 +564,11 @@ def load_models(args: argparse.Namespace, ar_path: str | None) -> dict[str, tupl
         from ..io import load
 
         models["ar"] = load(
-            ar_path, device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size or 1
+            ar_path,
+            device=args.device,
+            dtype=args.dtype,
+            tensor_parallel_size=args.tensor_parallel_size or 1,
+            allow_nonfinite=args.allow_nonfinite_weights,
         )
     return models
 

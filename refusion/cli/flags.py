@@ -26,6 +26,17 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="float32, bfloat16, float16 (default: the checkpoint's, if the device runs it)",
     )
+    add_nonfinite_argument(parser)
+
+
+def add_nonfinite_argument(parser: argparse.ArgumentParser) -> None:
+    """--allow-nonfinite-weights: load a checkpoint whose weights hold NaN or inf."""
+    parser.add_argument(
+        "--allow-nonfinite-weights",
+        action="store_true",
+        help="load weights that hold NaN or infinite values (refused by default: such a model's output "
+        "is garbage)",
+    )
 
 
 def add_data_parallel_argument(parser: argparse.ArgumentParser, what: str) -> None:
@@ -130,6 +141,7 @@ def load_from_args(args: argparse.Namespace):
         device=args.device,
         dtype=args.dtype,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", None) or 1,
+        allow_nonfinite=getattr(args, "allow_nonfinite_weights", False),
     )
 
 

@@ -22,7 +22,7 @@ def generate(
     *,
     engine_config: EngineConfig | None = None,
     chat: bool = True,
-    trace: bool = False,
+    trace: bool | str = False,
     on_output: Callable[[int, RequestOutput], None] | None = None,
 ) -> list[RequestOutput]:
     """Decode every prompt, with one config for all or one per prompt (None: what the

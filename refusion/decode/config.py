@@ -211,6 +211,15 @@ class EngineConfig:
         "(a minute or so at first use; needs a C++ compiler on CPU)",
         http=False,
     )
+    # docs/algorithm.md#adaptive-widths: each step, the rows whose greedy output cannot depend on
+    # draft widths draft as wide as commits the most tokens per second at the batch's load
+    adaptive_drafts: bool = knob(
+        True,
+        "ReFusion: draft widths (plan MASKs, infill window) follow the batch, measured per forward; "
+        "only for rows whose output they cannot change (greedy, ar_correction, first_token_check, one "
+        "slot per block, token_threshold >= 0.5), other rows draft at their fixed widths",
+        http=False,
+    )
     # the model split over this many processes, one per device (refusion.parallel)
     tensor_parallel_size: int = knob(
         1,

@@ -20,6 +20,7 @@ aborted row frees its place at once.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import deque
 from collections.abc import Sequence
@@ -39,6 +40,7 @@ from .recommended import recommended_of
 from .refusion import Infill, ReFusionRow
 from .request import Request, RequestOutput
 from .sampling import Sampler
+from .widths import choose, drafting_of, widths_keep_output
 
 CachedRow = ARRow | ReFusionRow
 
@@ -62,6 +64,12 @@ class Engine:
         self.fwd = Forward(model, pad_id, compiled_step() if config.compile else None)
         self._entry_bytes = entry_bytes(model.config, model.dtype)  # a rank's config: its share of the heads
         self.infill = Infill(self.fwd, self.mask_id)
+        # draft widths that follow the batch (docs/algorithm.md#adaptive-widths); on a split model
+        # each rank would time its own forwards and choose apart, so widths stay fixed there
+        self.adaptive = config.adaptive_drafts and config.tensor_parallel_size == 1
+        self.drafting = drafting_of(model)
+        # (plan width, window) -> row-steps that drafted so; (0, 0): blocks decoded as AR decoding
+        self.widths_chosen: dict[tuple[int, int], int] = {}
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
         self.rows: list[CachedRow] = []  # AR and ReFusion rows, one per row of `cache`
@@ -95,11 +103,13 @@ class Engine:
         *,
         request_id: str | None = None,
         chat: bool = True,
-        trace: bool = False,
+        trace: bool | str = False,
         stream: bool = True,
     ) -> str:
         """Queue a request; it joins the batch at the next step. A text prompt goes through
-        the chat template (unless chat=False); token ids are taken as they are. With
+        the chat template (unless chat=False); token ids are taken as they are. `trace`
+        records its commits in its outputs (True), or its commits and what each step did
+        besides ("steps": the plan's drafts, corrections, rejected drafts). With
         stream=False it is reported once, when finished (its text decoded then, not at every step).
         Raises (ConfigError, ContextLengthError, MissingMaskTokenError) before any compute."""
         cfg = cfg or self.default_config
@@ -197,7 +207,7 @@ class Engine:
             if req.cfg.method == "mdm":
                 self.mdm.append(MDMRow(req, self.mask_id))
             else:
-                new.append(ReFusionRow(req) if req.cfg.method == "refusion" else ARRow(req))
+                new.append(self._row(req))
         if new:
             try:
                 self._make_room(new)
@@ -207,6 +217,14 @@ class Engine:
                     self.waiting.appendleft(row.req)
                 raise
             self.rows += new
+
+    def _row(self, req: Request) -> CachedRow:
+        if req.cfg.method != "refusion":
+            return ARRow(req)
+        row = ReFusionRow(req)
+        if self.adaptive and widths_keep_output(req.cfg):
+            row.acceptance = self.drafting.acceptance
+        return row
 
     def _make_room(self, new: list[CachedRow]) -> None:
         """Cache rows for `new`, each as long as the sizing rule says every step of the
@@ -241,6 +259,7 @@ class Engine:
     def _step_cached(self) -> None:
         """ReFusion's round (docs/algorithm.md#one-step) for every ReFusion row, with the AR rows taking a
         token in each forward of the main cache."""
+        self._choose_widths()
         self._plan()
         refusion = [r for r in self.rows if isinstance(r, ReFusionRow)]
         if not refusion:
@@ -250,6 +269,41 @@ class Engine:
         for r in refusion:
             r.next_block_if_complete()
 
+    def _choose_widths(self) -> None:
+        """Each group of rows with adaptive widths (same slot size and widest window) gets
+        the plan width and infilling window that commit the most tokens per second with the
+        batch as it is (`widths.choose`); the forward cost is timed at first use and
+        once a minute after."""
+        groups: dict[tuple[int, int], list[ReFusionRow]] = {}
+        cached: dict[int, int] = {}  # id(row) -> entries in its cache row
+        for b, r in enumerate(self.rows):
+            if isinstance(r, ReFusionRow) and r.acceptance is not None:
+                groups.setdefault((r.s, r.req.cfg.infill_window or r.s), []).append(r)
+                cached[id(r)] = self.cache.lengths[b]
+        if not groups:
+            return
+        cost = self.drafting.cost
+        if cost.stale():
+            cost.calibrate(self.fwd.time_shapes, self.config.max_batch_size)
+        for (s, window), rows in groups.items():
+            member = {id(r) for r in rows}
+            rest = [r for r in self.rows if id(r) not in member]
+            fed = sum(r.s if isinstance(r, ReFusionRow) else 1 for r in rest)
+            # the rows' mean cache length: attention's share of a forward's cost
+            context = sum(cached[id(r)] for r in rows) // len(rows)
+            at = functools.partial(cost, context=context)
+            p, w = choose(len(rows), len(rest), fed, s, window, self.drafting.acceptance, at)
+            for r in rows:
+                if r.ar_block:
+                    continue  # an AR block runs to its end
+                if p == 0 and r.can_start_ar_block():
+                    r.start_ar_block()
+                    self.widths_chosen[(0, 0)] = self.widths_chosen.get((0, 0), 0) + 1
+                    continue
+                r.set_widths(max(p, 1), w)
+                key = (max(p, 1), w)
+                self.widths_chosen[key] = self.widths_chosen.get(key, 0) + 1
+
     def _plan(self) -> None:
         """Steps 1-2: MASKs for every undecoded slot of each ReFusion row's block (its
         prompt first, on its first step), then the slots to verify; AR rows take a token."""
@@ -258,7 +312,7 @@ class Engine:
         logits = self._run(feeds)
         self.cache.advance(
             [
-                r.take_plan(lg, len(f[0])) if isinstance(r, ReFusionRow) else r.take(lg)
+                0 if f is None else r.take_plan(lg, len(f[0])) if isinstance(r, ReFusionRow) else r.take(lg)
                 for r, f, lg in zip(rows, feeds, logits)
             ]
         )

@@ -157,7 +157,34 @@ class Forward:
         for req in took_part.values():
             req.stats.nfe += 1
             req.stats.forward_time += seconds
+            req.stats.forward_share += seconds / len(took_part)
         return list(logits.split([e - a for a, e in want]))
+
+    def time_shapes(self, shapes: Sequence[tuple[int, int, int]], repeats: int = 5) -> list[float]:
+        """Seconds of a forward of each shape (rows, tokens per row, entries cached per row),
+        with the logits of each row's last token, best of `repeats`: calibration samples for
+        the draft widths (widths.ForwardCost), on caches of their own (one per rows and
+        context; a forward writes past the rows' ends and keeps nothing)."""
+        device, out, caches = self.model.device, [], {}
+        for rows, per_row, context in shapes:
+            if (rows, context) not in caches:
+                longest = max(k for r, k, c in shapes if (r, c) == (rows, context))
+                cache = caches[rows, context] = self.model.new_cache(rows, context + longest)
+                self._packed([[self.pad_id] * context] * rows, [list(range(context))] * rows, cache)
+                cache.advance([context] * rows)
+            tokens = [[self.pad_id] * per_row] * rows
+            positions = [list(range(context, context + per_row))] * rows
+            self._packed(tokens, positions, caches[rows, context])  # a first call of a shape allocates
+            best = float("inf")
+            for _ in range(repeats):
+                sync(device)
+                t0 = time.perf_counter()
+                hidden = self._packed(tokens, positions, caches[rows, context])  # (rows * per_row, hidden)
+                self.model.lm_head(hidden[per_row - 1 :: per_row]).float()
+                sync(device)
+                best = min(best, time.perf_counter() - t0)
+            out.append(best)
+        return out
 
     def _check_finite(self, logits: torch.Tensor) -> None:
         """Warn once when logits are not finite: the tokens sampled from them are noise.

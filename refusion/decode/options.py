@@ -56,11 +56,13 @@ from .sampling import token_probs
 class ReFusionRow(Protocol):
     """What a rule reads and changes of the row it serves (`refusion.ReFusionRow`)."""
 
-    req: Any  # the row's Request: its sampler picks replacement tokens
+    req: Any  # the row's Request: its sampler picks replacement tokens, its trace notes them
     plan: Any  # this step's Plan: drafts (n_undecoded, s), conf
     undecoded: list[int]  # slot indices of the current block, ascending
     selected: list[int]  # indices into `undecoded` chosen by the plan
     block: int
+    mask_id: int  # the plan's MASK: the undrafted rest of a slot under a narrower plan
+    acceptance: Any  # counts its verify passes for the engine's draft widths (widths.Acceptance), or None
 
     def ends(self, toks: list[int]) -> int | None: ...
 
@@ -69,6 +71,7 @@ class Fork(Protocol):
     """What a rule reads and changes of a slot being infilled (`refusion.Fork`)."""
 
     row: ReFusionRow
+    slot: int  # the slot's index in the region
     tokens: list[int]  # the slot's tokens; tokens[:accepted] are final
     accepted: int
     drafted: int  # tokens[accepted:drafted] are this round's drafts
@@ -89,8 +92,9 @@ class PaperRule:
         self.window = cfg.slot_size  # tokens an infilling round drafts past the accepted prefix, at most
 
     # ------------------------------------------------------------------ plan
-    def plan_head(self, prefilling: bool) -> int:
-        """Logits rows the plan wants at the prompt's last token, before the MASKs'."""
+    def plan_head(self, feeds_head: bool, slot: int) -> int:
+        """Logits rows the plan wants at the last token it feeds before the MASKs (the
+        prompt's, or an AR block's last), which predicts the first token of `slot`."""
         return 0
 
     def take_plan_head(self, logits: torch.Tensor) -> torch.Tensor:
@@ -192,21 +196,19 @@ class BeyondPaper(PaperRule):
         # the last token of the slot to its left when that was committed (the prompt's, for slot 0)
         self.lookahead: dict[int, torch.Tensor] = {}
         self.ends: dict[int, torch.Tensor] = {}  # whole verified slot -> logits (V,) at its last token
-        self.head = False  # this step's plan logits start with the prompt's last token's
+        self.head: int | None = None  # the slot whose first token this step's first plan logits predict
         # left_check: slot -> its tokens (up to an EOS), decided while its left neighbour was not final
         self.held: dict[int, list[int]] = {}
 
     # ------------------------------------------------------------------ first_token_check
-    def plan_head(self, prefilling: bool) -> int:
-        self.head = prefilling and self.checks_first  # they predict slot 0's first token
-        return int(self.head)
+    def plan_head(self, feeds_head: bool, slot: int) -> int:
+        self.head = slot if feeds_head and self.checks_first else None  # they predict its first token
+        return int(self.head is not None)
 
     def take_plan_head(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.head:
-            self.lookahead[0], logits = (
-                logits[0].clone(),
-                logits[1:],
-            )  # a copy: not a view pinning the step's logits
+        if self.head is not None:
+            # a copy: not a view pinning the step's logits
+            self.lookahead[self.head], logits = logits[0].clone(), logits[1:]
         return logits
 
     def check_selected(self, row: ReFusionRow) -> list[int]:
@@ -221,7 +223,9 @@ class BeyondPaper(PaperRule):
             checked.append(i)
             draft = row.plan.drafts[i, :1]  # (1,)
             if float(token_probs(ahead[None], draft)[0]) <= self.tau:
+                old = int(draft[0])  # before the view below changes
                 row.plan.drafts[i, 0] = row.req.sampler.pick(ahead[None])[0]
+                replaced(row, row.undecoded[i] * self.s, old, int(row.plan.drafts[i, 0]))
         return checked
 
     def first_scored(self, slots: list[int]) -> list[bool]:
@@ -269,9 +273,10 @@ class BeyondPaper(PaperRule):
         fork's first verify pass would correct it. (A later slot's logits saw the
         unverified drafts fed before it, so its fork corrects it.)"""
         if self.corrects:
-            p = per_slot[0]
+            p, old = per_slot[0], chunks[0][per_slot[0]]
             chunks[0][p] = int(row.req.sampler.pick(logits[p - 1 : p])[0])
             per_slot[0] = p + 1
+            replaced(row, row.undecoded[row.selected[0]] * self.s + p, old, chunks[0][p])
 
     def passing(self, f: Fork, pred: torch.Tensor, off: int, scores: list[float]) -> tuple[int, int | None]:
         """The first not-yet-accepted token is scored too, and the first token that fails,
@@ -280,9 +285,12 @@ class BeyondPaper(PaperRule):
         if not self.corrects:
             return super().passing(f, pred, off, scores)
         n = self.passes_from(f, f.accepted, off, scores)
+        if f.row.acceptance is not None and f.drafted > f.accepted:  # for the engine's draft widths
+            f.row.acceptance.infill.add(n - f.accepted, f.drafted - f.accepted)
         if n == self.s or f.row.ends(f.tokens[:n]) is not None:
             return n, None
-        f.tokens[n] = int(f.row.req.sampler.pick(pred[n - off : n - off + 1])[0])
+        old, f.tokens[n] = f.tokens[n], int(f.row.req.sampler.pick(pred[n - off : n - off + 1])[0])
+        replaced(f.row, f.slot * self.s + n, old, f.tokens[n])
         return n + 1, n
 
     # ------------------------------------------------------------------ left_check
@@ -352,8 +360,18 @@ class BeyondPaper(PaperRule):
         if not self.corrects:
             return max(n, 1), False
         i = k * self.s + n - 1  # the logits that predict slot token n
-        chunks[k][n] = int(row.req.sampler.pick(logits[i : i + 1])[0])
+        old, chunks[k][n] = chunks[k][n], int(row.req.sampler.pick(logits[i : i + 1])[0])
+        replaced(row, slots[k] * self.s + n, old, chunks[k][n])
         return n + 1, True
+
+
+def replaced(row: ReFusionRow, offset: int, old: int, new: int) -> None:
+    """Note, when the trace wants the steps, a token at generation offset `offset` that the
+    rule replaced by its AR prediction: a draft (rejected), or a MASK no plan drafted."""
+    if row.req.traces_steps:
+        if old != row.mask_id:
+            row.req.note("rejected", [(offset, [old])])
+        row.req.note("correction", [(offset, [new])])
 
 
 def rule_for(cfg: DecodeConfig) -> PaperRule:

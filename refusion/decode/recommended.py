@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, ConfigError
+from ..files import read_json
 from .config import DecodeConfig
 
 FILE = "decode_config.json"
@@ -53,12 +54,9 @@ class Recommended:
         """The settings in `directory/decode_config.json`; empty when there is no such file.
         A malformed file is a CheckpointError that names it."""
         path = Path(directory) / FILE
-        if not path.is_file():
+        if not (path.exists() or path.is_symlink()):
             return cls()
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"cannot read {path}: {e}; fix or delete the file") from None
+        data = read_json(path, CheckpointError, limit=2**24, fix="fix or delete the file")
         return cls.from_dict(data, where=str(path))
 
     @classmethod

@@ -43,6 +43,7 @@ from .forward import Forward
 from .options import PaperRule, rule_for
 from .request import Request
 from .sampling import token_probs
+from .widths import Acceptance
 
 
 @dataclass
@@ -79,19 +80,30 @@ class ReFusionRow:
     req: Request
     undecoded: list[int] = field(default_factory=list)  # slot indices of the current block, ascending
     block: int = 0
-    prefilled: bool = False
+    # committed tokens whose KV entries are not cached yet, from position `pending_at`: the
+    # prompt before the first step; after an AR block (`ar_block`), its last token
+    pending: list[int] = field(default_factory=list)
+    pending_at: int = 0
     ends_after_block: bool = False  # an EOS was committed: finish this block, then stop
     done: bool = False
     plan: Plan | None = None
     selected: list[int] = field(default_factory=list)  # indices into `undecoded` chosen by the plan
     # slots, drafts, passing prefixes, and (when tracing) how each token of those prefixes passed
     to_infill: tuple[list[int], list[list[int]], list[int], list[list[str]] | None] | None = None
-    first_how: dict[int, str] = field(
-        default_factory=dict
-    )  # when tracing: slot -> how the plan step set its first token
-    exact: dict[int, bool] = field(
-        default_factory=dict
-    )  # when tracing: committed slot -> its left context was final
+    # when tracing: slot -> how the plan step set its first token
+    first_how: dict[int, str] = field(default_factory=dict)
+    # when tracing: committed slot -> it was decided in AR's own context
+    exact: dict[int, bool] = field(default_factory=dict)
+    # draft widths the engine sets each step when they cannot change the output
+    # (docs/algorithm.md#adaptive-widths): MASKs the plan drafts per slot (0: the whole slot),
+    # and where the row's verify passes are counted
+    width: int = 0
+    mask_id: int = 0  # the plan's MASK: the undrafted rest of a slot under a narrower plan
+    acceptance: Acceptance | None = None
+    # the current block decoded as AR decoding would, a token per forward (`ar_feed`), when
+    # that commits more tokens per second than drafting; `ar_next`: its next offset
+    ar_block: bool = False
+    ar_next: int = 0
 
     def __post_init__(self) -> None:
         cfg = self.req.cfg
@@ -100,8 +112,59 @@ class ReFusionRow:
         self.n_blocks = cfg.serial_blocks
         self.slots_per_block = cfg.slots_per_block
         self.undecoded = self._block_slots(0)
+        self.pending = list(self.req.prompt)
 
     stops_early = True  # finished once its output is final (EOS or gen_length), whatever slots are left
+
+    def set_widths(self, plan: int, window: int) -> None:
+        """This step's plan width (MASKs per slot) and infilling window (0: one AR token per
+        round). Only for rows whose output cannot depend on them (`widths.widths_keep_output`):
+        one slot per block, so a narrower plan drafts a prefix of its only slot."""
+        self.width = plan if plan < self.s else 0
+        self.rule.window = window
+
+    # ------------------------------------------------------------------ AR blocks
+    def can_start_ar_block(self) -> bool:
+        """At the start of a block, whether the AR prediction of its first token is at hand:
+        the prompt or a pending token to feed, or the logits the first-token check kept."""
+        fresh = self.undecoded == self._block_slots(self.block) and not self.ar_block
+        return fresh and bool(self.pending or self.undecoded[0] in self.rule.lookahead)
+
+    def start_ar_block(self) -> None:
+        """Decode this block a token per forward. Its first token is the AR prediction
+        the first-token check kept when nothing is pending to feed."""
+        self.ar_block, self.ar_next, self.to_infill = True, self.block * self.s, None
+        self.req.stats.ar_blocks += 1
+        if not self.pending:
+            logits = self.rule.lookahead.pop(self.undecoded[0])
+            self._commit_ar(int(self.req.sampler.pick(logits[None])[0]))
+
+    def ar_feed(self) -> Feed | None:
+        """The pending tokens, with the logits of the last (None: the block is complete)."""
+        if not self.undecoded:
+            return None
+        n = len(self.pending)
+        return self.pending, list(range(self.pending_at, self.pending_at + n)), (n - 1, n)
+
+    def take_ar(self, logits: torch.Tensor) -> int:
+        """A token from the logits (1, V) at the last pending one; returns the entries kept."""
+        kept = len(self.pending)
+        self.pending = []
+        self._commit_ar(int(self.req.sampler.pick(logits)[0]))
+        return kept
+
+    def _commit_ar(self, tok: int) -> None:
+        self.req.commit("ar", [(self.ar_next, [tok])])
+        self.pending, self.pending_at = [tok], len(self.req.prompt) + self.ar_next
+        self.ar_next += 1
+        slot = self.undecoded[0]
+        if tok in self.req.eos_ids or self.ar_next == (slot + 1) * self.s:
+            if tok in self.req.eos_ids:
+                self.ends_after_block = True
+            self.undecoded = []
+            self.rule.committed(self, [slot])
+            if self.req.tracing:  # decoded left to right: in AR's context if everything to its left was
+                self.exact[slot] = all(self.exact.get(k, False) for k in range(slot))
 
     def _block_slots(self, block: int) -> list[int]:
         return list(range(block * self.slots_per_block, (block + 1) * self.slots_per_block))
@@ -114,7 +177,7 @@ class ReFusionRow:
     def next_block_if_complete(self) -> None:
         if self.undecoded:
             return
-        self.block += 1
+        self.block, self.ar_block = self.block + 1, False
         if self.ends_after_block or self.block == self.n_blocks:
             self.done = True
         else:
@@ -152,27 +215,47 @@ class ReFusionRow:
 
     # ------------------------------------------------------------------ step 1: plan
     def plan_feed(self, mask_id: int) -> Feed:
-        """MASK for every undecoded slot of the block (after the prompt on the first step)."""
-        P, s = len(self.req.prompt), self.s
-        head = [] if self.prefilled else self.req.prompt
-        mask_pos = [P + j * s + i for j in self.undecoded for i in range(s)]
-        self.prefilled = True
-        start = len(head) - self.rule.plan_head(bool(head))
+        """MASK for every undecoded slot of the block, after the pending tokens (the prompt
+        on the first step, the last token of an AR block); in an AR block, its next token."""
+        if self.ar_block:
+            return self.ar_feed()
+        P, s, w = len(self.req.prompt), self.s, self.width or self.s
+        head, at = self.pending, self.pending_at
+        mask_pos = [P + j * s + i for j in self.undecoded for i in range(w)]
+        self.mask_id, self.pending = mask_id, []
+        stats = self.req.stats
+        stats.draft_steps, stats.plan_width_sum, stats.window_sum = (
+            stats.draft_steps + 1,
+            stats.plan_width_sum + w,
+            stats.window_sum + self.rule.window,
+        )
+        start = len(head) - self.rule.plan_head(bool(head), self.undecoded[0])
         return (
             head + [mask_id] * len(mask_pos),
-            list(range(len(head))) + mask_pos,
+            list(range(at, at + len(head))) + mask_pos,
             (start, len(head) + len(mask_pos)),
         )
 
     def take_plan(self, logits: torch.Tensor, n_fed: int) -> int:
         """Draft every masked position and select the slots to verify (step 2); returns
-        the entries kept: the prompt stays, the MASK entries go."""
-        logits = self.rule.take_plan_head(logits)  # (n*s, V): the MASKs'
-        drafts = self.req.sampler.pick(logits)  # (n*s,)
-        conf = token_probs(logits, drafts)
-        self.plan = Plan(drafts.view(-1, self.s), conf.view(-1, self.s))
+        the entries kept: the prompt stays, the MASK entries go. In an AR block: its token."""
+        if self.ar_block:
+            return self.take_ar(logits)
+        logits = self.rule.take_plan_head(logits)  # (n*w, V): the MASKs'
+        w = self.width or self.s
+        drafts = self.req.sampler.pick(logits).view(-1, w)  # (n, w)
+        conf = token_probs(logits, drafts.flatten()).view(-1, w)
+        if w < self.s:  # a narrower plan: the undrafted rest of the slot stays MASK, confidence 0
+            drafts = torch.nn.functional.pad(drafts, (0, self.s - w), value=self.mask_id)
+            conf = torch.nn.functional.pad(conf, (0, self.s - w))
+        self.plan = Plan(drafts, conf)
         self.selected = select_slots(self.plan, self.req.cfg.slot_threshold)
         self.rule.select(self)
+        if self.req.traces_steps:
+            self.req.note(
+                "plan",
+                [(self.undecoded[i] * self.s, self.plan.drafts[i, :w].tolist()) for i in self.selected],
+            )
         before = self.plan.drafts[self.selected, 0].tolist() if self.req.tracing else None
         checked = self.rule.check_selected(self)
         if before is not None:
@@ -206,9 +289,12 @@ class ReFusionRow:
     # ------------------------------------------------------------------ step 3: verify
     def verify_feed(self) -> Feed:
         """The selected drafts in position order, the last slot's up to its first EOS: no
-        token after it can be committed from this pass."""
+        token after it can be committed from this pass. In an AR block, its next token
+        (None: the block is complete)."""
+        if self.ar_block:
+            return self.ar_feed()
         P, s, sel = len(self.req.prompt), self.s, self.selected
-        toks = self.plan.drafts[sel].flatten().tolist()
+        toks = self.plan.drafts[sel][:, : self.width or s].flatten().tolist()  # a narrower plan: one slot
         eos = self.ends(toks[(len(sel) - 1) * s :])
         if eos is not None:
             toks = toks[: (len(sel) - 1) * s + eos + 1]
@@ -220,7 +306,9 @@ class ReFusionRow:
     def take_verify(self, logits: torch.Tensor, toks: list[int]) -> int:
         """Global verification: commit the longest passing prefix if it ends in EOS or
         covers whole slots (fast path), else leave the slots to infill; returns the
-        entries kept."""
+        entries kept. In an AR block: its token."""
+        if self.ar_block:
+            return self.take_ar(logits)
         s, sel = self.s, self.selected
         flat = torch.tensor(toks, device=logits.device)
         passing = torch.zeros(len(sel) * s, dtype=torch.bool, device=logits.device)  # the unfed tail fails
@@ -233,6 +321,8 @@ class ReFusionRow:
         how = self._trace_verified(slots, passed) if self.req.tracing else None
         per_slot = [max(n, 1) for n in passed]  # a slot keeps at least its first token, the plan's draft
         prefix = int(passing.int().cumprod(0).sum())
+        if self.acceptance is not None:  # the drafts scored past the first token, and how many passed
+            self.acceptance.plan.add(max(prefix - 1, 0), len(toks) - 1)
         chunks = self.plan.drafts[sel].tolist()  # whole slots, also past an EOS the feed stopped at
         self.to_infill = None
         eos = self.ends(toks[:prefix])
@@ -255,15 +345,28 @@ class ReFusionRow:
             self.rule.whole_slots_verified(slots[:k], logits, range(s - 1, k * s, s))
             self.commit("fast", slots[:k], chunks[:k], how)
             refill = self.rule.refill(self, logits, slots, chunks, passed, k)
+            kept = 0  # drafts of slots[k] that stay
             if refill is not None:  # the slot fed after the committed ones is filled again in this step
-                n, corrected = refill
-                h = None if how is None else [how[k][: n - 1] + ["corrected"] if corrected else how[k][:n]]
-                self.to_infill = ([slots[k]], [chunks[k]], [n], h)
+                kept, corrected = refill
+                h = (
+                    None
+                    if how is None
+                    else [how[k][: kept - 1] + ["corrected"] if corrected else how[k][:kept]]
+                )
+                self.to_infill = ([slots[k]], [chunks[k]], [kept], h)
+            self.reject(
+                [
+                    (j, chunk[: self.width or s], kept * (i == 0))
+                    for i, (j, chunk) in enumerate(zip(slots[k:], chunks[k:]))
+                ]
+            )
             return k * s
         first = per_slot[0]
         self.rule.before_infill(self, logits, chunks, per_slot)
         if how is not None and per_slot[0] > first:  # the rule corrected the first slot's failing token
             how[0] = how[0][:first] + ["corrected"]
+        # a narrower plan drafted only the first `width` tokens of a slot: the rest are MASKs
+        self.reject([(j, chunk[: self.width or s], n) for j, chunk, n in zip(slots, chunks, per_slot)])
         fill = [i for i, w in enumerate(self.rule.waits(self, slots)) if not w]
         self.to_infill = (
             [slots[i] for i in fill],
@@ -272,6 +375,13 @@ class ReFusionRow:
             None if how is None else [how[i] for i in fill],
         )
         return 0
+
+    def reject(self, drafts: list[tuple[int, list[int], int]]) -> None:
+        """Note, when the trace wants the steps, the drafts of slots that are dropped:
+        (slot, its drafts, how many of them stay)."""
+        if self.req.traces_steps:
+            spans = [(j * self.s + n, toks[n:]) for j, toks, n in drafts]
+            self.req.note("rejected", [(at, toks) for at, toks in spans if toks])
 
 
 def select_slots(plan: Plan, slot_threshold: float) -> list[int]:
@@ -331,6 +441,10 @@ class Infill:
             positions.append(pos)
             # the last accepted token's logits too: they score the first draft in the verify pass
             want.append((len(toks) - n_masks - 1, len(toks)) if n_masks else (0, 0))
+        if not any(tokens):  # no fork drafts this round (a window of 0, or every slot final): no forward
+            for f in forks:
+                f.drafted, f.head = f.accepted, None
+            return
         logits = self.fwd.run([f.row.req for f in forks], tokens, positions, fcache, want)
         advance = []
         for f, lg in zip(forks, logits):
@@ -391,6 +505,8 @@ class Infill:
                 _infill_how(i, corrected, scores[i - off] if 0 <= i - off < len(scores) else None, f.row.tau)
                 for i in range(f.accepted, n)
             ]
+        if f.row.req.traces_steps:
+            f.row.reject([(f.slot, f.tokens[: f.drafted], n)])
         f.accepted = n
         eos = f.row.ends(f.tokens[:n])
         if eos is not None:

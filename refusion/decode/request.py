@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .config import DecodeConfig
@@ -31,6 +31,15 @@ class DecodeStats:
     forward_time: float = 0.0
     fed: int = 0  # real tokens this request fed to the model (padding excluded)
     logit_rows: int = 0  # positions whose logits it asked for
+    # share of the forward seconds: each forward's time split evenly over the requests that took
+    # part, so the shares of a batch add up to its forward time
+    forward_share: float = 0.0
+    # ReFusion draft widths (docs/algorithm.md#adaptive-widths): steps that drafted, the sums
+    # of their plan widths (MASKs per slot) and infilling windows, and blocks decoded as AR
+    draft_steps: int = 0
+    plan_width_sum: int = 0
+    window_sum: int = 0
+    ar_blocks: int = 0
 
     @property
     def tpf(self) -> float:
@@ -50,8 +59,14 @@ class DecodeStats:
             "forward_time": self.forward_time,
             "fed": self.fed,
             "logit_rows": self.logit_rows,
+            "draft_steps": self.draft_steps,
+            "ar_blocks": self.ar_blocks,
         }
 
+
+# what a traced step did besides committing (recorded with trace="steps"): the slots the
+# plan selected with their drafts, a token replaced by its AR prediction, drafts thrown away
+NOTES = ("plan", "correction", "rejected")
 
 # How the decoder accepted a committed token (`TraceEvent.how`), by the code path that did it
 # (docs/algorithm.md#provenance):
@@ -68,18 +83,26 @@ HOW = {
 
 @dataclass
 class TraceEvent:
-    """One commit: which slots (start position, length) entered the cache, by which path,
-    and how each token was accepted."""
+    """One event of a decoding: a commit (which slots, start position and length, entered
+    the cache, by which path, and how each token was accepted) or, with trace="steps", a
+    note of what the step did besides."""
 
-    step: int  # 0-based index of the commit within this request's generation
-    nfe: int  # this request's forward count when the commit happened
-    path: str  # "fast" (global verification), "infill" (parallel AR infilling), "ar", "mdm"
+    step: int  # 0-based decoding step of this request in which it happened
+    nfe: int  # this request's forward count when it happened
+    # commits: "fast" (global verification), "infill" (parallel AR infilling), "ar", "mdm";
+    # notes (NOTES): "plan", "correction" (the replacing token), "rejected" (the drafts dropped)
+    path: str
     spans: list[tuple[int, int]]  # (first position relative to the generation start, length)
-    tokens: list[list[int]]  # the committed tokens of each span
-    how: list[list[str]]  # per span, per token: a key of HOW
-    # per span: whether everything to its left was final and in the context its tokens were
-    # decided in (ReFusion slots decided in parallel beside an unfinished left neighbour are not)
-    exact: list[bool]
+    tokens: list[list[int]]  # the tokens of each span
+    # commits only (notes leave them empty): per span, per token, a key of HOW; and per span
+    # whether everything to its left was final and in the context its tokens were decided in
+    # (ReFusion slots decided in parallel beside an unfinished left neighbour are not)
+    how: list[list[str]] = field(default_factory=list)
+    exact: list[bool] = field(default_factory=list)
+
+    @property
+    def committed(self) -> bool:
+        return self.path not in NOTES
 
 
 @dataclass
@@ -109,7 +132,7 @@ class Request:
         eos_ids: set[int],
         sampler: Sampler,
         tokenizer: Any,
-        trace: bool,
+        trace: bool | str,
         stream: bool = True,
     ) -> None:
         self.id, self.prompt, self.cfg, self.eos_ids, self.sampler = request_id, prompt, cfg, eos_ids, sampler
@@ -123,7 +146,10 @@ class Request:
         self.prefix_len = 0  # final left-to-right prefix (cut after EOS and at gen_length)
         self.reported = 0  # prefix length at the last output
         self.stats = DecodeStats()
+        # trace: the commits (True), or the commits and the notes of each step ("steps")
         self.trace: list[TraceEvent] | None = [] if trace else None
+        self.traces_steps = trace == "steps"
+        self.steps = 0  # decoding steps taken
         self.started = 0.0
         self.finish_reason: str | None = None
         self.deltas = TextDeltas(tokenizer) if tokenizer is not None else None
@@ -155,21 +181,41 @@ class Request:
         for start, toks in spans:
             self.filled[start : start + len(toks)] = toks
         if self.trace is not None:
-            self.trace.append(
-                TraceEvent(
-                    len(self.trace),
-                    self.stats.nfe,
-                    path,
-                    [(s, len(t)) for s, t in spans],
-                    [list(t) for _, t in spans],
-                    [list(h) for h in how] if how is not None else [[path] * len(t) for _, t in spans],
-                    list(exact) if exact is not None else [True] * len(spans),
-                )
+            self._record(
+                path,
+                spans,
+                [list(h) for h in how] if how is not None else [[path] * len(t) for _, t in spans],
+                list(exact) if exact is not None else [True] * len(spans),
             )
         row, n, limit = self.filled, self.prefix_len, self.cfg.gen_length
         while n < limit and row[n] is not None and (n == 0 or row[n - 1] not in self.eos_ids):
             n += 1
         self.prefix_len = n
+
+    def note(self, path: str, spans: Sequence[tuple[int, list[int]]]) -> None:
+        """Record what the step did besides committing (a path of NOTES) when the trace
+        wants the steps; decoders check `traces_steps` before building the spans."""
+        if self.traces_steps and spans:
+            self._record(path, spans)
+
+    def _record(
+        self,
+        path: str,
+        spans: Sequence[tuple[int, list[int]]],
+        how: list[list[str]] | None = None,
+        exact: list[bool] | None = None,
+    ) -> None:
+        self.trace.append(
+            TraceEvent(
+                self.steps,
+                self.stats.nfe,
+                path,
+                [(s, len(t)) for s, t in spans],
+                [list(t) for _, t in spans],
+                how or [],
+                exact or [],
+            )
+        )
 
     @property
     def token_ids(self) -> list[int]:
@@ -186,6 +232,7 @@ class Request:
         """After a step: the output if the prefix grew or the request finished, deciding
         the finish (EOS, gen_length, a stop string, or the decoder ran out of region).
         `stops_early`: the row may stop as soon as its output is final."""
+        self.steps += 1
         grew = self.prefix_len > self.reported
         finishing = self.finish_reason is None and (decoder_done or (stops_early and self.complete))
         if not grew and not finishing:

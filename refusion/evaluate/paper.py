@@ -41,6 +41,7 @@ from .paper_rules import (
     regex_extract,
     remove_boxed,
     sanitize_reachable,
+    scorer_versions,
 )
 from .programs import called_names, shared_imports
 
@@ -117,22 +118,29 @@ class GSM8K(PaperScored, robust.GSM8K):
 
 # ------------------------------------------------------------------------------- MATH
 class MATH(PaperScored, robust.MATH):
-    """minerva_math, zero-shot: the gold is Minerva's normalisation of the solution's last
-    boxed answer; exact_match compares Minerva's "Final Answer: The final answer is X"
-    sentence, math_verify parses the whole output. The seven subjects are averaged weighted
-    by size, which is the mean over all problems."""
+    """minerva_math, zero-shot, as the authors edited its `process_results`: math_verify
+    is `verify(parse(solution), parse(output))`, the whole reference solution against the
+    whole output; exact_match compares Minerva's "Final Answer: The final answer is X"
+    sentence, normalised, with the gold, Minerva's normalisation of the solution's last
+    boxed answer (sympy's LaTeX parser, then `simplify` of the difference). The seven
+    subjects are averaged weighted by size, which is the mean over all problems."""
 
+    fields = "problem, solution"
     until = ("Problem:",)
     metrics = ("math_verify", "exact_match")
     extracts = False  # math_verify judges the whole output
 
     def sample(self, record, index):
-        solution = record.get("solution")
-        boxed = last_boxed_only_string(solution) if solution else None
-        gold = normalize_final_answer(remove_boxed(boxed) if boxed else record["answer"])
+        solution = record["solution"]
+        gold = normalize_final_answer(remove_boxed(last_boxed_only_string(solution) or ""))
         user = "Problem:" + "\n" + record["problem"] + "\n\n" + "Solution:"
         return Sample(
-            record_id(record, "unique_id", self.name, index), index, user, gold, request=self.chat(user)
+            record_id(record, "unique_id", self.name, index),
+            index,
+            user,
+            gold,
+            {"solution": solution},
+            request=self.chat(user),
         )
 
     def measure(self, sample, output):
@@ -140,12 +148,12 @@ class MATH(PaperScored, robust.MATH):
         normalized = normalize_final_answer(stated)
         matched = stated != "[invalidanswer]" and minerva_equivalent(normalized, sample.gold)
         return {
-            "math_verify": (stated, math_verify_equal(sample.gold, output)),
+            "math_verify": (stated, math_verify_equal(sample.data["solution"], output)),
             "exact_match": (normalized, matched),
         }
 
     def notes(self) -> dict:
-        return {"exact_match_latex_parser": minerva_parser()}
+        return {"exact_match_latex_parser": minerva_parser(), "versions": scorer_versions()}
 
 
 # ---------------------------------------------------------------------- multiple choice

@@ -284,8 +284,10 @@ def _deadline(seconds: int):
 
 
 def _parse_latex() -> tuple[Callable[[str], Any], str]:
-    """sympy's LaTeX parser, which the task uses; it needs antlr4 4.11, while math-verify
-    needs 4.13, so where sympy's cannot load, math-verify's own LaTeX-to-sympy parser."""
+    """sympy's LaTeX parser, which the task uses; it loads with antlr4 4.11, the runtime
+    the `math` extra pins (as the authors' lm-eval did), and with no other. Where another
+    runtime is installed, math-verify's own LaTeX-to-sympy parser stands in (recorded with
+    the results: `minerva_parser`)."""
     from sympy.parsing.latex import parse_latex
 
     try:
@@ -315,22 +317,39 @@ def minerva_parser() -> str:
     return _parse_latex()[1]
 
 
-def math_verify_equal(gold: str, output: str) -> bool:
-    """math-verify of the whole output against the normalised gold answer, as the task
-    calls it: `verify(parse(gold), parse(output))`."""
+def math_verify_equal(solution: str, output: str) -> bool:
+    """math-verify of the whole output against the whole reference solution, as the
+    authors' task calls it: `verify(parse(solution), parse(output))`. math-verify finds
+    the answer in the solution itself (a `\\boxed{}` first, read as LaTeX); handed only
+    the normalised answer, without the `$...$` that marks LaTeX, it parses nothing for
+    `\\sqrt{2}`, `\\dfrac{3}{4}`, tuples and intervals, and 3 for `3\\pi`."""
     from math_verify import parse, verify
 
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     try:
         return bool(
             verify(
-                parse(gold, parsing_timeout=timeout),
+                parse(solution, parsing_timeout=timeout),
                 parse(output, parsing_timeout=timeout),
                 timeout_seconds=timeout,
             )
         )
     except Exception:  # math-verify parses untrusted LaTeX; a failure is "not equal"
         return False
+
+
+def scorer_versions() -> dict[str, str | None]:
+    """The versions of the packages that score MATH here (recorded with the results, to
+    set beside the `math` extra's pins, which are the authors')."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found: dict[str, str | None] = {}
+    for name in ("math-verify", "latex2sympy2_extended", "antlr4-python3-runtime", "sympy"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
 
 
 # ----------------------------------------------------------------- HumanEval sanitiser

@@ -26,11 +26,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from ..decode.config import shown
 from ..errors import ConfigError
+from ..files import JSONProblem, lone_surrogate, open_regular, parse_json
 from ..sandbox import Limits, isolation
 from .benchmarks import Benchmark, CodeBenchmark, Sample, Scored
 from .completion import Completion, as_completion
 from .errors import PredictionsError, ResumeMismatchError
+from .paper_rules import finish
 from .registry import get_benchmark
 from .report import GENERATION_ERROR, one_line, summarize
 
@@ -43,37 +46,67 @@ _INDEX_KEYS = ("index", "idx", "doc_id")
 _TEXT_KEYS = ("completion", "output", "text", "response", "prediction", "resps")
 
 
+_FIX_PREDICTIONS = "fix the line, or write the file again (one JSON object per line)"
+
+
 def read_predictions(path: str | os.PathLike) -> tuple[dict[str, str], dict[int, str]]:
-    """Completions by sample id and by dataset index from a JSONL file."""
+    """Completions by sample id and by dataset index from a JSONL file: a regular file,
+    each line a JSON object whose completion is text and whose index is a whole number;
+    a PredictionsError naming the line otherwise."""
     p = Path(path)
-    if not p.is_file():
-        raise PredictionsError(f"predictions file not found: {p}")
     by_id: dict[str, str] = {}
     by_index: dict[int, str] = {}
-    with open(p, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                text = next(row[k] for k in _TEXT_KEYS if k in row)
-            except (json.JSONDecodeError, StopIteration, TypeError) as e:
-                raise PredictionsError(
-                    f"{p}:{n}: expected a JSON object with a completion ({', '.join(_TEXT_KEYS)}) ({e})"
-                ) from None
-            while isinstance(text, list):  # lm-eval's "resps": [["..."]]
-                text = text[0] if text else ""
-            key = next((k for k in _ID_KEYS if k in row), None)
-            if key is not None:
-                by_id[str(row[key])] = str(text)
-            else:
-                index = next((row[k] for k in _INDEX_KEYS if k in row), None)
-                if index is None:
-                    raise PredictionsError(
-                        f"{p}:{n}: no sample id ({', '.join(_ID_KEYS)}) or index ({', '.join(_INDEX_KEYS)})"
-                    )
-                by_index[int(index)] = str(text)
+    with open_regular(p, PredictionsError, fix="pass --predictions a JSONL file") as f:
+        for n, raw in enumerate(f, 1):
+            if raw.strip():
+                key, text = _prediction(raw, f"{p}:{n}")
+                (by_id if isinstance(key, str) else by_index)[key] = text
     return by_id, by_index
+
+
+def _prediction(raw: bytes, where: str) -> tuple[str | int, str]:
+    """(sample id or dataset index, completion) of one line."""
+    try:
+        row = parse_json(raw)
+    except JSONProblem as e:
+        raise PredictionsError(f"{where}: the line {e}; {_FIX_PREDICTIONS}") from None
+    if not isinstance(row, dict) or not any(k in row for k in _TEXT_KEYS):
+        raise PredictionsError(
+            f"{where}: expected a JSON object with a completion ({', '.join(_TEXT_KEYS)}); {_FIX_PREDICTIONS}"
+        )
+    name = next(k for k in _TEXT_KEYS if k in row)
+    text = row[name]
+    while isinstance(text, list):  # lm-eval's "resps": [["..."]]
+        text = text[0] if text else ""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        text = str(text)  # a bare number as the answer
+    if not isinstance(text, str):
+        raise PredictionsError(f"{where}: {name}={shown(text)} is not text; {_FIX_PREDICTIONS}")
+    if lone_surrogate(text):
+        raise PredictionsError(
+            f"{where}: {name} holds a lone UTF-16 surrogate (such as \\ud800), which is not text; "
+            + _FIX_PREDICTIONS
+        )
+    key = next((k for k in _ID_KEYS if k in row), None)
+    if key is not None:
+        if isinstance(row[key], bool) or not isinstance(row[key], (str, int)) or lone_surrogate(row[key]):
+            raise PredictionsError(f"{where}: {key}={shown(row[key])} is not a sample id; {_FIX_PREDICTIONS}")
+        return str(row[key]), text
+    key = next((k for k in _INDEX_KEYS if k in row), None)
+    if key is None:
+        raise PredictionsError(
+            f"{where}: no sample id ({', '.join(_ID_KEYS)}) or index ({', '.join(_INDEX_KEYS)}); "
+            + _FIX_PREDICTIONS
+        )
+    index = row[key]
+    if isinstance(index, str) and index.isascii() and index.isdigit() and len(index) <= 18:
+        index = int(index)  # "7": a number written as a string
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < 2**63:
+        raise PredictionsError(
+            f"{where}: {key}={shown(index)} is not a dataset index (a whole number from 0); "
+            + _FIX_PREDICTIONS
+        )
+    return index, text
 
 
 # -------------------------------------------------------------------------- results
@@ -121,7 +154,8 @@ class ResultsDir:
         if run.exists() and self.samples.exists():
             before = json.loads(run.read_text())
             before.setdefault("protocol", "robust")  # written before there were protocols
-            keys = ("task", "protocol", "model", "config", "data", "predictions")
+            before.setdefault("raw_predictions", False)
+            keys = ("task", "protocol", "model", "config", "data", "predictions", "raw_predictions")
             if any(before.get(k) != settings.get(k) for k in keys):
                 changed = [k for k in keys if before.get(k) != settings.get(k)]
                 raise ResumeMismatchError(
@@ -183,6 +217,8 @@ def evaluate(
     generate_fn: GenerateFn | None = None,
     *,
     predictions: str | os.PathLike | None = None,
+    raw_predictions: bool = False,
+    tokenizer: Any = None,
     data: str | None = None,
     limit: int | None = None,
     batch_size: int = 1,
@@ -198,17 +234,29 @@ def evaluate(
 ) -> dict:
     """Evaluate `generate_fn` (or a predictions file) on a benchmark; returns the summary.
 
-    `config` (a DecodeConfig or dict) and `model` are recorded, and a resumed run must
-    match them. `samples` overrides loading (tests, custom subsets). With `replicas`,
-    this process evaluates its share and the first replica's summary covers them all.
+    `raw_predictions`: the file holds raw generations of another engine, which get the
+    post-processing the paper protocol gives a generation here (`paper_rules.finish`: the
+    task's stop strings, special tokens removed with `tokenizer` when given, the
+    python-block rule); by default a prediction is taken as the harness's finished
+    output (lm-eval's `resps`). `config` (a DecodeConfig or dict) and `model` are
+    recorded, and a resumed run must match them. `samples` overrides loading (tests,
+    custom subsets). With `replicas`, this process evaluates its share and the first
+    replica's summary covers them all.
     """
     part = replicas or ReplicaShare()
     bench = get_benchmark(task) if isinstance(task, str) else task
     if (generate_fn is None) == (predictions is None):
         raise ValueError("pass exactly one of generate_fn and predictions")
+    if raw_predictions and (predictions is None or bench.protocol != "paper"):
+        raise ConfigError(
+            "raw predictions get the paper protocol's post-processing: give a predictions file and "
+            "--protocol paper (robust scores an output as it is)"
+        )
     samples, complete, missing = _samples_and_source(bench, samples, data, limit, generate_fn, predictions)
+    if raw_predictions:
+        complete = _finishing(complete, tokenizer)
     config_dict = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
-    settings = _settings(bench, model, config_dict, data, predictions, limit)
+    settings = _settings(bench, model, config_dict, data, predictions, limit, raw_predictions)
     out = out_dir or Path("runs") / "eval" / bench.name
     results, done = _open_results(out, settings, overwrite, part)
     records = [done[s.id] for s in samples if s.id in done]
@@ -252,6 +300,7 @@ def _settings(
     data: str | None,
     predictions: str | os.PathLike | None,
     limit: int | None,
+    raw_predictions: bool = False,
 ) -> dict:
     """What run.json records: a resumed run must match it."""
     return {
@@ -261,6 +310,7 @@ def _settings(
         "config": config,
         "data": data or "default",
         "predictions": str(predictions) if predictions else None,
+        "raw_predictions": raw_predictions,
         "limit": limit,
     }
 
@@ -367,6 +417,7 @@ def _summary(
         "first_generation_error": _first_generation_error(records),
         "data": settings["data"],
         "predictions": settings["predictions"],
+        "raw_predictions": settings["raw_predictions"],
         "limit": settings["limit"],
         "resumed": resumed,
         "missing_predictions": missing,
@@ -437,6 +488,21 @@ def _from_generate(generate_fn: GenerateFn) -> Callable[[list[Sample]], list[Com
         return [as_completion(o) for o in outputs]
 
     return complete
+
+
+def _finishing(
+    complete: Callable[[list[Sample]], list[Completion]], tokenizer: Any
+) -> Callable[[list[Sample]], list[Completion]]:
+    """`complete`, each text then finished as the paper protocol finishes a generation
+    (the sample's stop strings, special tokens, the python-block rule)."""
+
+    def finished(batch: list[Sample]) -> list[Completion]:
+        return [
+            dataclasses.replace(c, text=finish(c.text, s.request.until, tokenizer))
+            for s, c in zip(batch, complete(batch))
+        ]
+
+    return finished
 
 
 def _from_predictions(samples, path):

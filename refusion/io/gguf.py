@@ -12,47 +12,61 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, first_line
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer, stored_shapes
 from .dtypes import config_dtype
+from .gguf_header import check_gguf_header
 from .metadata import settle_vocabulary
-from .weights import check_tensors, fill_model
+from .weights import check_config_fits, check_finite, check_tensors, fill_model
 
 
-def load_gguf(file: Path, device: torch.device, wanted: torch.dtype | None) -> tuple[Transformer, Any]:
-    """De-quantise with transformers, then move its weights into our model."""
+def load_gguf(
+    file: Path, device: torch.device, wanted: torch.dtype | None, allow_nonfinite: bool = False
+) -> tuple[Transformer, Any]:
+    """De-quantise with transformers, then move its weights into our model: the header,
+    config and tokenizer checked first (`gguf_metadata`), so that nothing is built from
+    a file that claims more than it holds."""
     from transformers import AutoModelForCausalLM
 
+    config, tokenizer = gguf_metadata(file)
     try:
         hf_model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name)
     except ImportError as e:
         raise CheckpointError(
             f"reading GGUF needs the gguf package (pip install 'refusion[gguf]'): {e}"
         ) from None
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
-        raise CheckpointError(f"cannot import the GGUF file {file}: {e}") from None
-    config = ModelConfig.from_hf_dict(_plain_hf_dict(hf_model.config))
-    tokenizer = _gguf_tokenizer(file)
-    settle_vocabulary(config, tokenizer, where=str(file))
+    except _PARSE_ERRORS as e:
+        raise CheckpointError(f"cannot import the GGUF file {file}: {first_line(e)}") from None
     model = Transformer.meta(config)
     hf_state = hf_model.state_dict()
     check_tensors(model, {k: (None, tuple(v.shape)) for k, v in hf_state.items()}, where=str(file))
     dtype = wanted or config_dtype(config, device)
-    state = {k: hf_state[k].to(device=device, dtype=dtype) for k in stored_shapes(model)}
+    state = {}
+    for name in stored_shapes(model):
+        if not allow_nonfinite:
+            check_finite(name, hf_state[name], str(file))
+        state[name] = hf_state[name].to(device=device, dtype=dtype)
     return fill_model(model, state, device), tokenizer
+
+
+# what the gguf package and transformers raise on a file they cannot take
+_PARSE_ERRORS = (OSError, ValueError, KeyError, TypeError, IndexError, RuntimeError, NotImplementedError)
 
 
 def gguf_metadata(file: Path) -> tuple[ModelConfig, Any]:
     """The config (with the MASK id resolved) and tokenizer of a GGUF file, read by
-    transformers without de-quantising the weights."""
+    transformers without de-quantising the weights, once its header is known to fit in
+    the file; the config is weighed against the file's size."""
     from transformers import AutoConfig
 
+    check_gguf_header(file)
     try:
         hf_config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
-    except (OSError, ValueError, KeyError, ImportError) as e:
-        raise CheckpointError(f"cannot read the GGUF file {file}: {e}") from None
-    config = ModelConfig.from_hf_dict(_plain_hf_dict(hf_config))
+    except (ImportError, *_PARSE_ERRORS) as e:
+        raise CheckpointError(f"cannot read the GGUF file {file}: {first_line(e)}") from None
+    config = ModelConfig.from_hf_dict(_plain_hf_dict(hf_config), where=str(file))
+    check_config_fits(config, [file], bits_per_value=1)  # quantised: a weight may take a bit
     tokenizer = _gguf_tokenizer(file)
     settle_vocabulary(config, tokenizer, where=str(file))
     return config, tokenizer
@@ -64,8 +78,8 @@ def _gguf_tokenizer(file: Path) -> Any:
 
     try:
         return AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
-    except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"cannot read the tokenizer of the GGUF file {file}: {e}") from None
+    except _PARSE_ERRORS as e:
+        raise CheckpointError(f"cannot read the tokenizer of the GGUF file {file}: {first_line(e)}") from None
 
 
 def _plain_hf_dict(hf_config: Any) -> dict[str, Any]:

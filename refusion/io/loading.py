@@ -30,6 +30,7 @@ def load(
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype | None = None,
     tensor_parallel_size: int = 1,
+    allow_nonfinite: bool = False,
 ) -> tuple[Transformer, Any]:
     """Load a model and its tokenizer.
 
@@ -43,7 +44,8 @@ def load(
     `model.config.mask_token_id` is the config's, else the tokenizer's `<|mask|>` id.
     tensor_parallel_size N > 1 (in a group of N processes, see `refusion.parallel`): this
     rank's share of the model, read as slices of the checkpoint's tensors; its config is
-    the share's (`model.tensor_parallel` says which).
+    the share's (`model.tensor_parallel` says which). A weight that is NaN or infinite
+    fails the load unless allow_nonfinite.
     """
     dev = check_device(device)
     wanted = parse_dtype(dtype, dev)  # a bad dtype fails before any file is read
@@ -55,16 +57,16 @@ def load(
                 "tensor parallelism reads safetensors slices; convert the GGUF file first "
                 "(refusion convert FILE.gguf OUT) and load OUT"
             )
-        return load_gguf(source, dev, wanted)
+        return load_gguf(source, dev, wanted, allow_nonfinite)
     config, tokenizer = read_metadata(source)
-    model = Transformer.meta(config)
-    headers = checked_headers(source, model)
+    model, headers = checked_headers(source, config)
     slicer = None
     if shard is not None:
         model = Transformer.meta(local_config(config, shard.world))
         make_row_parallel(model, shard)
         slicer = lambda name: slice_of(name, config, shard)  # noqa: E731
-    state = read_tensors(headers, set(stored_shapes(model)), dev, wanted or config_dtype(config, dev), slicer)
+    dtype = wanted or config_dtype(config, dev)
+    state = read_tensors(headers, set(stored_shapes(model)), dev, dtype, slicer, allow_nonfinite)
     model = fill_model(model, state, dev)
     model.tensor_parallel = shard
     model.recommended = Recommended.read(source)  # decode settings that travel with the weights
@@ -87,9 +89,10 @@ def describe(path: PathLike | None = None) -> dict[str, Any]:
     built on the meta device), which the check has just matched with the headers'."""
     source = resolve_source(path)
     config, tokenizer = load_metadata(source)
-    model = Transformer.meta(config)
-    if source.suffix != ".gguf":  # transformers has parsed the GGUF file to read its config
-        checked_headers(source, model)
+    if source.suffix == ".gguf":  # transformers has parsed the GGUF file to read its config
+        model = Transformer.meta(config)
+    else:
+        model, _ = checked_headers(source, config)
     return {
         "path": str(source if path is None else path),  # None: the bundled model's directory
         "architecture": config.to_hf_dict()["architectures"][0],

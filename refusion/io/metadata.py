@@ -11,11 +11,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError, first_line
+from ..files import check_regular, read_json
 from ..model.config import ModelConfig
-from ..model.prompts import mask_id_of
+from ..model.prompts import chat_text, mask_id_of
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# every file of a tokenizer that transformers may open, JSON or not
+_TOKENIZER_JSON = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.json",
+)
+_TOKENIZER_OTHER = ("tokenizer.model", "spiece.model", "merges.txt", "vocab.txt", "chat_template.jinja")
+_FIX_TOKENIZER = "use the tokenizer files the checkpoint was saved with"
 
 
 def read_metadata(directory: Path) -> tuple[ModelConfig, Any]:
@@ -27,16 +39,64 @@ def read_metadata(directory: Path) -> tuple[ModelConfig, Any]:
     return config, tokenizer
 
 
+def load_tokenizer(name: str | Path) -> Any:
+    """A tokenizer named on its own (`refusion train --tokenizer`): a directory, checked
+    as a checkpoint's tokenizer is, or a hub id."""
+    directory = Path(name).expanduser()
+    if not directory.is_dir():
+        return _from_pretrained(str(name), str(name))
+    tokenizer = _load_tokenizer(directory)
+    if tokenizer is None:
+        raise CheckpointError(f"no tokenizer files ({', '.join(_TOKENIZER_FILES)}) in {directory}")
+    return tokenizer
+
+
 def _load_tokenizer(directory: Path) -> Any:
-    """The directory's tokenizer, or None where it has no tokenizer files."""
-    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
+    """The directory's tokenizer, or None where it has no tokenizer files; its files
+    checked first (`_check_tokenizer_files`) and its chat template tried."""
+    present = _check_tokenizer_files(directory)
+    if not present & set(_TOKENIZER_FILES):
         return None
+    tokenizer = _from_pretrained(directory, str(directory))
+    _try_chat_template(tokenizer, directory)
+    return tokenizer
+
+
+def _from_pretrained(source: str | Path, where: str) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(directory)
-    except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"cannot load the tokenizer in {directory}: {e}") from None
+        return AutoTokenizer.from_pretrained(source)
+    except Exception as e:  # noqa: BLE001 -- the tokenizers library raises bare Exceptions for bad files
+        raise CheckpointError(
+            f"cannot load the tokenizer in {where} ({type(e).__name__}: {first_line(e)}); " + _FIX_TOKENIZER
+        ) from None
+
+
+def _check_tokenizer_files(directory: Path) -> set[str]:
+    """The names of the tokenizer files present, each a regular file, the JSON ones
+    parseable (nesting, numbers, UTF-8), before transformers opens any: a FIFO there
+    would stall the load, and a bad file would raise from deep inside the library."""
+    present = set()
+    for name in _TOKENIZER_JSON + _TOKENIZER_OTHER:
+        path = directory / name
+        if path.exists() or path.is_symlink():
+            if name in _TOKENIZER_JSON:
+                read_json(path, CheckpointError, fix=_FIX_TOKENIZER)
+            else:
+                check_regular(path, CheckpointError, fix=_FIX_TOKENIZER)
+            present.add(name)
+    return present
+
+
+def _try_chat_template(tokenizer: Any, directory: Path) -> None:
+    """A chat template that fails on a one-message conversation (a syntax error, a call
+    the template sandbox refuses, an exception it raises) would fail every prompt: it is
+    a broken checkpoint, said once at load rather than at each request."""
+    try:
+        chat_text(tokenizer, [{"role": "user", "content": "hello"}])
+    except ConfigError as e:
+        raise CheckpointError(f"the tokenizer in {directory}: {e}") from None
 
 
 def settle_vocabulary(config: ModelConfig, tokenizer: Any, where: str) -> None:

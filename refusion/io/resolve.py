@@ -11,7 +11,7 @@ import os
 import re
 from pathlib import Path
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, first_line
 
 BUNDLED_ROOT = Path(__file__).parent.parent / "bundled"
 BUNDLED_DIR = BUNDLED_ROOT / "refusion-tiny"  # the default model
@@ -70,7 +70,7 @@ def _download(repo_id: str) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS))
     except (OSError, ValueError) as e:  # offline, not found, gated, invalid id
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = first_line(e)
         raise CheckpointError(
             f"{repo_id!r} is not a local directory, and fetching it from the Hugging Face hub failed "
             f"({reason}). To load offline, pass the path of a local model directory "

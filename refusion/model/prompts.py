@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, first_line
 from .config import ModelConfig
 
 MASK_TOKEN = "<|mask|>"
@@ -26,15 +26,39 @@ def chat_text(
     on its own line (the format training uses for such tokenizers). `template_options`
     are the template's own variables (Qwen3's `enable_thinking`)."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            list(messages),
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
-            continue_final_message=not add_generation_prompt,
-            **template_options,
-        )
+        try:
+            return tokenizer.apply_chat_template(
+                list(messages),
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                continue_final_message=not add_generation_prompt,
+                **template_options,
+            )
+        except _template_errors() as e:
+            raise ConfigError(
+                f"the chat template fails ({type(e).__name__}: {first_line(e)}); fix chat_template.jinja "
+                "(or tokenizer_config.json's chat_template), or pass --no-chat to prompt without it"
+            ) from None
     text = "".join(m["content"] + "\n" for m in messages)
     return text if add_generation_prompt else text[:-1]  # the last message stays open
+
+
+def _template_errors() -> tuple[type[BaseException], ...]:
+    """What a chat template (a Jinja program shipped with the checkpoint) raises when it
+    fails: Jinja's own errors (syntax, the sandbox refusing an attribute, the template's
+    `raise_exception`) and the Python errors of the operations it runs."""
+    from jinja2 import TemplateError
+
+    return (
+        TemplateError,
+        TypeError,
+        ValueError,
+        KeyError,
+        IndexError,
+        AttributeError,
+        ArithmeticError,
+        RecursionError,
+    )
 
 
 def chat_ids(

@@ -92,6 +92,23 @@ def entry_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     )
 
 
+def stored_parameters(config: ModelConfig) -> int:
+    """Values a checkpoint of `config` stores, counted on a one-layer model scaled by the
+    layer count: what a config claims can be weighed against its files before a model of
+    a million layers is built."""
+    import dataclasses
+    import math
+
+    from .transformer import Transformer, stored_shapes
+
+    one = Transformer.meta(dataclasses.replace(config, num_hidden_layers=1))
+    layers = config.num_hidden_layers
+    return sum(
+        math.prod(shape) * (layers if name.startswith("model.layers.") else 1)
+        for name, shape in stored_shapes(one).items()
+    )
+
+
 def weight_bytes(config: ModelConfig, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
     """Bytes of the weights one device holds: all of them, or rank 0's share (every rank
     holds the same amount)."""

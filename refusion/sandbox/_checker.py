@@ -3,14 +3,18 @@ never runs inside the evaluator, and the candidate's code never runs in it).
 
 It runs the benchmark's own test code. Each name the test uses from the candidate's
 program is a `Remote` here: a call sends the arguments to the sandbox over a pipe and
-gets back plain data only (`wire.py`); an object of the program's making comes back as a
-reference that can only be handed back to the program. Assertions, `==`, `abs`, `math.isclose` all run here,
-on those values. The verdict goes to the evaluator on a pipe of its own, which the
-candidate's process does not hold. What makes a check fail, and the reason it carries:
+gets back plain data only (`wire.py`: numbers, numpy's among them, as their exact
+values); an object of the program's making comes back as a reference that can only be
+handed back to the program, or, for an iterator (a generator, a `map`), drawn from item by
+item. Assertions, `==`, `abs`, `math.isclose` all run here, on those values. The verdict
+goes to the evaluator on a pipe of its own, which the candidate's process does not hold.
+What makes a check fail, and the reason it carries:
 
 - the candidate did not load (a syntax error, an exception at top level): "load";
-- a call returned something that is not plain data: "not plain data", even when the
-  test would have caught the exception it raises here;
+- a call returned something that is not plain data, or the test used a reference as a
+  value (compared it, asked its truth or length), or drew more than `MAX_ITEMS` from an
+  iterator: "not plain data", even when the test would have caught the exception it
+  raises here;
 - its process ended before the test finished: "exit" (the evaluator adds how: signal,
   memory, exit code);
 - an assertion of the test failed: "assertion", with the test's line;
@@ -25,6 +29,7 @@ import sys
 import traceback
 
 _TEST_FILE = "<test>"
+MAX_ITEMS = 100_000  # items the checker draws from one iterator of the program's (30 us each)
 # exceptions a candidate may raise that the test may expect (`with pytest.raises`-style
 # checks): re-raised here as the same builtin type, with the message as plain text
 _EXCEPTIONS = {
@@ -73,6 +78,36 @@ class Remote:
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __abs__ = __neg__ = _refuse
 
 
+class RemoteIterator(Remote):
+    """An iterator that lives in the program's process (a generator, a `map`): the test
+    may draw its items, each a plain value or a reference, as many as `MAX_ITEMS`
+    (`list(f(x)) == [...]`, `next(f(x))`, a `for` loop); it has no length, as none of
+    those has."""
+
+    __slots__ = ("_drawn",)
+
+    def __init__(self, channel, key, what):
+        super().__init__(channel, key, what)
+        object.__setattr__(self, "_drawn", 0)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._drawn >= MAX_ITEMS:
+            raise self._channel.violated(
+                self._channel.wire.NotPlainData(f"{self._what} gave more than {MAX_ITEMS} items")
+            )
+        object.__setattr__(self, "_drawn", self._drawn + 1)
+        return self._channel.next_item(self._key, self._what)
+
+    def __len__(self):
+        raise TypeError(f"{self._what} has no len()")
+
+    def __contains__(self, value):  # as Python does for an iterator: draw until found
+        return any(item is value or item == value for item in self)
+
+
 class Channel:
     def __init__(self, wire, calls, replies):
         self.wire, self.calls, self.replies = wire, calls, replies
@@ -100,8 +135,13 @@ class Channel:
         raise self.wire.NotPlainData(f"the test passed a {type(value).__name__}, which is not plain data")
 
     def _resolve(self, key):
-        if type(key) is list and len(key) == 3 and key[0] == "h" and type(key[1]) is int:
-            return Remote(self, key[:2], f"a {str(key[2])[:60]} of the program's")
+        """A reference of the program's: an iterator when it says so (all the program can
+        gain by saying so falsely is a TypeError of its own making when drawn from)."""
+        if type(key) is list and len(key) in (3, 4) and key[0] == "h" and type(key[1]) is int:
+            what = f"a {str(key[2])[:60]} of the program's"
+            if len(key) == 4 and key[3] == "iter":
+                return RemoteIterator(self, key[:2], what)
+            return Remote(self, key[:2], what)
         raise self.wire.NotPlainData("a malformed reference")
 
     def call(self, key, args, kwargs, what):
@@ -114,19 +154,33 @@ class Channel:
             }
         except wire.NotPlainData as e:
             raise TypeError(str(e)) from None  # the test's own argument: an error of the test
+        return self._answer(self._ask(message), f"{what} returned", what)
+
+    def next_item(self, key, what):
+        """The next item of the program's iterator `key`; StopIteration at its end."""
+        reply = self._ask({"next": key})
+        if reply.get("stop") is True:
+            raise StopIteration
+        return self._answer(reply, f"{what} gave", what)
+
+    def _ask(self, message):
         try:
-            self.calls.write(wire.dumps(message))
+            self.calls.write(self.wire.dumps(message))
             self.calls.flush()
         except BrokenPipeError:
             raise self.violated(CandidateGone()) from None
-        reply = self.receive()
+        return self.receive()
+
+    def _answer(self, reply, gave, what):
+        """The value of a reply, or the exception the program raised, re-raised here."""
+        wire = self.wire
         try:
             if "ok" in reply:
                 return wire.from_json(reply["ok"], resolve=self._resolve)
             if "notplain" in reply:
-                raise wire.NotPlainData(f"{what} returned {str(reply['notplain'])[:200]}")
+                raise wire.NotPlainData(f"{gave} {str(reply['notplain'])[:200]}")
             if "raise" not in reply:
-                raise wire.NotPlainData(f"a malformed reply to a call of {what}")
+                raise wire.NotPlainData(f"a malformed reply about {what}")
         except wire.NotPlainData as e:
             raise self.violated(e) from None
         kind, text = (list(reply["raise"]) + ["", ""])[:2]

@@ -1,11 +1,11 @@
 """The candidate's side of a check, run in the sandbox (copied into its folder with
-`wire.py`; it never runs inside the evaluator).
+`wire.py` and `_walls.py`; it never runs inside the evaluator).
 
-In order it: reads its settings and the program; where asked, builds its private mounts
-(fresh tmpfs on /tmp, /var/tmp and /dev/shm, everything else remounted read-only; the
-evaluator started it in new mount, PID and network namespaces, /proc already the new PID
-namespace's) and drops to its own user id; lowers its resource limits; installs
-best-effort guards; runs the program's definitions; then answers calls. Each call comes
+In order it: reads its settings and the program; builds its walls (`_walls.py`: the
+check's cgroup, a root of its own, PID 1 left behind to end every process of the check
+with it, then its own uid and user namespace, no new privileges, no capabilities); lowers
+its resource limits; installs best-effort guards; runs the program's definitions; then
+answers calls. Each call comes
 from the trusted checker as one line (a function name and plain-data arguments) and is
 answered with one line: the plain-data result (an object of the program's own
 making stays here, and the checker gets a reference it can only pass back), or the
@@ -13,7 +13,7 @@ exception raised. The verdict is the checker's alone: nothing this process write
 answer to a call.
 
 The guards are a seatbelt against generated code doing something silly; the walls are
-the namespaces, the user id and the rlimits.
+the namespaces, the user id, the cgroup and the rlimits.
 """
 
 import builtins
@@ -23,12 +23,6 @@ import os
 import resource
 import sys
 import traceback
-
-_TMPFS = ("/tmp", "/var/tmp", "/dev/shm")
-# mounts left as they are: the new /proc, the fresh tmpfs, devices (writing /dev/null
-# must work) and kernel interfaces
-_KEEP_WRITABLE = ("/proc", "/dev", "/sys") + _TMPFS
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
 
 
 def _set_limits(limits):
@@ -58,47 +52,6 @@ def _owner(pid):
         return None
 
 
-# ------------------------------------------------------------------ private mounts
-def _mount(libc, source, target, fstype, flags, data):
-    import ctypes
-
-    def c(s):
-        return None if s is None else s.encode()
-
-    if libc.mount(c(source), c(target), c(fstype), ctypes.c_ulong(flags), c(data)) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"mount {target}: {os.strerror(errno)}")
-
-
-def _mount_points():
-    with open("/proc/self/mountinfo") as f:
-        points = [line.split()[4].replace("\\040", " ") for line in f]
-    return sorted(set(points), key=len)
-
-
-def _private_mounts(file_bytes):
-    """Fresh, empty, bounded tmpfs on the shared temporary folders; the rest read-only.
-    Everything dies with the namespace: nothing written outlives the run."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    _mount(libc, None, "/", None, MS_REC | MS_PRIVATE, None)
-    size = max(1 << 20, file_bytes)
-    for target in _TMPFS:
-        if os.path.isdir(target):
-            _mount(libc, "tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=1777")
-    for point in _mount_points():
-        if any(point == k or point.startswith(k + "/") for k in _KEEP_WRITABLE):
-            continue
-        try:
-            _mount(libc, None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
-        except OSError:
-            if point == "/":
-                raise
-            # a mount this namespace may not remount (locked flags) stays as it was;
-            # the uid's permissions still apply to it
-
-
 def _enter_workdir(uid):
     """A fresh folder in the private /tmp, owned by the program's uid."""
     work = "/tmp/work"
@@ -107,12 +60,6 @@ def _enter_workdir(uid):
         os.chown(work, uid, uid)
     os.chdir(work)
     return work
-
-
-def _drop_privileges(uid):
-    os.setgroups([])
-    os.setresgid(uid, uid, uid)
-    os.setresuid(uid, uid, uid)
 
 
 # ------------------------------------------------------------------ guards
@@ -250,12 +197,44 @@ class _Objects:
         raise NameError(f"the program defines no {key[1] if type(key) is list and len(key) > 1 else key!r}")
 
     def ref(self, value):
+        """A reference to `value`, marked "iter" when it is an iterator (a generator, a
+        `map`): the checker may then draw its items one by one (`_next_item`)."""
         self.kept.append(value)
-        return ["h", len(self.kept) - 1, type(value).__name__]
+        key = ["h", len(self.kept) - 1, type(value).__name__]
+        if hasattr(type(value), "__next__") and hasattr(type(value), "__iter__"):
+            key.append("iter")
+        return key
+
+
+def _reply(wire, objects, result):
+    try:
+        return {"ok": wire.to_json(result, ref=objects.ref)}
+    except wire.NotPlainData as e:
+        return {"notplain": str(e)}
+    except RecursionError:
+        return {"notplain": "nested too deep"}
+
+
+def _next_item(wire, objects, key):
+    """The reply to a request for an iterator's next item: the item, "stop" at its end,
+    or the exception it raised."""
+    try:
+        iterator = objects.resolve(key)
+    except (TypeError, NameError) as e:
+        return {"raise": [type(e).__name__, str(e)]}
+    try:
+        item = next(iterator)
+    except StopIteration:
+        return {"stop": True}
+    except Exception as e:  # the program's own error, as a call's
+        return {"raise": [type(e).__name__, str(e)[:1000]]}
+    return _reply(wire, objects, item)
 
 
 def _answer(wire, objects, message):
-    """The reply to one call message."""
+    """The reply to one message: a call, or a request for an iterator's next item."""
+    if "next" in message:
+        return _next_item(wire, objects, message["next"])
     try:
         fn = objects.resolve(message["call"])
         args = wire.from_json(message["args"], resolve=objects.resolve)
@@ -268,12 +247,7 @@ def _answer(wire, objects, message):
         result = fn(*args, **kwargs)
     except Exception as e:  # the program's own error: the checker decides what it means
         return {"raise": [type(e).__name__, str(e)[:1000]]}
-    try:
-        return {"ok": wire.to_json(result, ref=objects.ref)}
-    except wire.NotPlainData as e:
-        return {"notplain": str(e)}
-    except RecursionError:
-        return {"notplain": "nested too deep"}
+    return _reply(wire, objects, result)
 
 
 def _serve(wire, namespace, calls, replies):
@@ -300,6 +274,7 @@ def _main():
     settings = json.loads(os.environ.pop("REFUSION_SANDBOX_SETTINGS"))
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, here)
+    import walls  # noqa: E402 - the isolation steps copied beside this file
     import wire  # noqa: E402 - the plain-data codec copied beside this file
 
     sys.path.remove(here)
@@ -310,11 +285,13 @@ def _main():
     uid = settings["uid"]
     root = os.path.realpath(os.getcwd())
     try:
+        if settings["cgroup"]:
+            walls.join_cgroup(settings["cgroup"])
         if settings["mounts"]:
-            _private_mounts(settings["file_bytes"])
+            walls.enter_view(settings)
             root = _enter_workdir(uid)
-        if uid:
-            _drop_privileges(uid)
+            walls.split(settings["memory_bytes"], settings["watch_memory"])
+        walls.become_program(uid, settings["mounts"])
     except OSError as e:
         print(f"sandbox: cannot set up the isolation: {e}", file=sys.stderr)
         _exit(97)

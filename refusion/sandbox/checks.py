@@ -8,22 +8,33 @@ over a pipe and gets plain data back (`wire.py`), and the assertions run on thos
 The checker's verdict reaches the evaluator on a pipe the candidate does not hold: there
 is no nonce to steal, no exit code to fake, no object whose `__eq__` says yes.
 
-The sandbox's walls, strongest first, where the OS allows them:
+The sandbox's walls, strongest first, where the OS allows them (`_walls.py` builds the
+program's side of them):
 
-- private mount, PID and network namespaces (`unshare --mount --pid --net --fork
-  --mount-proc`): a fresh /proc that shows only the program's own processes, fresh empty
-  tmpfs on /tmp, /var/tmp and /dev/shm that vanish with it, every other mount read-only,
-  no network, and every process it starts dies with it;
-- a user id of its own (when we are root: an unused uid per worker slot), so file
-  permissions keep it out of everything it does not own, RLIMIT_NPROC bounds a fork
-  bomb, and afterwards every process of that uid is killed;
-- resource limits: address space (memory), CPU seconds, file size, no core dumps;
+- private PID, network and IPC namespaces (`unshare --pid --net --ipc --fork`): a /proc
+  that shows only the check's own processes, no network, System V shared memory, queues
+  and semaphores that vanish with the check; the namespace's PID 1 is not the program
+  but a process that waits for it, so every process of the check, however it detached
+  itself, ends when the program's does;
+- a private mount namespace with a root of its own: only the system folders, the
+  interpreter and the installed packages, read-only (the benchmark's data, `Check.hidden`,
+  hidden), fresh empty tmpfs on /tmp, /var/tmp and /dev/shm that vanish with it; the
+  checkout, home folders and the evaluation's outputs are not there;
+- one memory limit for all the check's processes together: a cgroup of its own
+  (`_cgroup.py`) where one can be made, else PID 1 watching their memory;
+- a user id of its own (when we are root: an unused uid per worker slot, reused least
+  recently used first) in a user namespace of its own with a fresh session keyring, so
+  file permissions keep it out of everything it does not own, RLIMIT_NPROC bounds a
+  fork bomb, and keys it makes end with it;
+- no new privileges (a setuid program runs as the program's uid) and no capabilities;
+- resource limits: address space (memory, per process), CPU seconds, file size, no core
+  dumps;
 - a new session, killed as a process group at the wall-clock timeout;
 - in-process guards (`_harness.py`): no process creation, no writes outside its
   directory, no sockets when there is no network namespace.
 
-Which walls are up is probed once per process (`isolation()`), said once when the
-namespaces are missing, and written into results. Checks run in parallel across cores:
+Which walls are up is probed once per process (`isolation()`), the missing ones said once,
+and written into results. Checks run in parallel across cores:
 a thread pool where each thread waits on its processes.
 """
 
@@ -45,10 +56,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from . import _cgroup
 from .errors import SandboxError
 
 _HERE = Path(__file__).parent
 _HARNESS, _CHECKER, _WIRE = _HERE / "_harness.py", _HERE / "_checker.py", _HERE / "wire.py"
+_WALLS = _HERE / "_walls.py"
 _TAIL = 2000  # characters of stdout/stderr kept in a result
 
 
@@ -57,7 +70,8 @@ class Limits:
     """What one check may use."""
 
     timeout: float = 10.0  # wall-clock seconds for the whole check, interpreters' start included
-    memory_mb: int = 1024  # address space of the program (the checker gets twice as much)
+    memory_mb: int = 1024  # memory of the program's processes together, and address space of
+    # each (the checker gets twice as much)
     max_processes: int = 16  # processes + threads of its uid (RLIMIT_NPROC)
     max_output_mb: int = 16  # largest file it may write, its stdout/stderr included
 
@@ -69,12 +83,15 @@ class Check:
     `program` (the candidate's code, with whatever it needs to define its functions) runs
     in the sandbox. `test` runs in the checker after `setup` (trusted code too: imports,
     helpers the test uses); each name in `calls` is there a proxy of the program's
-    function of that name."""
+    function of that name. `hidden`: files or folders the program must not read even
+    where the sandbox shows the installed packages (a benchmark's data, which holds its
+    reference solutions)."""
 
     program: str
     test: str
     calls: tuple[str, ...]
     setup: str = ""
+    hidden: tuple[str, ...] = ()
 
 
 @dataclass
@@ -99,19 +116,39 @@ class Isolation:
     """The walls this machine allows; see the module docstring."""
 
     python: str  # interpreter that runs the programs
-    namespaces: bool  # private network + PID namespaces
+    namespaces: bool  # private network, PID and IPC namespaces
     own_uid: bool  # each worker slot runs as its own unprivileged uid
-    mounts: bool = False  # a private mount namespace: fresh /proc and tmpfs, the rest read-only
+    # a private mount namespace with a root of its own, PID 1 that outlives nothing, a user
+    # namespace and session keyring of the program's own
+    mounts: bool = False
+    memory: str = "per process"  # "cgroup", "watched by PID 1" or "per process"
 
     def describe(self) -> str:
-        walls = ["rlimits", "process group", "guards", "trusted checker"]
+        shared = "per process" if self.memory == "per process" else f"all processes together, {self.memory}"
+        walls = [f"memory limit: {shared}", "no new privileges", "rlimits", "process group", "guards"]
+        walls.append("trusted checker")
         if self.namespaces:
-            walls.insert(0, "net+pid namespaces")
+            walls.insert(0, "net+pid+ipc namespaces")
         if self.mounts:
-            walls.insert(0, "private mounts (fresh /proc, tmpfs, read-only rest)")
+            walls.insert(
+                0,
+                "own root (interpreter and packages read-only, fresh /proc and tmpfs), "
+                "own user namespace and keyring",
+            )
         if self.own_uid:
             walls.insert(0, "own uid")
         return ", ".join(walls)
+
+    def missing(self) -> list[str]:
+        """The walls this machine does not allow, each with what it costs."""
+        gaps = []
+        if not self.namespaces:
+            gaps.append("no PID/network/IPC namespaces (processes and System V IPC may outlive a check)")
+        if not self.mounts:
+            gaps.append("no private root (programs see the machine's files, /tmp and /proc)")
+        if self.memory == "per process":
+            gaps.append("no cgroup or PID namespace (the memory limit is per process)")
+        return gaps
 
 
 class _UidPool:
@@ -123,9 +160,10 @@ class _UidPool:
         self._cond = threading.Condition()
 
     def acquire(self) -> int:
+        """The uid free the longest."""
         with self._cond:
             self._cond.wait_for(lambda: self._free)
-            return self._free.pop()
+            return self._free.pop(0)
 
     def release(self, uid: int) -> None:
         with self._cond:
@@ -149,7 +187,7 @@ def _prefix(iso: Isolation) -> list[str]:
     after building its mounts)."""
     if not iso.namespaces:
         return []
-    argv = ["unshare", "--net", "--pid", "--fork", "--kill-child"]
+    argv = ["unshare", "--net", "--pid", "--ipc", "--fork", "--kill-child"]
     if iso.mounts:
         argv += ["--mount", "--mount-proc"]
     if os.geteuid() != 0:
@@ -173,24 +211,42 @@ def _folder(files: dict[str, str | Path], uid: int | None) -> Path:
 
 def _execute(check: Check, limits: Limits, iso: Isolation) -> ExecResult:
     uid = _uids.acquire() if iso.own_uid else None
-    program = _folder({"program.py": check.program, "harness.py": _HARNESS, "wire.py": _WIRE}, uid)
+    files = {"program.py": check.program, "harness.py": _HARNESS, "wire.py": _WIRE, "walls.py": _WALLS}
+    program = _folder(files, uid)
     job = {"setup": check.setup, "test": check.test, "calls": list(check.calls)}
     checker = _folder({"job.json": json.dumps(job), "checker.py": _CHECKER, "wire.py": _WIRE}, None)
+    group = _cgroup.make(limits.memory_mb << 20) if iso.memory == "cgroup" else None
     try:
-        return _execute_in(program, checker, limits, iso, uid)
+        walls = {"cgroup": group, "hidden": [os.path.abspath(p) for p in check.hidden]}
+        result = _execute_in(program, checker, limits, iso, uid, walls)
+        if group and not result.passed and _cgroup.oom_killed(group):
+            result.reason = f"memory: the program's processes used more than {limits.memory_mb} MB together"
+        return result
     finally:
         if uid is not None:
-            _kill_uid(uid)
+            if not iso.namespaces:  # in a PID namespace nothing outlives its PID 1
+                _kill_uid(uid)
             _uids.release(uid)
+        if group:
+            _cgroup.remove(group)
         shutil.rmtree(program, ignore_errors=True)
         shutil.rmtree(checker, ignore_errors=True)
 
 
 def _start_program(
-    folder: Path, fds: tuple[int, int], limits: Limits, iso: Isolation, uid: int | None, out, err
+    folder: Path,
+    fds: tuple[int, int],
+    limits: Limits,
+    iso: Isolation,
+    uid: int | None,
+    walls: dict,
+    out,
+    err,
 ) -> subprocess.Popen:
-    settings = {
+    """The program's process; `walls`: this check's cgroup and hidden paths."""
+    settings = walls | {
         "memory_bytes": limits.memory_mb << 20,
+        "watch_memory": iso.memory == "watched by PID 1",
         "cpu_seconds": int(limits.timeout) + 1,
         "file_bytes": limits.max_output_mb << 20,
         "max_processes": limits.max_processes,
@@ -247,7 +303,12 @@ def _start_checker(
 
 
 def _execute_in(
-    folder: Path, checker_folder: Path, limits: Limits, iso: Isolation, uid: int | None
+    folder: Path,
+    checker_folder: Path,
+    limits: Limits,
+    iso: Isolation,
+    uid: int | None,
+    walls: dict,
 ) -> ExecResult:
     calls_r, calls_w = os.pipe()  # checker -> program
     replies_r, replies_w = os.pipe()  # program -> checker
@@ -256,7 +317,7 @@ def _execute_in(
     timed_out = False
     with open(folder / "stdout", "wb") as out, open(folder / "stderr", "wb") as err:
         try:
-            program = _start_program(folder, (calls_r, replies_w), limits, iso, uid, out, err)
+            program = _start_program(folder, (calls_r, replies_w), limits, iso, uid, walls, out, err)
         finally:
             os.close(calls_r)
             os.close(replies_w)
@@ -423,19 +484,12 @@ def _candidates() -> list[str]:
 @lru_cache(maxsize=1)
 def isolation() -> Isolation:
     """Probe once which walls work here, strongest first; the weakest always works. Where
-    the private namespaces are missing (a container that forbids them), say so once."""
+    some are missing (a container that forbids namespaces, no cgroup to write), say which
+    once."""
     if os.name != "posix":
         raise SandboxError("the code sandbox needs a POSIX system (Linux or macOS)")
-    have_unshare = sys.platform.startswith("linux") and shutil.which("unshare") is not None
-    root = os.geteuid() == 0
-    options = []
-    for python in _candidates():
-        for ns, mounts in [(True, True), (True, False), (False, False)] if have_unshare else [(False, False)]:
-            for own_uid in [True, False] if root else [False]:
-                options.append(Isolation(python, ns, own_uid, mounts))
-    # prefer the strongest walls, then our own interpreter
-    options.sort(key=lambda o: (not o.mounts, not o.own_uid, not o.namespaces))
-    chosen = Isolation(sys.executable, False, False)
+    options = _options()
+    chosen = Isolation(sys.executable, False, False)  # the weakest: nothing to set up
     for option in options:
         try:
             if _execute(_PROBE, Limits(timeout=20), option).passed:
@@ -443,14 +497,30 @@ def isolation() -> Isolation:
                 break
         except OSError:  # a tool or interpreter that cannot start here
             continue
-    if not chosen.mounts:
+    if chosen.missing():
         warnings.warn(
-            f"the code sandbox has no private mount namespace here (unshare --mount is not available "
-            f"or not allowed): programs share /tmp and /proc with the machine; walls: {chosen.describe()}",
+            f"the code sandbox has no {'; no '.join(g.removeprefix('no ') for g in chosen.missing())} "
+            f"on this machine; walls: {chosen.describe()}",
             RuntimeWarning,
             stacklevel=2,
         )
     return chosen
+
+
+def _options() -> list[Isolation]:
+    """Every combination of walls worth probing, strongest first, then our own interpreter."""
+    have_unshare = sys.platform.startswith("linux") and shutil.which("unshare") is not None
+    root = os.geteuid() == 0
+    cgroup = _cgroup.parent() is not None
+    options = []
+    for python in _candidates():
+        for ns, mounts in [(True, True), (True, False), (False, False)] if have_unshare else [(False, False)]:
+            for own_uid in [True, False] if root else [False]:
+                fallback = "watched by PID 1" if mounts else "per process"
+                for memory in ["cgroup", fallback] if cgroup else [fallback]:
+                    options.append(Isolation(python, ns, own_uid, mounts, memory))
+    options.sort(key=lambda o: (not o.mounts, not o.own_uid, not o.namespaces, o.memory != "cgroup"))
+    return options
 
 
 # ---------------------------------------------------------------------------- public API

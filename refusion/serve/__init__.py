@@ -4,6 +4,7 @@
 - `loop.py`: the engine loop, one worker thread that owns the `Engine` and steps it
 - `server.py`: uvicorn's server with the shutdown order serving needs (`make_server`)
 - `app.py`: the routes (/v1/models, /v1/completions, /v1/chat/completions, /health, /metrics)
+- `playground.py`: the page at `/` (files in `static/`) and the settings it is made from
 - `replicas.py`: `--data-parallel-size N`, N replicas behind one front (least-loaded routing)
 - `metrics.py`: Prometheus text format, by hand
 - `loadtest.py`: `python -m refusion.serve.loadtest`, concurrent streaming clients

@@ -1,19 +1,22 @@
 """The FastAPI application: OpenAI routes over one engine loop.
 
-A completion request is validated (`protocol.parse_request`), tokenised here in the event
-loop, fitted to the context (`protocol.fit_length`), checked by the engine (before any
-compute, so a bad request fails alone) and queued as one `Job` per prompt, each with its
-own `DecodeConfig`. The engine loop pushes each job's text into an asyncio queue as the
-decoder finalises left-to-right prefixes; a streamed response starts at once (headers,
-and chat's role chunk, before any token is final) and forwards those events as
-server-sent events, ending with `[DONE]` after the last chunk or an error event; a plain
-one collects them. A client that goes away cancels its jobs, and the engine drops their
-rows before its next step.
+A completion request's body is read (refused as soon as it passes `MAX_BODY`), then parsed,
+validated (`protocol.parse_request`), tokenised, fitted to the context
+(`protocol.fit_length`) and checked by the engine on one of a few request threads, never
+on the event loop, so a huge prompt delays only itself and not /health or other clients;
+every check runs before any compute, so a bad request fails alone. It is queued as one
+`Job` per prompt, each with its own `DecodeConfig`. The engine loop pushes each job's
+text into an asyncio queue as the decoder finalises left-to-right prefixes; a streamed
+response starts at once (headers, and chat's role chunk, before any token is final) and
+forwards those events as server-sent events, ending with `[DONE]` after the last chunk
+or an error event; a plain one collects them. A client that goes away cancels its jobs,
+and the engine drops their rows before its next step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import json
 import logging
@@ -43,6 +46,7 @@ from ..errors import (
 from ..model.prompts import chat_ids, encode_prompt
 from .loop import EngineLoop, Job, QueueFull, ShuttingDown
 from .metrics import Metrics
+from .playground import add_playground_routes, is_public
 from .protocol import (
     APIError,
     CompletionRequest,
@@ -53,6 +57,7 @@ from .protocol import (
     parse_request,
     request_config,
     response_body,
+    slots_chunk,
     usage,
     usage_chunk,
 )
@@ -64,6 +69,12 @@ MAX_BODY = 16 * 2**20
 MAX_DEPTH = (
     32  # nesting of a JSON body; OpenAI's deepest field (a message's tool call's function) is 6 levels down
 )
+# threads that parse and tokenise requests: a few at once (the tokenizer releases the GIL), the
+# rest wait their turn without holding up the event loop
+REQUEST_THREADS = 4
+# text longer than context x the vocabulary's longest token, times this, is refused untokenised (the
+# slack covers normalisers that shorten text before it is split)
+TEXT_SLACK = 2
 
 
 def create_app(
@@ -91,7 +102,7 @@ def create_app(
     server = _Server(engine, cfg, model_name, engine_loop)
     app = FastAPI(
         title="ReFusion",
-        lifespan=_lifespan(engine, engine_loop, shutdown_timeout),
+        lifespan=_lifespan(engine, engine_loop, server.work, shutdown_timeout),
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
@@ -99,12 +110,15 @@ def create_app(
     _set_state(app, engine_loop, metrics, shutdown_timeout)
     _add_status_routes(app, engine_loop, metrics, model_name)
     _add_api_routes(app, server)
+    add_playground_routes(app, model, cfg, model_name, server.context)
     _add_error_handlers(app, metrics)
     app.add_middleware(_Observe, metrics=metrics, api_key=api_key)
     return app
 
 
-def _lifespan(engine: Engine, engine_loop: EngineLoop, shutdown_timeout: float) -> Callable[[FastAPI], Any]:
+def _lifespan(
+    engine: Engine, engine_loop: EngineLoop, work: concurrent.futures.Executor, shutdown_timeout: float
+) -> Callable[[FastAPI], Any]:
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         """The engine loop runs while the app does. uvicorn sends the shutdown event only
@@ -112,6 +126,7 @@ def _lifespan(engine: Engine, engine_loop: EngineLoop, shutdown_timeout: float) 
         when the drain begins; the first deadline stands."""
         engine_loop.start()
         yield
+        work.shutdown(wait=False, cancel_futures=True)
         await asyncio.get_running_loop().run_in_executor(None, engine_loop.shutdown, shutdown_timeout)
         # a split model's leader lets the other ranks go (uvicorn then re-raises the signal)
         if hasattr(engine, "close"):
@@ -122,11 +137,13 @@ def _lifespan(engine: Engine, engine_loop: EngineLoop, shutdown_timeout: float) 
 
 def _set_state(app: FastAPI, engine_loop: EngineLoop, metrics: Metrics, shutdown_timeout: float) -> None:
     """What the app holds for others: `refusion.serve.server.Server` reads the shutdown
-    timeout and calls `begin_drain` when the drain begins."""
+    timeout, calls `begin_drain` when the drain begins and keeps answering until
+    `drained` (the engine loop has nothing left to run)."""
     app.state.engine_loop = engine_loop
     app.state.metrics = metrics
     app.state.shutdown_timeout = shutdown_timeout
     app.state.begin_drain = engine_loop.close
+    app.state.drained = lambda: not engine_loop.alive
 
 
 def _add_status_routes(app: FastAPI, engine_loop: EngineLoop, metrics: Metrics, model_name: str) -> None:
@@ -241,6 +258,10 @@ class _Server:
         self.context = engine.model.config.max_position_embeddings
         self.vocab = engine.model.config.vocab_size
         self.created = int(time.time())
+        self.longest_token = _longest_token(self.tokenizer)
+        self.work = concurrent.futures.ThreadPoolExecutor(
+            REQUEST_THREADS, thread_name_prefix="refusion-request"
+        )
 
     def model_card(self) -> dict[str, Any]:
         return {
@@ -263,35 +284,48 @@ class _Server:
     # ---------------------------------------------------------------- request -> jobs
     async def complete(self, request: Request, kind: str) -> Response:
         """A completion request of either route, from its body to its response; every
-        check runs before any job is queued, so a bad request fails alone."""
-        req = parse_request(await _read_json(request), kind)
-        self.check_model(req.model)
-        base = request_config(self.cfg, req)
-        prompts = self.encode(req)
+        check runs (on a request thread) before any job is queued, so a bad request
+        fails alone."""
+        raw = await read_body(request)
+        loop = asyncio.get_running_loop()
+        req, prompts, configs = await loop.run_in_executor(self.work, self.prepare, raw, kind)
         events: asyncio.Queue = asyncio.Queue()
-        jobs = self.make_jobs(req, base, prompts, events)
+        jobs = self.make_jobs(prompts, configs, events, req.include_slots)
         self.submit(jobs)
         flow = _Flow(
             request, req, jobs, events, self.name, sum(len(p) for p in prompts), watch=not req.stream
         )
         return await _respond(flow)
 
-    def make_jobs(
-        self, req: CompletionRequest, base: DecodeConfig, prompts: list[list[int]], events: asyncio.Queue
-    ) -> list[Job]:
-        """One job per prompt, its length fitted to the context and checked by the engine;
-        each pushes its events, tagged with its choice's index, into `events`."""
-        loop = asyncio.get_running_loop()
+    def prepare(self, raw: bytes, kind: str) -> tuple[CompletionRequest, list[list[int]], list[DecodeConfig]]:
+        """The request in `raw` checked, its prompts tokenised and each one's settings
+        fitted to the context and checked by the engine (a request thread: all of this
+        is CPU work, a prompt's tokenisation the most)."""
+        req = parse_request(_parse_json(raw), kind)
+        self.check_model(req.model)
+        base = request_config(self.cfg, req)
+        prompts = self.encode(req)
         param = "messages" if req.kind == "chat" else "prompt"
-        jobs = []
-        for i, ids in enumerate(prompts):
+        configs = []
+        for ids in prompts:
             cfg = fit_length(base, len(ids), req.max_tokens, self.context, param)
             try:
                 self.engine.check(ids, cfg)
             except ReFusionError as e:
                 raise library_error(e) from None
+            configs.append(cfg)
+        return req, prompts, configs
+
+    def make_jobs(
+        self, prompts: list[list[int]], configs: list[DecodeConfig], events: asyncio.Queue, slots: bool
+    ) -> list[Job]:
+        """One job per prompt; each pushes its events, tagged with its choice's index,
+        into `events` (with `slots`, each step's slot events too)."""
+        loop = asyncio.get_running_loop()
+        jobs = []
+        for i, (ids, cfg) in enumerate(zip(prompts, configs)):
             notify = lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev))  # noqa: E731
-            jobs.append(Job(ids, cfg, notify))
+            jobs.append(Job(ids, cfg, notify, slots=slots))
         return jobs
 
     def submit(self, jobs: list[Job]) -> None:
@@ -313,6 +347,7 @@ class _Server:
     def encode(self, req: CompletionRequest) -> list[list[int]]:
         tok = self.tokenizer
         if req.kind == "chat":
+            self.check_text_length([m["content"] for m in req.messages], "messages")
             try:
                 prompts = [chat_ids(tok, _for_template(req.messages, getattr(tok, "chat_template", None)))]
             except Exception as e:  # the template itself rejects the conversation
@@ -320,7 +355,9 @@ class _Server:
         else:
             prompts = []
             for p in req.prompts:
-                if not isinstance(p, str) and any(not 0 <= t < self.vocab for t in p):
+                if isinstance(p, str):
+                    self.check_text_length([p], "prompt")
+                elif any(not 0 <= t < self.vocab for t in p):
                     raise bad(f"prompt token ids must be in [0, {self.vocab})", "prompt")
                 prompts.append(encode_prompt(tok, p, chat=False) if p != "" else [])
         if any(not p for p in prompts):
@@ -330,6 +367,31 @@ class _Server:
                 "empty_prompt",
             )
         return prompts
+
+    def check_text_length(self, texts: list[str], param: str) -> None:
+        """Refuse, before tokenising it, text that cannot fit the context: no token spells
+        more than `longest_token` characters, so text over context x that many (and
+        `TEXT_SLACK`) has more tokens than fit. Tokenising 15 MB would take a request
+        thread seconds of CPU only to say the same."""
+        size = sum(len(t) for t in texts)
+        limit = self.context * self.longest_token * TEXT_SLACK
+        if self.longest_token and size > limit:
+            raise bad(
+                f"the {param} text is {size} characters long, over the {limit} that could fit the "
+                f"context of {self.context} tokens (no token of this tokenizer spells more than "
+                f"{self.longest_token} characters); shorten it",
+                param,
+                "context_length_exceeded",
+            )
+
+
+def _longest_token(tokenizer: Any) -> int:
+    """The most characters one token of the vocabulary spells (0, no bound, for a
+    tokenizer that does not list its vocabulary)."""
+    try:
+        return max((len(t) for t in tokenizer.get_vocab()), default=0)
+    except (AttributeError, NotImplementedError):
+        return 0
 
 
 async def _respond(flow: _Flow) -> Response:
@@ -422,6 +484,8 @@ class _Flow:
             elif ev[0] == "error":
                 self.close()
                 raise library_error(ev[1])
+            elif ev[0] == "slots":  # only streams ask for them
+                continue
             else:
                 reasons[i] = ev[1]
                 self.open -= 1
@@ -448,6 +512,8 @@ class _Flow:
                 i, ev = await self.next()
                 if ev[0] == "text":
                     yield _data(chunk_body(kind, self.id, self.model, i, ev[1], None))
+                elif ev[0] == "slots":
+                    yield _data(slots_chunk(kind, self.id, self.model, i, ev[1]))
                 elif ev[0] == "error":
                     yield _data(library_error(ev[1]).body())
                     break
@@ -466,18 +532,28 @@ def _data(obj: dict[str, Any]) -> str:
 
 
 async def read_body(request: Request) -> bytes:
-    """The request's bytes, at most MAX_BODY of them (else a 413)."""
+    """The request's bytes, at most MAX_BODY of them: a 413 as soon as more is declared
+    or has arrived (a chunked body has no length to check first), not once it is all in."""
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > MAX_BODY:
-        raise APIError(413, f"the request body is over {MAX_BODY} bytes", code="request_too_large")
-    raw = await request.body()
-    if len(raw) > MAX_BODY:
-        raise APIError(413, f"the request body is over {MAX_BODY} bytes", code="request_too_large")
-    return raw
+        raise _too_large()
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > MAX_BODY:
+            raise _too_large()
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
-async def _read_json(request: Request) -> Any:
-    body = _loads(await read_body(request))
+def _too_large() -> APIError:
+    return APIError(
+        413, f"the request body is over {MAX_BODY} bytes; send a shorter prompt", code="request_too_large"
+    )
+
+
+def _parse_json(raw: bytes) -> Any:
+    body = _loads(raw)
     if _deeper_than(body, MAX_DEPTH):
         raise _too_deep()
     return body
@@ -511,8 +587,9 @@ def _too_deep() -> APIError:
 
 def _deeper_than(obj: Any, limit: int) -> bool:
     """Whether `obj` nests lists and dicts more than `limit` deep, found without
-    recursion (a check made recursively would itself overflow on the bodies it is for)."""
-    level, depth = [obj], 0
+    recursion (a check made recursively would itself overflow on the bodies it is for).
+    A scalar (a body of `null` or `5`) is not nested at all."""
+    level, depth = ([obj] if isinstance(obj, (list, dict)) else []), 0
     while level:
         depth += 1
         if depth > limit:
@@ -565,8 +642,9 @@ class _Observe:
 
 def authorised(scope: dict, api_key: str | None) -> bool:
     """Whether a request may pass: no key set, /health (which never needs one), or
-    'Authorization: Bearer KEY' with the key."""
-    if api_key is None or scope["path"] == "/health":
+    'Authorization: Bearer KEY' with the key. The playground's page and files pass too:
+    the page asks for the key and sends it."""
+    if api_key is None or scope["path"] == "/health" or is_public(scope["path"]):
         return True
     for k, v in scope["headers"]:
         if k == b"authorization":

@@ -2,6 +2,7 @@
 
     python -m refusion.serve.loadtest --url http://127.0.0.1:8000 --clients 32 --seconds 60 --pid PID
     python -m refusion.serve.loadtest --url http://127.0.0.1:8000 --compare 1,16 --seconds 30
+    python -m refusion.serve.loadtest --compare 1,16,32 --methods ar,refusion --rounds 2 --seconds 15
 
 Each client sends streamed chat completions back to back (prompts taken in turn from a
 fixed list, so runs compare) until the time is up; requests in flight then finish. It
@@ -11,8 +12,10 @@ finish_reason or `[DONE]`, and with --pid the server's resident memory before an
 --compare runs one phase per client count, same prompts, and prints the tokens/s ratio;
 `--compare same,mixed` instead runs --clients clients twice: all with the same settings,
 then each client with its own (`MIXED`: methods, thresholds, slot sizes, sampling), which
-the server batches together. --rounds N repeats the phases interleaved and reports each
-phase's median round.
+the server batches together. `--methods ar,refusion` runs each client count once per
+method (the request's `method`, the rest from the checkpoint's settings) and prints, per
+count, the second method's tokens/s over the first's. --rounds N repeats the phases
+interleaved and reports each phase's median round.
 """
 
 from __future__ import annotations
@@ -135,7 +138,12 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, phase: Ph
 
 
 async def run_phase(
-    args: argparse.Namespace, model: str, clients: int, mixed: bool = False, label: str = ""
+    args: argparse.Namespace,
+    model: str,
+    clients: int,
+    mixed: bool = False,
+    label: str = "",
+    extra: dict | None = None,
 ) -> Phase:
     phase = Phase(clients, args.seconds, label)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -158,6 +166,7 @@ async def run_phase(
                     "stream": True,
                     "stream_options": {"include_usage": True},
                     **args.extra,
+                    **(extra or {}),
                     **(MIXED[k % len(MIXED)] if mixed else {}),
                 }
                 await one_request(client, args.url, body, phase)
@@ -181,16 +190,22 @@ def rss_kib(pid: int | None) -> dict[str, int] | None:
     return process_memory_kib(pid) if pid is not None else None
 
 
-def _phases(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple[str, int, bool]]:
-    """(label, clients, mixed settings) per phase."""
+def _phases(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple[str, int, bool, dict]]:
+    """(label, clients, mixed settings, body fields) per phase."""
+    methods = args.methods.split(",") if args.methods else []
+    if methods and (len(methods) != 2 or not args.compare or args.compare == "same,mixed"):
+        p.error("--methods takes two methods (ar,refusion) with --compare client counts (1,16,32)")
     if not args.compare:
-        return [("", args.clients, False)]
+        return [("", args.clients, False, {})]
     if args.compare == "same,mixed":
-        return [("same", args.clients, False), ("mixed", args.clients, True)]
+        return [("same", args.clients, False, {}), ("mixed", args.clients, True, {})]
     try:
-        return [("", int(c), False) for c in args.compare.split(",")]
+        counts = [int(c) for c in args.compare.split(",")]
     except ValueError:
         p.error("--compare takes client counts (1,16) or same,mixed")
+    if not methods:
+        return [("", n, False, {}) for n in counts]
+    return [(f"{m}@{n}", n, False, {"method": m}) for n in counts for m in methods]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,6 +229,13 @@ def main(argv: list[str] | None = None) -> int:
         help="with --compare: repeat the phases this many times, interleaved (A, B, A, B, ...); "
         "each count's figures are from its median round (tokens/s)",
     )
+    p.add_argument(
+        "--methods",
+        default=None,
+        metavar="A,B",
+        help="with --compare client counts: run each count with the request's method A, then B "
+        "(e.g. ar,refusion), and print B's tokens/s over A's per count",
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument(
         "--extra", type=json.loads, default={}, help='extra body fields as JSON, e.g. \'{"method": "ar"}\''
@@ -233,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
     runs = [
-        [asyncio.run(run_phase(args, model, n, mixed, label)).summary() for label, n, mixed in phases_spec]
+        [
+            asyncio.run(run_phase(args, model, n, mixed, label, extra)).summary()
+            for label, n, mixed, extra in phases_spec
+        ]
         for _ in range(args.rounds if args.compare else 1)
     ]
     phases = [median_phase([r[i] for r in runs]) for i in range(len(phases_spec))]
@@ -246,7 +271,13 @@ def main(argv: list[str] | None = None) -> int:
         "rss_kib_before": before,
         "rss_kib_after": after,
     }
-    if len(phases) > 1 and phases[0]["tokens_per_s"]:
+    if args.methods:
+        first, second = phases[0::2], phases[1::2]
+        report["method_ratio"] = {
+            a["clients"]: round(b["tokens_per_s"] / a["tokens_per_s"], 2) if a["tokens_per_s"] else None
+            for a, b in zip(first, second)
+        }
+    elif len(phases) > 1 and phases[0]["tokens_per_s"]:
         report["tokens_per_s_ratio"] = round(phases[-1]["tokens_per_s"] / phases[0]["tokens_per_s"], 2)
     if args.json:
         print(json.dumps(report))
@@ -260,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"TTFT p50 {ph['ttft_p50_s']} s p95 {ph['ttft_p95_s']} s; incomplete {ph['incomplete']}; "
                 f"errors {ph['errors'] or 0}"
                 + (f"; tokens/s by round {ph['rounds_tokens_per_s']}" if len(runs) > 1 else "")
+            )
+        if "method_ratio" in report:
+            a, b = args.methods.split(",")
+            print(
+                f"tokens/s of {b} over {a}, per client count: "
+                + ", ".join(f"{n}: {r}x" for n, r in report["method_ratio"].items())
             )
         if "tokens_per_s_ratio" in report:
             print(

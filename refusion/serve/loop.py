@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..decode.config import DecodeConfig
+from ..decode.trace import event_dicts
 from .metrics import Metrics
 
 log = logging.getLogger("refusion.serve")
@@ -42,8 +43,10 @@ QUEUED = (
     "retry it (on another replica, or once the server is back)"
 )
 CUT = "the server shut down before this request finished (its shutdown timeout ran out); retry it"
+REFUSED = "the server is shutting down and takes no new requests; retry on another replica or once it is back"
 
 # ("text", str) | ("done", finish_reason, completion_tokens) | ("error", exception)
+# | ("slots", dict): a step's slot events, for a job that asked for them
 Event = tuple
 
 
@@ -66,9 +69,13 @@ class Job:
 
     _ids = itertools.count()
 
-    def __init__(self, ids: list[int], cfg: DecodeConfig, notify: Callable[[Event], None]) -> None:
+    def __init__(
+        self, ids: list[int], cfg: DecodeConfig, notify: Callable[[Event], None], slots: bool = False
+    ) -> None:
         self.id = f"job-{next(Job._ids)}"
         self.ids, self.cfg, self.notify = ids, cfg, notify
+        self.slots = slots  # send the decoder's slot events of each step (its trace of the steps)
+        self.events_sent = 0
         self.cancelled = threading.Event()  # the client went away (or the server is stopping)
         self.finished = False
         self.emitted = False  # any event sent
@@ -99,6 +106,26 @@ class Job:
                 if out.stats.nfe:
                     self.metrics.tpf.observe(out.stats.tpf)
             self._send(("done", out.finish_reason, self.completion_tokens))
+
+    def send_slots(self, req: Any, out: Any, tokenizer: Any) -> None:
+        """The slot events this job's request recorded since the last ones sent (worker
+        thread), with its forward count and seconds so far; at the end, its final counts.
+        `req` is the engine's request (None once it finished), `out` this step's output."""
+        trace = out.trace if out is not None else getattr(req, "trace", None)
+        new = (trace or [])[self.events_sent :]
+        if self.finished or not (new or (out is not None and out.finished)):
+            return
+        self.events_sent += len(new)
+        stats = out.stats if out is not None else req.stats
+        started = getattr(req, "started", 0.0)
+        payload = {
+            "events": event_dicts(tokenizer, new),
+            "nfe": stats.nfe,
+            "elapsed": time.perf_counter() - started if started else stats.wall_time,
+        }
+        if out is not None and out.finished:
+            payload["stats"] = {**stats.as_dict(), "tokens": len(out.token_ids)}
+        self._send(("slots", payload))
 
     def finish_cancelled(self) -> None:
         """Cancelled before it reached the engine: done, with nothing generated."""
@@ -148,10 +175,7 @@ class EngineLoop:
         """Queue every job or none."""
         with self._cv:
             if self._closing:
-                raise ShuttingDown(
-                    "the server is shutting down and takes no new requests; "
-                    "retry on another replica or once it is back"
-                )
+                raise ShuttingDown(REFUSED)
             if self.queue_length + len(jobs) > self.max_queue:
                 self.metrics.rejected.inc()
                 raise QueueFull(self._retry_after())
@@ -239,7 +263,9 @@ class EngineLoop:
                 job.finish_cancelled()
                 continue
             try:
-                self.engine.add_request(job.ids, job.cfg, request_id=job.id)
+                # a job that streams slot events has its request trace its steps
+                traced = {"trace": "steps"} if job.slots else {}
+                self.engine.add_request(job.ids, job.cfg, request_id=job.id, **traced)
             except Exception as e:  # the request's own fault (a ReFusionError) or not: it fails alone
                 job.fail(e)
                 continue
@@ -294,6 +320,7 @@ class EngineLoop:
             if job.started is None and self._is_running(job):
                 job.started = now
                 self.metrics.queue_wait.observe(now - job.submitted)
+        self._send_slots(outputs)
         for out in outputs:
             job = self._jobs.get(out.request_id)
             if job is None:
@@ -305,6 +332,14 @@ class EngineLoop:
                     self._request_seconds = 0.8 * self._request_seconds + 0.2 * (now - job.started)
         self.metrics.queue_length.set(self.queue_length)
         self.metrics.running.set(self.running)
+
+    def _send_slots(self, outputs: list[Any]) -> None:
+        """Each job that asked for them gets its step's slot events, before its text."""
+        by_id = {out.request_id: out for out in outputs}
+        for job in self._jobs.values():
+            if job.slots:
+                req = self.engine.requests.get(job.id)
+                job.send_slots(req, by_id.get(job.id), self.engine.tokenizer)
 
     def _is_running(self, job: Job) -> bool:
         req = self.engine.requests.get(job.id)

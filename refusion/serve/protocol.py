@@ -137,6 +137,7 @@ FIELDS = {
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 # message fields by role, beyond role and content (`name` is allowed on every message)
 MESSAGE_FIELDS = {"assistant": {"name", "tool_calls", "refusal"}, "tool": {"name", "tool_call_id"}}
+STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", "include_slots"}
 MAX_PROMPTS = 64
 MAX_TOKENS = 2**31 - 1  # beyond any context; keeps the numbers in length errors printable
 
@@ -153,6 +154,7 @@ class CompletionRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    include_slots: bool = False  # stream the decoder's per-step slot events (docs/playground.md#events)
     preset: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # DecodeConfig fields
 
@@ -191,15 +193,31 @@ def parse_request(body: Any, kind: str) -> CompletionRequest:
     req.stream = _own_value("stream", "bool", body.get("stream", False))
     opts = body.get("stream_options")
     if opts is not None:
-        if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
-            raise bad("stream_options must be an object with include_usage", "stream_options", "invalid_type")
+        if not isinstance(opts, dict) or set(opts) - STREAM_OPTIONS:
+            raise bad(
+                "stream_options must be an object with include_usage or include_slots",
+                "stream_options",
+                "invalid_type",
+            )
         req.include_usage = _own_value(
             "stream_options.include_usage", "bool", opts.get("include_usage", False)
         )
+        req.include_slots = _stream_slots(opts, req.stream)
     if "preset" in body:
         req.preset = _own_value("preset", "str", body["preset"], choices=PRESETS)
     req.overrides = {name: _decode_value(f, body[name]) for name, f in DECODE_FIELDS.items() if name in body}
     return req
+
+
+def _stream_slots(opts: dict[str, Any], stream: bool) -> bool:
+    """stream_options.include_slots: the per-step slot events, which only a stream carries."""
+    on = _own_value("stream_options.include_slots", "bool", opts.get("include_slots", False))
+    if on and not stream:
+        raise bad(
+            'stream_options.include_slots needs "stream": true (the slot events come as stream chunks)',
+            "stream_options.include_slots",
+        )
+    return on
 
 
 def _prompts(p: Any) -> list[str | list[int]]:
@@ -256,6 +274,13 @@ def _message(m: Any, where: str) -> dict[str, Any]:
         raise bad(
             f"{where}.{name} is not a field of a {role} message{why}", f"{where}.{name}", "unknown_parameter"
         )
+    if m.get("content") is None and not (role == "assistant" and _speaks_otherwise(m)):
+        raise bad(
+            f"{where}.content is required: give the message's text (only an assistant message "
+            "with tool_calls or a refusal may leave it out)",
+            f"{where}.content",
+            "missing_required_parameter",
+        )
     out: dict[str, Any] = {
         "role": "system" if role == "developer" else role,
         "content": _content(m.get("content"), where),
@@ -270,6 +295,12 @@ def _message(m: Any, where: str) -> dict[str, Any]:
     if m.get("tool_calls") is not None:
         out["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
     return out
+
+
+def _speaks_otherwise(m: dict[str, Any]) -> bool:
+    """Whether an assistant message says something without content, as OpenAI allows:
+    its tool calls or its refusal."""
+    return m.get("tool_calls") is not None or m.get("refusal") is not None
 
 
 def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
@@ -413,6 +444,20 @@ def chunk_body(
         choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+def slots_chunk(kind: str, rid: str, model: str, index: int, slots: dict[str, Any]) -> dict[str, Any]:
+    """A stream chunk of slot events (stream_options.include_slots): no choice changes,
+    `slots` holds choice `index`'s events of the last step and its counts so far."""
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "slots": {"index": index, **slots},
+    }
 
 
 def usage_chunk(kind: str, rid: str, model: str, use: dict[str, int]) -> dict[str, Any]:

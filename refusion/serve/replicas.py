@@ -10,13 +10,21 @@ error bodies are the replicas' own, so N replicas answer as one server would. Th
 answers /health (every replica's, and its own state) and /metrics (every replica's
 samples labelled `replica="i"`, and its own gauges of each replica's load).
 
+A replica that exits (killed, or crashed) is started again on the same socket after a
+backoff (1 s, doubling with each exit in a row up to 30 s; a replica that has served for
+a minute starts again from 1 s), and takes requests once its /health answers 200. One
+that exits three times in a row before it was ever ready is not started again (its error
+is in the log); when no replica is left running or starting, the front stops, so a
+supervisor sees it go.
+
 Shutdown: at the first SIGTERM/SIGINT the front tells every replica to drain (SIGUSR1,
 which a replica already draining ignores: systemd, say, signals every process of a
-service at once). Each drains as one server does (new and queued requests 503, running
-ones finish within --shutdown-timeout) while the front keeps passing their responses
-through; then the front exits. A second signal is passed on as it is, and everything
-exits at once. Replicas run in their own session, so a terminal's Ctrl-C reaches only
-the front, and on Linux each is sent SIGTERM should the front die without a word.
+service at once). Each drains as one server does (queued requests 503, running ones
+finish within --shutdown-timeout) while the front keeps passing their responses through
+and answers new requests with 503 `shutting_down` itself; then the front exits. A
+second signal is passed on as it is, and everything exits at once. Replicas run in their
+own session, so a terminal's Ctrl-C reaches only the front, and on Linux each is sent
+SIGTERM should the front die without a word.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from fastapi.responses import (
 )
 
 from ..errors import ConfigError, ReFusionError
+from .loop import REFUSED, ShuttingDown
 from .metrics import Counter, Gauge, Registry
 from .protocol import APIError
 
@@ -67,16 +76,37 @@ HOP_BY_HOP = {
 }
 OWN = {"date", "server"}  # a response's own, which the front's server writes
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+# restarting a replica that exited: the first wait, the longest, how long it must have served for
+# its next exit to count as the first again, and how many starts in a row may fail before it is left
+RESTART_FIRST_SECONDS = 1.0
+RESTART_MAX_SECONDS = 30.0
+RESTART_STABLE_SECONDS = 60.0
+MAX_FAILED_STARTS = 3
 
 
 class Replica:
-    """One replica process, its socket, and the front's count of its load."""
+    """One replica process (started again when it exits), its socket, and the front's
+    count of its load."""
 
-    def __init__(self, index: int, socket_path: str, proc: subprocess.Popen) -> None:
-        self.index, self.socket, self.proc = index, socket_path, proc
+    def __init__(self, index: int, socket_path: str, cmd: list[str], env: dict[str, str]) -> None:
+        self.index, self.socket, self.cmd, self.env = index, socket_path, cmd, env
         self.in_flight = 0
+        self.ready = False  # its /health has answered 200 since it was started
+        self.ready_since = 0.0
+        self.restarts = 0
+        self.exits_in_a_row = 0  # exits without a stable run between them: the backoff's exponent
+        self.failed_starts = 0  # starts in a row that exited before they were ready
+        self.restart_at: float | None = None  # while it is down: when it is started again
+        self.left = False  # not started again: it failed to start too often
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            self.cmd, env=self.env, start_new_session=True, preexec_fn=_end_with_parent
+        )
+        self.ready = False
         self.client = httpx.AsyncClient(
-            transport=httpx.AsyncHTTPTransport(uds=socket_path),
+            transport=httpx.AsyncHTTPTransport(uds=self.socket),
             base_url="http://replica",
             timeout=httpx.Timeout(None, connect=10.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0),
@@ -85,6 +115,30 @@ class Replica:
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def mark_ready(self) -> None:
+        self.ready, self.ready_since, self.failed_starts = True, time.monotonic(), 0
+
+    def exited(self) -> float | None:
+        """Note that the process has exited: the seconds until it is started again, or
+        None when it is left (it failed to start `MAX_FAILED_STARTS` times in a row).
+        What is left of its session (tensor-parallel ranks) is killed."""
+        now = time.monotonic()
+        if self.ready and now - self.ready_since >= RESTART_STABLE_SECONDS:
+            self.exits_in_a_row = 0
+        self.exits_in_a_row += 1
+        self.failed_starts = 0 if self.ready else self.failed_starts + 1
+        self.ready = False
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.failed_starts >= MAX_FAILED_STARTS:
+            self.left = True
+            return None
+        delay = min(RESTART_MAX_SECONDS, RESTART_FIRST_SECONDS * 2 ** (self.exits_in_a_row - 1))
+        self.restart_at = now + delay
+        return delay
 
     def signal(self, sig: int, group: bool = False) -> None:
         """Signal the replica; with `group`, its tensor-parallel ranks too (its session's
@@ -114,6 +168,12 @@ class FrontMetrics(Registry):
             "Requests the front has sent to the replica",
             labels=("replica",),
         )
+        self.restarts = self._add(
+            Counter,
+            "refusion_replica_restarts_total",
+            "Times the front has started the replica again after it exited",
+            labels=("replica",),
+        )
 
 
 class ReplicaPool:
@@ -126,11 +186,58 @@ class ReplicaPool:
         self.all_gone = False  # every replica exited before the front was asked to stop
         for r in replicas:
             self.metrics.dispatched.inc(0, str(r.index))
+            self.metrics.restarts.inc(0, str(r.index))
 
     def pick(self) -> Replica | None:
-        """The live replica with the fewest requests in flight (the lowest index on a tie)."""
-        live = [r for r in self.all if r.alive]
+        """The ready replica with the fewest requests in flight (the lowest index on a tie)."""
+        live = [r for r in self.all if r.alive and r.ready]
         return min(live, key=lambda r: r.in_flight) if live else None
+
+    @property
+    def drained(self) -> bool:
+        """Every replica has exited (after the first signal: its drain is over)."""
+        return not any(r.alive for r in self.all)
+
+    async def tend(self) -> None:
+        """One round of the front's watch: note replicas that exited (and when each
+        starts again), start those whose wait is over, and mark started ones ready once
+        their /health answers 200."""
+        for r in self.all:
+            if self.closing:
+                return
+            if r.alive:
+                if not r.ready and await _answers_health(r):
+                    r.mark_ready()
+                    if r.restarts:
+                        log.warning("replica %d is back (started %d time(s) again)", r.index, r.restarts)
+            elif r.left:
+                continue
+            elif r.restart_at is None:
+                self._note_exit(r)
+            elif time.monotonic() >= r.restart_at:
+                await r.client.aclose()
+                r.restart_at = None
+                r.restarts += 1
+                self.metrics.restarts.inc(1, str(r.index))
+                r.start()
+
+    def _note_exit(self, r: Replica) -> None:
+        code = r.proc.returncode
+        delay = r.exited()
+        if delay is None:
+            log.error(
+                "replica %d exited (code %s) %d times in a row before it was ready: not started again",
+                r.index,
+                code,
+                MAX_FAILED_STARTS,
+            )
+        else:
+            log.warning("replica %d exited (code %s): starting it again in %.0f s", r.index, code, delay)
+
+    @property
+    def all_left(self) -> bool:
+        """No replica is running or due to start again."""
+        return all(r.left for r in self.all)
 
     def wait_ready(self, poll: float = 0.2) -> None:
         """Block until every replica answers /health with 200; a replica that exits first
@@ -147,6 +254,7 @@ class ReplicaPool:
                     with httpx.Client(transport=httpx.HTTPTransport(uds=r.socket), timeout=2.0) as c:
                         if c.get("http://replica/health").status_code == 200:
                             waiting.remove(r)
+                            r.mark_ready()
                 except httpx.HTTPError:
                     pass
             if waiting:
@@ -211,8 +319,7 @@ def start_replicas(
             "--replica-socket",
             path,
         ]
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_end_with_parent)
-        replicas.append(Replica(i, path, proc))
+        replicas.append(Replica(i, path, cmd, env))
     return ReplicaPool(replicas, root, api_key)
 
 
@@ -269,6 +376,7 @@ def create_front(replicas: ReplicaPool, model_name: str, shutdown_timeout: float
     app = FastAPI(title="ReFusion", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.shutdown_timeout = shutdown_timeout
     app.state.begin_drain, app.state.on_exit_now = replicas.terminate, replicas.exit_now
+    app.state.drained = lambda: replicas.drained
     app.state.replicas = replicas
 
     @app.get("/health")
@@ -296,7 +404,7 @@ def create_front(replicas: ReplicaPool, model_name: str, shutdown_timeout: float
                     answer.content, status_code=answer.status_code, headers=_response_headers(answer)
                 )
         for r in replicas.all:
-            replicas.metrics.up.set(1 if r.alive else 0, str(r.index))
+            replicas.metrics.up.set(1 if r.alive and r.ready else 0, str(r.index))
             replicas.metrics.in_flight.set(r.in_flight, str(r.index))
         texts = [
             (str(r.index), a.text) for r, a in zip(replicas.all, answers) if isinstance(a, httpx.Response)
@@ -315,12 +423,14 @@ def create_front(replicas: ReplicaPool, model_name: str, shutdown_timeout: float
     return app
 
 
-async def _watch(replicas: ReplicaPool, app: FastAPI, every: float = 1.0) -> None:
-    """Stop the front when every replica has exited on its own (a supervisor then sees
-    the front exit, and can start it again, instead of a front answering 503 for ever)."""
-    while True:
+async def _watch(replicas: ReplicaPool, app: FastAPI, every: float = 0.5) -> None:
+    """Start replicas that exited again (`ReplicaPool.tend`), and stop the front when none
+    is left running or starting (a supervisor then sees the front exit, and can start it
+    again, instead of a front answering 503 for ever)."""
+    while not replicas.closing:
         await asyncio.sleep(every)
-        if not replicas.closing and not any(r.alive for r in replicas.all):
+        await replicas.tend()
+        if not replicas.closing and replicas.all_left:
             log.error("every replica has exited: the front stops")
             replicas.all_gone = True
             server = getattr(app.state, "server", None)
@@ -329,10 +439,24 @@ async def _watch(replicas: ReplicaPool, app: FastAPI, every: float = 1.0) -> Non
             return
 
 
+async def _answers_health(r: Replica) -> bool:
+    try:
+        return (await r.client.get("/health", timeout=2.0)).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 async def _replica_health(r: Replica) -> dict[str, Any]:
-    state: dict[str, Any] = {"replica": r.index, "status": "exited", "in_flight": r.in_flight}
+    state: dict[str, Any] = {
+        "replica": r.index,
+        "status": "exited",
+        "in_flight": r.in_flight,
+        "restarts": r.restarts,
+    }
     if not r.alive:
         return {**state, "exit_code": r.proc.returncode}
+    if not r.ready:
+        return {**state, "status": "starting"}
     try:
         answer = await r.client.get("/health", timeout=5.0)
         body = answer.json()
@@ -365,10 +489,12 @@ def _response_headers(answer: httpx.Response) -> dict[str, str]:
 
 async def _pass_on(request: Request, replicas: ReplicaPool) -> Response:
     """Send the request to the least-loaded replica and its answer back, as it comes."""
-    from .app import authorised, read_body, unauthorised
+    from .app import authorised, library_error, read_body, unauthorised
 
     if not authorised(request.scope, replicas.api_key):  # before reading a body that would be refused
         raise unauthorised()
+    if replicas.closing:  # every replica drains: it would refuse the request too, or be gone already
+        raise library_error(ShuttingDown(REFUSED))
     body = await read_body(request)
     replica = replicas.pick()
     if replica is None:

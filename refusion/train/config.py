@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from pathlib import Path
 
 from ..errors import ConfigError, DataError
+from ..files import check_regular
 
 OBJECTIVES = ("refusion", "ar")
 PRECISIONS = ("auto", "no", "bf16", "fp16")
 DTYPE_NAMES = ("float32", "bfloat16")
 AR_REDUCTIONS = ("token", "example")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# what to do about a data file that cannot be read
+DATA_FIX = "give --data (or --eval-data) a regular .json or .jsonl file of records"
 
 
 @dataclass
@@ -126,8 +130,8 @@ class TrainConfig:
                 raise ConfigError(message)
         self.objective_config()  # validates slot sizes, eps, ar_reduction
         for path in (self.data, self.eval_data):  # before any model is loaded
-            if path and not Path(path).exists():
-                raise DataError(f"data file {path} does not exist")
+            if path:
+                check_regular(path, DataError, fix=DATA_FIX)
 
     def objective_config(self) -> ObjectiveConfig:
         """The objective's settings (validated)."""

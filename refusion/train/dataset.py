@@ -17,18 +17,19 @@ integer (samples consumed) and resuming is exact.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
 
 from ..errors import DataError
+from ..files import JSONProblem, lone_surrogate, open_regular, parse_json
 from ..model.prompts import chat_text
+from .config import DATA_FIX
 
 _CHUNK = 512  # records tokenised per tokenizer call
 _MAX_SHOWN = 5  # bad records quoted in the summary
@@ -123,29 +124,25 @@ class TokenizedDataset:
 
 # ------------------------------------------------------------------------------ reading
 def iter_records(path: str | Path, stats: DataStats) -> Iterator[tuple[str, Any]]:
-    """(location, parsed JSON value) for every record; unreadable records go to `stats`."""
+    """(location, parsed JSON value) for every record; unreadable records go to `stats`.
+    The file must be a regular one (a FIFO would block, `/dev/zero` is one endless line)."""
     path = Path(path)
-    if not path.exists():
-        raise DataError(f"data file {path} does not exist")
-    if path.is_dir():
-        raise DataError(f"data path {path} is a directory, not a .json or .jsonl file")
-    with path.open("rb") as f:
+    with open_regular(path, DataError, fix=DATA_FIX) as f:
         head = f.read(4096).lstrip()
-    if head.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
-        head = head[3:].lstrip()
-    if head.startswith(b"["):
-        yield from _iter_json_list(path, stats)
-    else:
-        yield from _iter_jsonl(path, stats)
+        if head.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
+            head = head[3:].lstrip()
+        f.seek(0)
+        if head.startswith(b"["):
+            yield from _iter_json_list(f, path, stats)
+        else:
+            yield from _iter_jsonl(f, stats)
 
 
-def _iter_json_list(path: Path, stats: DataStats) -> Iterator[tuple[str, Any]]:
+def _iter_json_list(f: IO[bytes], path: Path, stats: DataStats) -> Iterator[tuple[str, Any]]:
     try:
-        items = json.loads(path.read_bytes().decode("utf-8-sig"))
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path} is not UTF-8 text: {e}") from None
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path} starts like a JSON list but is not valid JSON: {e}") from None
+        items = parse_json(f.read())
+    except JSONProblem as e:
+        raise DataError(f"{path} starts like a JSON list but {e}; {DATA_FIX}") from None
     if not isinstance(items, list):
         raise DataError(f"{path} holds a JSON {type(items).__name__}, expected a list of records")
     for i, item in enumerate(items):
@@ -153,22 +150,15 @@ def _iter_json_list(path: Path, stats: DataStats) -> Iterator[tuple[str, Any]]:
         yield f"item {i}", item
 
 
-def _iter_jsonl(path: Path, stats: DataStats) -> Iterator[tuple[str, Any]]:
-    with path.open("rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            stats.records += 1
-            where = f"line {line_no}"
-            try:
-                text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
-            except UnicodeDecodeError:
-                stats.add_bad(where, "not UTF-8")
-                continue
-            try:
-                yield where, json.loads(text)
-            except json.JSONDecodeError:
-                stats.add_bad(where, "invalid JSON")
+def _iter_jsonl(f: IO[bytes], stats: DataStats) -> Iterator[tuple[str, Any]]:
+    for line_no, raw in enumerate(f, start=1):
+        if not raw.strip():
+            continue
+        stats.records += 1
+        try:
+            yield f"line {line_no}", parse_json(raw)
+        except JSONProblem as e:
+            stats.add_bad(f"line {line_no}", e.kind)
 
 
 def record_messages(record: Any) -> tuple[list[dict[str, str]], str]:
@@ -240,6 +230,8 @@ def load_dataset(
 
     for where, record in iter_records(path, stats):
         try:
+            if lone_surrogate(record):  # valid JSON ("\\ud800"), but no tokenizer can encode it
+                raise ValueError("a lone UTF-16 surrogate")
             prompt, response = record_messages(record)
         except ValueError as e:
             stats.add_bad(where, str(e))

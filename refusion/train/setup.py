@@ -48,12 +48,11 @@ def load_model_and_tokenizer(cfg: TrainConfig) -> tuple[Transformer, Any]:
     """The base model (or a random one from init_config) and its tokenizer, MASK checked."""
     dtype = DTYPES[cfg.dtype]
     if cfg.init_config is not None:
-        from transformers import AutoTokenizer
-
+        from ..io.metadata import load_tokenizer
         from ..model.prompts import mask_id_of
 
         config = ModelConfig.from_json(cfg.init_config)
-        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
+        tokenizer = load_tokenizer(cfg.tokenizer)
         if config.vocab_size < len(tokenizer):
             raise ConfigError(f"vocab_size {config.vocab_size} < the tokenizer's {len(tokenizer)} tokens")
         config.mask_token_id = mask_id_of(config, tokenizer)
@@ -67,9 +66,9 @@ def load_model_and_tokenizer(cfg: TrainConfig) -> tuple[Transformer, Any]:
 
         model, tokenizer = load(cfg.model, device="cpu", dtype=dtype)
         if cfg.tokenizer is not None:
-            from transformers import AutoTokenizer
+            from ..io.metadata import load_tokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
+            tokenizer = load_tokenizer(cfg.tokenizer)
     if cfg.objective == "refusion" and model.config.mask_token_id is None:
         if not cfg.add_mask_token:
             raise MissingMaskTokenError(

@@ -2,7 +2,9 @@
 
 Thin over `refusion.evaluate.evaluate`: builds the DecodeConfig (the task's preset, then
 the decoding flags on top), binds `refusion.generate` to the loaded model,
-and prints the summary. `--predictions FILE` scores completions made elsewhere (no model).
+and prints the summary. `--predictions FILE` scores completions made elsewhere (no model);
+with `--raw-predictions` they are raw generations, post-processed as the paper protocol
+does a generation of ours (MODEL, if given, only lends its tokenizer for that).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from ...errors import ConfigError
 from ..flags import (
     add_data_parallel_argument,
     add_decode_arguments,
+    add_nonfinite_argument,
     decode_config_from_args,
     engine_config_from_args,
 )
@@ -62,12 +65,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--predictions",
         default=None,
-        help="score completions from this JSONL (task_id/id/index + completion) without a model",
+        help="score completions from this JSONL (task_id/id/index + completion) without a model; "
+        "taken as a harness's finished outputs (lm-eval's resps)",
+    )
+    parser.add_argument(
+        "--raw-predictions",
+        action="store_true",
+        help="with --predictions and --protocol paper: the completions are raw generations of another "
+        "engine; cut them at the task's stop strings and apply the python-block rule, as a generation "
+        "here is (MODEL, if given, lends its tokenizer to remove its special tokens)",
     )
     parser.add_argument("--device", default="cpu", help="torch device for the model (default cpu)")
     parser.add_argument(
         "--dtype", default=None, help="model dtype, e.g. bfloat16 (default: the checkpoint's)"
     )
+    add_nonfinite_argument(parser)
     parser.add_argument(
         "--timeout",
         type=float,
@@ -86,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...evaluate import Limits, evaluate, get_benchmark
+    from ...evaluate import Limits, get_benchmark
 
     bench = get_benchmark(args.task, args.protocol)
     if args.show_prompt is not None:
@@ -104,11 +116,10 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=not args.no_progress,
     )
+    if args.raw_predictions and not args.predictions:
+        raise ConfigError("--raw-predictions describes a --predictions FILE: give one, or drop the flag")
     if args.predictions:
-        if args.model:
-            raise ConfigError("give either MODEL or --predictions, not both")
-        out = args.out or f"runs/eval/{_run_name(bench)}-predictions"
-        summary = evaluate(bench, predictions=args.predictions, out_dir=out, **common)
+        summary = _evaluate_predictions(args, bench, common)
     else:
         summary = _evaluate_model(args, bench, common)
     from ...parallel import is_main
@@ -126,6 +137,32 @@ def run(args: argparse.Namespace) -> int:
     return _report_errors(summary)
 
 
+def _evaluate_predictions(args: argparse.Namespace, bench, common: dict) -> dict:
+    """Score a predictions file; raw generations are finished first, with MODEL's
+    tokenizer when one is named (its weights are not read)."""
+    from ...evaluate import evaluate
+
+    tokenizer = None
+    if args.model:
+        if not args.raw_predictions:
+            raise ConfigError(
+                "give either MODEL or --predictions, not both (MODEL only lends its tokenizer "
+                "to --raw-predictions)"
+            )
+        from ...io import load_metadata
+
+        _, tokenizer = load_metadata(args.model)
+    out = args.out or f"runs/eval/{_run_name(bench)}-predictions"
+    return evaluate(
+        bench,
+        predictions=args.predictions,
+        raw_predictions=args.raw_predictions,
+        tokenizer=tokenizer,
+        out_dir=out,
+        **common,
+    )
+
+
 def _evaluate_model(args: argparse.Namespace, bench, common: dict) -> dict:
     """Load the model and evaluate it. Settings not given as flags come from the task's
     preset on top of the checkpoint's recommendation; a gen_length not given by number is
@@ -140,7 +177,11 @@ def _evaluate_model(args: argparse.Namespace, bench, common: dict) -> dict:
     decode_config_from_args(args)  # bad flags fail before the model loads
     engine_cfg = engine_config_from_args(args)
     model, tokenizer = load(
-        args.model, device=args.device, dtype=args.dtype, tensor_parallel_size=engine_cfg.tensor_parallel_size
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        tensor_parallel_size=engine_cfg.tensor_parallel_size,
+        allow_nonfinite=args.allow_nonfinite_weights,
     )
     cfg = decode_config_from_args(args, model=model)
     if bench.protocol == "paper":

@@ -58,7 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stream", action="store_true", help="print text as soon as a left-to-right prefix is final"
     )
     parser.add_argument(
-        "--trace", type=Path, metavar="FILE.html", help="write a page that replays the decoding order"
+        "--trace",
+        type=Path,
+        metavar="FILE.html",
+        help="write a page that replays the decoding step by step (plans, commits, corrections)",
     )
     add_decode_arguments(parser)
 
@@ -164,7 +167,7 @@ def _decoder(args: argparse.Namespace, model, tokenizer, ids, cfgs, engine_cfg) 
             cfgs,
             engine_config=engine_cfg,
             chat=not args.no_chat,
-            trace=args.trace is not None,
+            trace="steps" if args.trace is not None else False,
             on_output=callback,
         )
 

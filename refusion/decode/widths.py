@@ -1,0 +1,270 @@
+"""Draft widths that follow the batch (docs/algorithm.md#adaptive-widths).
+
+A ReFusion row drafts tokens it may not keep: the plan drafts its slot from MASKs and the
+global verification feeds those drafts; each infilling round drafts a window past the
+accepted prefix and verifies it. Alone, a forward's fixed cost dominates and the drafts
+are nearly free, so wide drafts win. In a large batch the forward is compute-bound, every
+drafted token costs as much as a committed one, and wide drafts lose to AR decoding.
+
+So each step the engine picks, for the rows whose greedy output cannot depend on the
+widths (`widths_keep_output`), the plan width (MASKs drafted per slot, and so the drafts
+the global verification feeds) and the infilling window that commit the most tokens per
+second, from two measurements:
+
+- `ForwardCost`: seconds of a forward as a function of the tokens it feeds and the rows
+  it feeds them to, fitted by least squares to a short calibration (a few shapes, timed
+  again once a minute);
+- `Acceptance`: how far runs of drafts get through verification, per distance into the
+  run, counted over the rows' verify passes (the plan's drafts and infilling's apart).
+
+At width 1 and window 0 a row feeds what an AR row feeds: one token per forward.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable
+
+from .config import DecodeConfig
+
+
+def widths_keep_output(cfg: DecodeConfig) -> bool:
+    """Whether this request's output is the same at any draft widths: greedy ReFusion with
+    AR correction and the first-token check, one slot per block and token_threshold >= 0.5
+    commits the AR argmax at every position (docs/algorithm.md#lossless), so the widths
+    only decide how many forwards that takes."""
+    return (
+        cfg.method == "refusion"
+        and cfg.greedy
+        and cfg.ar_correction
+        and cfg.first_token_check
+        and cfg.slots_per_block == 1
+        and cfg.token_threshold >= 0.5
+    )
+
+
+Shape = tuple[int, int, int]  # rows, tokens fed per row, entries cached per row
+
+
+class ForwardCost:
+    """Seconds of one forward feeding `n` tokens over `rows` rows whose caches hold
+    `context` entries: a + b * n + c * rows + d * n * context (the last: attention over
+    the cache), with a, b, c, d >= 0 fitted to the fastest time measured for each of a few
+    shapes. The shapes are timed at first use and again every few minutes (`stale`), and
+    each keeps its fastest time ever: a shared machine only adds time to a forward, so the
+    fastest is the cost, and a forward slowed by a neighbour moves nothing."""
+
+    def __init__(self, every: float = 300.0) -> None:
+        self.fastest: dict[tuple[int, int, int], float] = {}  # (rows, tokens per row, context) -> s
+        self.coef = (0.0, 0.0, 0.0, 0.0)
+        self.every, self.when = every, -float("inf")
+
+    @property
+    def calibrated(self) -> bool:
+        return bool(self.fastest)
+
+    def stale(self) -> bool:
+        return time.monotonic() - self.when > self.every
+
+    def calibrate(self, time_shapes: Callable[[list[Shape]], list[float]], rows: int) -> None:
+        """Time forwards of a few shapes (`Forward.time_shapes`): one row and `rows` (at
+        most 32), one token each up to a slot's worth, after a short and a long context."""
+        r = max(1, min(rows, 32))
+        short = [(1, 1, 16), (1, 8, 16), (1, 32, 16), (r, 1, 16), (r, 4, 16), (r, 16, 16)]
+        shapes = sorted({*short, (1, 32, 128), (r, 1, 128), (r, 16, 128)})
+        for shape, seconds in zip(shapes, time_shapes(shapes)):
+            self.fastest[shape] = min(seconds, self.fastest.get(shape, float("inf")))
+        self.when = time.monotonic()
+        keys = list(self.fastest)
+        x = [(1.0, float(r * k), float(r), float(r * k * ctx)) for r, k, ctx in keys]
+        self.coef = nonnegative_least_squares(x, [self.fastest[key] for key in keys])
+
+    def __call__(self, n: int, rows: int, context: int = 0) -> float:
+        a, b, c, d = self.coef
+        return a + b * n + c * rows + d * n * context
+
+
+def nonnegative_least_squares(x: list[tuple[float, ...]], y: list[float]) -> tuple[float, ...]:
+    """Least squares with every coefficient >= 0: fit, drop the most negative coefficient's
+    feature, fit again (exact for the three features used here, where at most two drop)."""
+    k = len(x[0])
+    active = list(range(k))
+    while active:
+        coef = _solve([[row[j] for j in active] for row in x], y)
+        if coef is not None and min(coef) >= 0:
+            out = [0.0] * k
+            for j, v in zip(active, coef):
+                out[j] = v
+            return tuple(out)
+        worst = active[min(range(len(active)), key=lambda i: coef[i])] if coef is not None else active[-1]
+        active.remove(worst)
+    return tuple([0.0] * k)
+
+
+def _solve(x: list[list[float]], y: list[float]) -> list[float] | None:
+    """Normal equations (X^T X) c = X^T y by Gaussian elimination; None when singular."""
+    k = len(x[0])
+    xty = [sum(r[i] * t for r, t in zip(x, y)) for i in range(k)]
+    m = [[sum(r[i] * r[j] for r in x) for j in range(k)] + [xty[i]] for i in range(k)]
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda i: abs(m[i][col]))
+        if abs(m[pivot][col]) < 1e-300:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for i in range(k):
+            if i != col:
+                f = m[i][col] / m[col][col]
+                m[i] = [a - f * b for a, b in zip(m[i], m[col])]
+    return [m[i][k] / m[i][i] for i in range(k)]
+
+
+class Survival:
+    """How far a run of drafted tokens gets through verification: per distance i, decayed
+    counts of runs that reached draft i and of runs whose draft i failed, so the chance of
+    passing draft i having passed the ones before is measured per distance (drafts far into
+    a slot are guessed from less). The prior is hopeful, 0.95 at every distance, so that
+    widths never tried look worth trying: a wrong hope costs a few wide steps and is
+    measured away, where a wrong doubt would keep the drafts narrow and never learn. Decay
+    is applied lazily: each new run counts 1/decay times more than the one before."""
+
+    def __init__(self, decay: float = 0.995) -> None:
+        self.reached: list[float] = []
+        self.failed: list[float] = []
+        self.decay, self.weight = decay, 1.0
+        self._curve: list[float] | None = None
+
+    def add(self, passed: int, verified: int) -> None:
+        """A run of `verified` drafts of which the first `passed` passed (then one failed,
+        unless all passed)."""
+        if verified <= 0:
+            return
+        self.weight /= self.decay
+        if self.weight > 1e100:  # rescale before the weights overflow
+            self.reached = [r / self.weight for r in self.reached]
+            self.failed = [f / self.weight for f in self.failed]
+            self.weight = 1.0
+        grow = verified - len(self.reached)
+        if grow > 0:
+            self.reached += [0.0] * grow
+            self.failed += [0.0] * grow
+        for i in range(min(passed + 1, verified)):
+            self.reached[i] += self.weight
+        if passed < verified:
+            self.failed[passed] += self.weight
+        self._curve = None
+
+    def expected(self, m: int) -> tuple[float, float]:
+        """(expected passing drafts among m verified in order, chance that all m pass);
+        distances never measured take the prior."""
+        if m <= 0:
+            return 0.0, 1.0
+        curve = self._survival()
+        if m > len(curve):
+            last = curve[-1] if curve else 1.0
+            curve = curve + [last * 0.95 ** (i + 1) for i in range(m - len(curve))]
+        return sum(curve[:m]), curve[m - 1]
+
+    def _survival(self) -> list[float]:
+        if self._curve is None:
+            alive, curve, w = 1.0, [], self.weight
+            for r, f in zip(self.reached, self.failed):
+                alive *= 1 - (f / w + 0.05) / (r / w + 1.0)
+                curve.append(alive)
+            self._curve = curve
+        return self._curve
+
+
+class Acceptance:
+    """The runs of the plan's drafts through global verification and of the infilling
+    drafts through their verify passes, measured apart."""
+
+    def __init__(self) -> None:
+        self.plan, self.infill = Survival(), Survival()
+
+
+def candidates(full: int) -> list[int]:
+    """full, then halving down to 1."""
+    out = [full]
+    while out[-1] > 1:
+        out.append(out[-1] // 2)
+    return out
+
+
+def choose(
+    rows: int,
+    other_rows: int,
+    other_fed: int,
+    slot: int,
+    window: int,
+    acceptance: Acceptance,
+    cost: Callable[[int, int], float],
+    margin: float = 1.1,
+) -> tuple[int, int]:
+    """(plan width, infilling window) for `rows` rows of one slot of `slot` tokens per block
+    (window: the most their settings allow) that commit the most tokens per second of a
+    block, by the model in the module docstring; (0, 0): decode the block as AR decoding
+    does, a token per forward. `other_rows` rows feeding `other_fed` tokens share the plan
+    and verification forwards (an AR row commits a token in each). Other widths than the
+    settings' own (slot, window) must promise `margin` times their rate, and drafting
+    `margin` times the rate of AR blocks."""
+    rates = {}
+    for p in candidates(slot):
+        for w in [*candidates(window), 0] if window else [0]:
+            rates[(p, w)] = block_rate(rows, other_rows, other_fed, slot, p, w, acceptance, cost)
+    best = max(rates, key=rates.__getitem__)
+    # the settings' own widths stay unless other widths are clearly faster, and drafting
+    # stays only while clearly faster than AR blocks: the estimates are of a noisy machine,
+    # and they leave out the infilling forks' own work (their copies, their bookkeeping)
+    if rates[best] <= margin * rates[(slot, window)]:
+        best = (slot, window)
+    ar = (rows + other_rows) / max(cost(rows + other_fed, rows + other_rows), 1e-12)
+    return best if rates[best] > margin * ar else (0, 0)
+
+
+def block_rate(
+    rows: int,
+    other_rows: int,
+    other_fed: int,
+    slot: int,
+    p: int,
+    w: int,
+    acceptance: Acceptance,
+    cost: Callable[[int, int], float],
+) -> float:
+    """Tokens per second over one block at plan width p and window w: the plan and the
+    global verification each feed p tokens a row; their first token is the AR prediction
+    (first-token check), then the drafts pass as measured and the first failure is
+    corrected; infilling rounds commit the same way from w drafts (window 0: one token, one
+    forward, as AR decoding)."""
+    everyone = rows + other_rows
+    seconds = 2 * cost(rows * p + other_fed, everyone)
+    passed, whole = acceptance.plan.expected(p - 1)
+    first = min(slot, 1 + passed + (1 - whole))
+    passed, whole = acceptance.infill.expected(w)
+    per_round = passed + 1
+    rounds = max(slot - first, 0.0) / per_round
+    infill = cost(rows, rows) if w == 0 else cost(rows * (1 + w), rows) + cost(rows * w, rows)
+    seconds += rounds * infill
+    return (rows * slot + 2 * other_rows) / max(seconds, 1e-12)
+
+
+class Drafting:
+    """What an engine's draft widths are chosen from: the forward cost and the acceptance
+    measured so far on one model. Kept per model (`drafting_of`), so the engines that
+    `generate` makes call after call build on each other's measurements."""
+
+    def __init__(self) -> None:
+        self.cost = ForwardCost()
+        self.acceptance = Acceptance()
+
+
+_DRAFTING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def drafting_of(model: object) -> Drafting:
+    """The model's `Drafting`, made at first use."""
+    d = _DRAFTING.get(model)
+    if d is None:
+        d = _DRAFTING[model] = Drafting()
+    return d
