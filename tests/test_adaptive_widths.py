@@ -22,6 +22,7 @@ from refusion.decode.refusion import ReFusionRow
 from refusion.decode.widths import (
     Acceptance,
     ForwardCost,
+    StepOverhead,
     Survival,
     block_rate,
     choose,
@@ -47,7 +48,7 @@ def random_widths(monkeypatch, seed: int) -> list[tuple[int, int]]:
     drafts; returns the list of choices made."""
     rng, made = random.Random(seed), []
 
-    def pick(rows, other_rows, other_fed, slot, window, acceptance, cost):
+    def pick(rows, other_rows, other_fed, slot, window, acceptance, cost, overhead=0.0):
         p = rng.choice([0, 1, 2, slot // 2, slot])
         w = rng.choice([0, 1, max(window // 2, 1), window])
         made.append((p, w))
@@ -250,6 +251,22 @@ def test_choice_follows_the_cost_of_a_forward():
     )
 
 
+def test_a_costly_step_keeps_drafting_where_forwards_alone_would_not():
+    """Where a step's own work (bookkeeping, a server's streaming) is costly, AR blocks,
+    which take a step per two tokens, lose to drafting, which takes one step a block."""
+    acc = Acceptance()
+    for _ in range(100):
+        acc.plan.add(6, 31)
+        acc.infill.add(5, 12)
+    token_heavy = lambda n, r: 1e-4 + 1e-4 * n  # noqa: E731
+    assert choose(16, 0, 0, 32, 12, acc, token_heavy) == (0, 0)
+    assert choose(16, 0, 0, 32, 12, acc, token_heavy, overhead=0.01) != (0, 0)
+    overhead = StepOverhead()
+    for seconds in (0.1, 0.2, 10.0):  # one step held up by a neighbour moves the median little
+        overhead.add(10, seconds)
+    assert overhead.seconds == pytest.approx(0.02)
+
+
 def test_forward_cost_calibrates_on_the_real_forward_and_keeps_the_fastest(tiny):
     engine = Engine(tiny, None, EngineConfig(max_batch_size=4))
     cost = ForwardCost()
@@ -286,7 +303,7 @@ def test_stats_count_widths_and_shares_add_up(bundled):
 
 def test_a_row_in_an_ar_block_is_a_refusion_row(tiny, monkeypatch):
     """An AR block commits through the request with the path 'ar' and leaves no infilling."""
-    monkeypatch.setattr(engine_module, "choose", lambda *a: (0, 0))
+    monkeypatch.setattr(engine_module, "choose", lambda *a, **k: (0, 0))
     c = CASES[0]
     engine = Engine(tiny)
     engine.add_request(c["prompt_ids"], lossless(c), request_id="x", trace=True)

@@ -769,14 +769,26 @@ def test_loadtest_compares_two_methods_per_client_count(server, capsys, monkeypa
     from refusion.serve.loadtest import main as loadtest
 
     methods: list[tuple[str, str]] = []
+    asked: set[str] = set()
     send = lt.one_request
 
     async def recorded(client, url, body, phase):
         methods.append((phase.label, body.get("method")))
+        asked.add(body["messages"][0]["content"])
         await send(client, url, body, phase)
 
     monkeypatch.setattr(lt, "one_request", recorded)
-    args = ["--url", server.url, "--compare", "1,2", "--methods", "ar,refusion", "--seconds", "0.4"]
+    args = [
+        "--url",
+        server.url,
+        "--compare",
+        "1,2",
+        "--methods",
+        "ar,refusion",
+        "--seconds",
+        "0.4",
+        "--suite",
+    ]
     code = loadtest([*args, "--max-tokens", "4", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0
@@ -789,5 +801,6 @@ def test_loadtest_compares_two_methods_per_client_count(server, capsys, monkeypa
         str(n): round(b["tokens_per_s"] / a["tokens_per_s"], 2)
         for n, a, b in [(1, ph[0], ph[1]), (2, ph[2], ph[3])]
     }
+    assert asked and asked <= set(lt.suite_prompts())  # --suite: the bundled suite's held-out prompts
     with pytest.raises(SystemExit):
         loadtest(["--url", server.url, "--methods", "ar,refusion"])  # needs --compare client counts

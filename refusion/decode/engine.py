@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -70,6 +71,7 @@ class Engine:
         self.drafting = drafting_of(model)
         # (plan width, window) -> row-steps that drafted so; (0, 0): blocks decoded as AR decoding
         self.widths_chosen: dict[tuple[int, int], int] = {}
+        self._last_step_end = 0.0  # when the last step ended, while requests remained
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
         self.rows: list[CachedRow] = []  # AR and ReFusion rows, one per row of `cache`
@@ -163,6 +165,7 @@ class Engine:
         whose final prefix grew or that finished. Runs under inference mode whatever the
         caller's thread (a server's engine loop): no autograd state is kept."""
         outputs, self.finished_outputs = self.finished_outputs, []
+        start, forward_seconds = time.perf_counter(), self.fwd.seconds
         try:
             self._admit()
             self.rows_last_step = self.num_running
@@ -181,7 +184,19 @@ class Engine:
                     row.done = True
                     self.requests.pop(row.req.id, None)
         self._retire()
+        self._time_step(start, forward_seconds)
         return outputs
+
+    def _time_step(self, start: float, forward_seconds: float) -> None:
+        """The step's time outside its forwards, and the driver's since the last step (at
+        most the step's own length: a longer gap is a driver waiting for work), per row, for
+        the draft widths (`widths.StepOverhead`)."""
+        end = time.perf_counter()
+        if self.adaptive and self.rows_last_step:
+            gap = min(start - self._last_step_end, end - start) if self._last_step_end else 0.0
+            outside = end - start - (self.fwd.seconds - forward_seconds) + gap
+            self.drafting.overhead.add(self.rows_last_step, outside)
+        self._last_step_end = end if self.has_unfinished() else 0.0
 
     def abort_running(self) -> list[str]:
         """Drop every running request and the cache (after a step failed half-way, its
@@ -292,7 +307,10 @@ class Engine:
             # the rows' mean cache length: attention's share of a forward's cost
             context = sum(cached[id(r)] for r in rows) // len(rows)
             at = functools.partial(cost, context=context)
-            p, w = choose(len(rows), len(rest), fed, s, window, self.drafting.acceptance, at)
+            overhead = self.drafting.overhead.seconds
+            p, w = choose(
+                len(rows), len(rest), fed, s, window, self.drafting.acceptance, at, overhead=overhead
+            )
             for r in rows:
                 if r.ar_block:
                     continue  # an AR block runs to its end

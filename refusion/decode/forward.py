@@ -122,6 +122,7 @@ class Forward:
     )
 
     forwards: int = 0  # forward passes run so far
+    seconds: float = 0.0  # and the time they took
     nonfinite: bool = False  # a forward gave NaN or infinite logits (broken weights, an overflowing dtype)
 
     def run(
@@ -148,6 +149,7 @@ class Forward:
         sync(device)
         seconds = time.perf_counter() - t0
         self.forwards += 1
+        self.seconds += seconds
         took_part: dict[int, Request] = {}
         for req, t, (a, e) in zip(reqs, tokens, want):
             if t or e > a:

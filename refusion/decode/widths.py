@@ -22,8 +22,10 @@ At width 1 and window 0 a row feeds what an AR row feeds: one token per forward.
 
 from __future__ import annotations
 
+import statistics
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 
 from .config import DecodeConfig
@@ -200,6 +202,7 @@ def choose(
     acceptance: Acceptance,
     cost: Callable[[int, int], float],
     margin: float = 1.1,
+    overhead: float = 0.0,
 ) -> tuple[int, int]:
     """(plan width, infilling window) for `rows` rows of one slot of `slot` tokens per block
     (window: the most their settings allow) that commit the most tokens per second of a
@@ -207,18 +210,20 @@ def choose(
     does, a token per forward. `other_rows` rows feeding `other_fed` tokens share the plan
     and verification forwards (an AR row commits a token in each). Other widths than the
     settings' own (slot, window) must promise `margin` times their rate, and drafting
-    `margin` times the rate of AR blocks."""
+    `margin` times the rate of AR blocks. `overhead`: seconds a step costs per row outside
+    its forwards (`StepOverhead`)."""
     rates = {}
     for p in candidates(slot):
         for w in [*candidates(window), 0] if window else [0]:
-            rates[(p, w)] = block_rate(rows, other_rows, other_fed, slot, p, w, acceptance, cost)
+            rates[(p, w)] = block_rate(rows, other_rows, other_fed, slot, p, w, acceptance, cost, overhead)
     best = max(rates, key=rates.__getitem__)
     # the settings' own widths stay unless other widths are clearly faster, and drafting
     # stays only while clearly faster than AR blocks: the estimates are of a noisy machine,
     # and they leave out the infilling forks' own work (their copies, their bookkeeping)
     if rates[best] <= margin * rates[(slot, window)]:
         best = (slot, window)
-    ar = (rows + other_rows) / max(cost(rows + other_fed, rows + other_rows), 1e-12)
+    everyone = rows + other_rows  # an AR block's step: two forwards, two tokens a row
+    ar = 2 * everyone / max(2 * cost(rows + other_fed, everyone) + overhead * everyone, 1e-12)
     return best if rates[best] > margin * ar else (0, 0)
 
 
@@ -231,12 +236,13 @@ def block_rate(
     w: int,
     acceptance: Acceptance,
     cost: Callable[[int, int], float],
+    overhead: float = 0.0,
 ) -> float:
     """Tokens per second over one block at plan width p and window w: the plan and the
     global verification each feed p tokens a row; their first token is the AR prediction
     (first-token check), then the drafts pass as measured and the first failure is
     corrected; infilling rounds commit the same way from w drafts (window 0: one token, one
-    forward, as AR decoding)."""
+    forward, as AR decoding). The block is one step, which costs `overhead` a row besides."""
     everyone = rows + other_rows
     seconds = 2 * cost(rows * p + other_fed, everyone)
     passed, whole = acceptance.plan.expected(p - 1)
@@ -245,8 +251,26 @@ def block_rate(
     per_round = passed + 1
     rounds = max(slot - first, 0.0) / per_round
     infill = cost(rows, rows) if w == 0 else cost(rows * (1 + w), rows) + cost(rows * w, rows)
-    seconds += rounds * infill
+    seconds += rounds * infill + overhead * everyone  # one step a block
     return (rows * slot + 2 * other_rows) / max(seconds, 1e-12)
+
+
+class StepOverhead:
+    """Seconds a step spends per row outside its forwards: the decoder's bookkeeping, the
+    requests' text, and the driver's own work between steps (a server's streaming). A block
+    decoded as AR takes a step per two tokens where drafting takes one step, so this is
+    what drafting saves beside forwards. The median of the latest steps' per-row figures."""
+
+    def __init__(self, keep: int = 64) -> None:
+        self.per_row: deque[float] = deque(maxlen=keep)
+
+    def add(self, rows: int, seconds: float) -> None:
+        if rows > 0 and seconds >= 0:
+            self.per_row.append(seconds / rows)
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(self.per_row) if self.per_row else 0.0
 
 
 class Drafting:
@@ -257,6 +281,7 @@ class Drafting:
     def __init__(self) -> None:
         self.cost = ForwardCost()
         self.acceptance = Acceptance()
+        self.overhead = StepOverhead()
 
 
 _DRAFTING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

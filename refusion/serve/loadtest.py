@@ -2,10 +2,11 @@
 
     python -m refusion.serve.loadtest --url http://127.0.0.1:8000 --clients 32 --seconds 60 --pid PID
     python -m refusion.serve.loadtest --url http://127.0.0.1:8000 --compare 1,16 --seconds 30
-    python -m refusion.serve.loadtest --compare 1,16,32 --methods ar,refusion --rounds 2 --seconds 15
+    python -m refusion.serve.loadtest --compare 1,16,32 --methods ar,refusion --suite --max-tokens 128
 
 Each client sends streamed chat completions back to back (prompts taken in turn from a
-fixed list, so runs compare) until the time is up; requests in flight then finish. It
+fixed list, so runs compare; `--suite`: the bundled suite's held-out prompts) until the
+time is up; requests in flight then finish. It
 reports requests/s, completion tokens/s (from the usage the server streams), latency and
 time-to-first-token percentiles, errors by kind, responses that ended without a
 finish_reason or `[DONE]`, and with --pid the server's resident memory before and after.
@@ -146,6 +147,7 @@ async def run_phase(
     extra: dict | None = None,
 ) -> Phase:
     phase = Phase(clients, args.seconds, label)
+    prompts = suite_prompts() if args.suite else PROMPTS
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits, headers=headers) as client:
@@ -161,7 +163,7 @@ async def run_phase(
             while time.perf_counter() < end:
                 body = {
                     "model": model,
-                    "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                    "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
                     "max_tokens": args.max_tokens,
                     "stream": True,
                     "stream_options": {"include_usage": True},
@@ -175,6 +177,14 @@ async def run_phase(
         await asyncio.gather(*(worker(k) for k in range(clients)))
         phase.wall = time.perf_counter() - t0
     return phase
+
+
+def suite_prompts(n: int = 64) -> list[str]:
+    """Held-out prompts of the bundled synthetic suite: what the bundled models answer (at
+    length: worked steps, lists, code), where the generic prompts get a few tokens."""
+    from ..tasks import load_test_items
+
+    return [it.prompt for it in load_test_items()[:n]]
 
 
 def median_phase(rounds: list[dict]) -> dict:
@@ -235,6 +245,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="A,B",
         help="with --compare client counts: run each count with the request's method A, then B "
         "(e.g. ar,refusion), and print B's tokens/s over A's per count",
+    )
+    p.add_argument(
+        "--suite",
+        action="store_true",
+        help="prompts from the bundled synthetic suite's held-out items (what the bundled models "
+        "answer at length) instead of the generic ones",
     )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument(
