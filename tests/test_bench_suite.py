@@ -114,18 +114,23 @@ def test_table_has_every_row_on_the_same_items(small_run) -> None:
         "AR decoding of ReFusion weights",
         "ReFusion + AR correction",
         "ReFusion + AR correction + first-token check",
+        "ReFusion + AR correction + first-token check + left check",
         "ReFusion, the checkpoint's settings "
         "(slot 32, 4 blocks, 0.7/0.5 + AR correction + first-token check, infill window 12)",
     ]
     assert [r["method"] for r in result["table"]] == ["ar", "refusion", "refusion", "mdm", "ar"] + [
         "refusion"
-    ] * 3
-    options = [(r["config"]["ar_correction"], r["config"]["first_token_check"]) for r in result["table"]]
-    assert options == [(False, False)] * 5 + [
-        (True, False),
-        (True, True),
-        (True, True),
-    ]  # the paper's rule, then each option
+    ] * 4
+    options = [
+        (r["config"]["ar_correction"], r["config"]["first_token_check"], r["config"]["left_check"])
+        for r in result["table"]
+    ]
+    assert options == [(False, False, False)] * 5 + [
+        (True, False, False),
+        (True, True, False),
+        (True, True, True),
+        (True, True, False),
+    ]  # the paper's rule, then each option, then the checkpoint's
     firsts = [[(x["index"], x["family"]) for x in r["records"]] for r in result["table"]]
     assert all(f == firsts[0] for f in firsts) and len(firsts[0]) == result["items"] == 4
     l2r = result["table"][2]["config"]
@@ -251,6 +256,7 @@ def test_default_ar_missing_skips_row_and_families_filter(tmp_path, monkeypatch,
         "ar_refusion",
         "refusion_corrected",
         "refusion_checked",
+        "refusion_left_checked",
         "refusion_recommended",
     ]
     assert [r["key"] for r in result["table"]] == keys
@@ -281,6 +287,7 @@ def test_missing_ar_model_path_is_a_clear_error(tmp_path, capsys) -> None:
         (["--max-batch-size", "4"], "batch size 1"),
         (["--chunk", "0"], "--chunk must be a positive integer"),
         (["--sweep-slot", "0.5,high"], "--sweep-slot must be comma-separated numbers"),
+        (["--rows", "refusion,nope", "--no-sweep"], "--rows: unknown row(s) nope"),
     ],
 )
 def test_bad_options_are_clear_errors(capsys, flags: list[str], message: str) -> None:
@@ -292,3 +299,13 @@ def test_missing_matplotlib_fails_before_decoding(monkeypatch, capsys) -> None:
     monkeypatch.setattr(suite, "load_from_args", lambda args: pytest.fail("loaded a model before failing"))
     err = _one_line_error(capsys, ["bench", "suite", "--ar-model", str(BUNDLED_DIR), "--limit", "1"])
     assert "refusion[plot]" in err and "--no-sweep" in err
+
+
+def test_rows_runs_the_rows_named_in_table_order(tmp_path) -> None:
+    argv = ["bench", "suite", "--ar-model", str(BUNDLED_DIR), "--limit", "1", "--no-sweep", *TINY]
+    argv += ["--rows", "refusion_left_checked,ar_baseline", "--json", str(tmp_path / "t.json")]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(argv) == 0
+    table = json.loads((tmp_path / "t.json").read_text())["table"]
+    assert [r["key"] for r in table] == ["ar_baseline", "refusion_left_checked"]
+    assert table[1]["config"]["left_check"] and table[1]["vs_ar"] is not None

@@ -1,17 +1,21 @@
 """ReFusion's decoding options beyond the paper: `ar_correction` (a token that fails
 verification in infilling is replaced by the AR prediction), `first_token_check` (a
 slot's first token is checked against its left neighbour's AR prediction) and
-`infill_window` (infilling drafts and verifies at most that many tokens a round).
+`infill_window` (infilling drafts and verifies at most that many tokens a round) and
+`left_check` (a slot decided while its left neighbour was not final is held and verified
+again once it is).
 
 Off, they change nothing (the golden tests hold the paper rule). On, the KV cache must
 still equal a direct computation, a batch must decode what each request decodes alone,
 and, with one slot per block and a token threshold of at least 0.5, greedy ReFusion must
 decode exactly what greedy AR decoding of the same weights does: every accepted token is
 then the AR argmax (probability > 0.5) or its replacement, so the options make ReFusion
-a lossless drafter for its own AR head."""
+a lossless drafter for its own AR head. With left_check as well, that holds for any slot
+layout (several slots per block, decided in parallel)."""
 
 import pytest
 import torch
+from conftest import randomise_
 from golden_data import CASES, golden_config, load_tiny
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -19,8 +23,11 @@ from test_decode_refusion import CheckingEngine, decode_alone
 
 from refusion.decode import DecodeConfig, generate
 from refusion.decode.options import BeyondPaper
+from refusion.model.config import ModelConfig
+from refusion.model.transformer import Transformer
 
 BOTH = dict(ar_correction=True, first_token_check=True)
+LEFT = dict(BOTH, left_check=True)
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +55,9 @@ class Counting:
 
         def counted_check(rule, row):
             before = row.plan.drafts[row.selected, 0].clone()
-            check(rule, row)
+            checked = check(rule, row)
             self.first_replaced += int((row.plan.drafts[row.selected, 0] != before).sum())
+            return checked
 
         def counted_before_infill(rule, *args):
             self.first_slot += rule.corrects
@@ -62,8 +70,15 @@ class Counting:
 
 @pytest.mark.parametrize(
     "options",
-    [dict(ar_correction=True), BOTH, dict(BOTH, infill_window=2), dict(infill_window=1)],
-    ids=["ar_correction", "both", "both+window", "window"],
+    [
+        dict(ar_correction=True),
+        BOTH,
+        dict(BOTH, infill_window=2),
+        dict(infill_window=1),
+        dict(left_check=True),
+        dict(LEFT, infill_window=2),
+    ],
+    ids=["ar_correction", "both", "both+window", "window", "left", "both+left+window"],
 )
 def test_kv_reuse_equals_direct_computation_with_the_options(tiny, monkeypatch, options):
     """Every committed entry equals a direct computation, corrected tokens included (a
@@ -140,3 +155,106 @@ def test_the_paper_rule_is_not_lossless(tiny):
             != generate(tiny, None, [c["prompt_ids"]], cfg.replace(method="ar"))[0].token_ids
         )
     assert differ > 0
+
+
+def greedy_ar(model, prompt, cfg: DecodeConfig) -> list[int]:
+    return generate(model, None, [prompt], cfg.replace(method="ar"))[0].token_ids
+
+
+def layout(s: int, per_block: int, blocks: int, **options) -> DecodeConfig:
+    """`blocks` serial blocks of `per_block` slots of `s` tokens."""
+    return DecodeConfig(gen_length=s * per_block * blocks, slot_size=s, serial_blocks=blocks, **options)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    prompt=st.lists(st.integers(0, 297), min_size=1, max_size=24),
+    s=st.sampled_from([4, 8, 16]),
+    per_block=st.sampled_from([2, 3, 4]),
+    blocks=st.integers(1, 3),
+    tau=st.floats(0.5, 0.95),
+    slot_threshold=st.floats(0.0, 1.0),
+    eos=st.sampled_from([298, 165, 250, 93]),
+    window=st.sampled_from([None, 1, 3]),
+)
+def test_left_check_is_greedy_ar_for_any_slot_layout(
+    tiny, prompt, s, per_block, blocks, tau, slot_threshold, eos, window
+):
+    cfg = layout(
+        s,
+        per_block,
+        blocks,
+        token_threshold=tau,
+        slot_threshold=slot_threshold,
+        stop_token_ids=(eos,),
+        infill_window=window,
+        **LEFT,
+    )
+    with torch.inference_mode():
+        assert generate(tiny, None, [prompt], cfg)[0].token_ids == greedy_ar(tiny, prompt, cfg)
+
+
+def sharp_random_model(seed: int) -> Transformer:
+    """A random model whose output head is scaled up, so that its AR probabilities often
+    pass a threshold of 0.5 (a plain random model's are near uniform: every token would
+    be an AR correction)."""
+    config = ModelConfig(
+        model_type="qwen3",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        qk_norm=True,
+        max_position_embeddings=256,
+        eos_token_id=1,
+        mask_token_id=63,
+    )
+    model = Transformer(config)
+    randomise_(model, seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(25.0)
+    return model.eval()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_left_check_is_greedy_ar_on_random_models(seed):
+    model = sharp_random_model(seed)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(2, 62, (n,), generator=gen).tolist() for n in (3, 7, 12)]
+    parted = 0
+    for s, per_block, blocks in [(4, 4, 2), (8, 2, 2), (16, 2, 1), (8, 4, 1)]:
+        for tau in (0.5, 0.8):
+            cfg = layout(s, per_block, blocks, token_threshold=tau, slot_threshold=0.5, stop_token_ids=(1,))
+            for p in prompts:
+                with torch.inference_mode():
+                    want = greedy_ar(model, p, cfg)
+                    assert generate(model, None, [p], cfg.replace(**LEFT))[0].token_ids == want
+                    parted += generate(model, None, [p], cfg.replace(**BOTH))[0].token_ids != want
+    assert parted > 0  # without left_check the same layouts part from AR: the test has teeth
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    from refusion.io import load
+
+    return load()
+
+
+@pytest.mark.parametrize("s,per_block,blocks", [(4, 8, 4), (8, 4, 4), (16, 2, 4), (8, 2, 8)])
+def test_left_check_is_greedy_ar_on_the_bundled_model(bundled, s, per_block, blocks):
+    """Held-out suite prompts, all four families, with the model's own thresholds and
+    window; without left_check the same layout parts from AR on some of them."""
+    from refusion.tasks import load_test_items
+
+    model, tokenizer = bundled
+    prompts = [it.prompt for it in load_test_items(12)]
+    cfg = layout(s, per_block, blocks, token_threshold=0.5, slot_threshold=0.7, infill_window=12)
+    with torch.inference_mode():
+        want = [o.token_ids for o in generate(model, tokenizer, prompts, cfg.replace(method="ar"))]
+        got = [o.token_ids for o in generate(model, tokenizer, prompts, cfg.replace(**LEFT))]
+        without = [o.token_ids for o in generate(model, tokenizer, prompts, cfg.replace(**BOTH))]
+    assert got == want
+    assert without != want

@@ -68,6 +68,7 @@ def decode_configs(draw):
         ar_correction=draw(st.booleans()),
         first_token_check=draw(st.booleans()),
         infill_window=draw(st.sampled_from([None, 1, 2, 3])),
+        left_check=draw(st.booleans()),
     )
 
 

@@ -149,6 +149,7 @@ def test_request_fields_are_derived_from_decode_config():
         "ar_correction",
         "first_token_check",
         "infill_window",
+        "left_check",
     }
     for body, param in [
         ({"slot_size": 5000}, "slot_size"),

@@ -93,6 +93,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/bench-suite", help="directory for the JSON and the PNG")
     parser.add_argument("--json", dest="json_out", default=None, help="JSON path (default: OUT/suite.json)")
     parser.add_argument("--plot", default=None, help="PNG path of the sweep (default: OUT/sweep.png)")
+    parser.add_argument(
+        "--rows",
+        default=None,
+        help="comma-separated keys of the table's rows to run (default: all; keys: ar_baseline, "
+        "refusion, refusion_l2r, mdm, ar_refusion, refusion_corrected, refusion_checked, "
+        "refusion_left_checked, refusion_recommended)",
+    )
     g = parser.add_argument_group("sweep (Figure 1, AUP)")
     g.add_argument("--no-sweep", action="store_true", help="only the table")
     g.add_argument(
@@ -170,13 +177,18 @@ def base_config(args: argparse.Namespace) -> DecodeConfig:
 
 
 # the decoding options beyond the paper, each measured in a row of its own
-PAPER_RULE = dict(ar_correction=False, first_token_check=False)
+PAPER_RULE = dict(ar_correction=False, first_token_check=False, left_check=False)
 BEYOND_PAPER = [
     ("refusion_corrected", "ReFusion + AR correction", dict(ar_correction=True, first_token_check=False)),
     (
         "refusion_checked",
         "ReFusion + AR correction + first-token check",
         dict(ar_correction=True, first_token_check=True),
+    ),
+    (
+        "refusion_left_checked",
+        "ReFusion + AR correction + first-token check + left check",
+        dict(ar_correction=True, first_token_check=True, left_check=True),
     ),
 ]
 
@@ -205,6 +217,7 @@ RECOMMENDED_FIELDS = (
     "token_threshold",
     "ar_correction",
     "first_token_check",
+    "left_check",
     "infill_window",
 )
 
@@ -224,6 +237,7 @@ def recommended_run(base: DecodeConfig, recommended: Recommended, runs: Sequence
         f"slot {cfg.slot_size}, {cfg.serial_blocks} blocks, {cfg.slot_threshold:g}/{cfg.token_threshold:g}"
     )
     shown += " + AR correction" * cfg.ar_correction + " + first-token check" * cfg.first_token_check
+    shown += " + left check" * cfg.left_check
     shown += f", infill window {cfg.infill_window}" * (cfg.infill_window is not None)
     return Run("refusion_recommended", f"ReFusion, the checkpoint's settings ({shown})", "refusion", cfg)
 
@@ -232,7 +246,7 @@ def sweep_runs(base: DecodeConfig, args: argparse.Namespace, with_ar: bool) -> l
     """Figure 1's points: ReFusion thresholds (the paper's rule, then with both options
     beyond it), MDM steps and thresholds, the AR baseline."""
     runs = []
-    for key, group, rule in (("refusion", "ReFusion", PAPER_RULE), BEYOND_PAPER[-1]):
+    for key, group, rule in (("refusion", "ReFusion", PAPER_RULE), BEYOND_PAPER[1]):
         for ts in parse_floats(args.sweep_slot, "--sweep-slot"):
             for tt in parse_floats(args.sweep_token, "--sweep-token"):
                 cfg = base.replace(method="refusion", slot_threshold=ts, token_threshold=tt, **rule)
@@ -254,16 +268,23 @@ def sweep_runs(base: DecodeConfig, args: argparse.Namespace, with_ar: bool) -> l
 def decode_one(model, tokenizer, item, index: int, cfg: DecodeConfig, engine: EngineConfig) -> Record:
     """Decode one item alone (batch size 1); the clock covers `generate`, not the check,
     which is the evaluator's scorer of the suite (`refusion eval --task suite` scores alike)."""
-    from ..evaluate.registry import get_benchmark
-
-    suite = get_benchmark("suite")
     sync(model.device)
     t0 = time.perf_counter()
     out = generate(model, tokenizer, [item.prompt], cfg, engine_config=engine)[0]
     sync(model.device)
     seconds = time.perf_counter() - t0
-    correct = suite.score_one(suite.sample(item, index), out.text).correct
-    return Record(index, item.family, bool(correct), out.stats.tokens, out.stats.nfe, seconds)
+    return Record(
+        index, item.family, score_item(item, index, out.text), out.stats.tokens, out.stats.nfe, seconds
+    )
+
+
+def score_item(item, index: int, text: str) -> bool:
+    """Whether `text` answers the held-out item: the evaluator's scorer of the suite
+    (`refusion eval --task suite` scores alike)."""
+    from ..evaluate.registry import get_benchmark
+
+    suite = get_benchmark("suite")
+    return bool(suite.score_one(suite.sample(item, index), text).correct)
 
 
 def measure(
@@ -559,6 +580,20 @@ def all_table_runs(base: DecodeConfig, models: dict[str, tuple], with_ar: bool) 
     return runs + ([own] if own else [])
 
 
+def chosen_rows(runs: list[Run], rows: str | None) -> list[Run]:
+    """The rows `--rows` names (all without it); an unknown key is refused."""
+    if rows is None:
+        return runs
+    keys = [k.strip() for k in rows.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in {r.key for r in runs}]
+    if unknown or not keys:
+        raise ConfigError(
+            f"--rows: unknown row(s) {', '.join(unknown) or '(none given)'}; rows of this run: "
+            + ", ".join(r.key for r in runs)
+        )
+    return [r for r in runs if r.key in keys]
+
+
 def run_table(
     base: DecodeConfig,
     items: Sequence,
@@ -571,7 +606,7 @@ def run_table(
     rows, printed, on the first process: it reports, the others take part in measuring only."""
     from ..parallel import is_main
 
-    runs = all_table_runs(base, models, ar_path is not None)
+    runs = chosen_rows(all_table_runs(base, models, ar_path is not None), args.rows)
     records = measure(runs, items, models, args.chunk, "table", engine)
     result = run_settings(args, ar_path, items, base)
     if is_main():

@@ -89,6 +89,13 @@ class DecodeConfig:
         lo=1,
         hi=4096,
     )
+    left_check: bool = knob(
+        False,
+        "ReFusion: a slot decided while its left neighbour was not final is held and verified "
+        "again once it is (kept if it passes, filled again from its first failing token); with "
+        "ar_correction, first_token_check and token_threshold >= 0.5, greedy decoding equals greedy AR "
+        "for any slot layout; beyond the paper",
+    )
     # --- MDM baseline (docs/algorithm.md#mdm): LLaDA-style low-confidence remasking in semi-AR blocks
     mdm_block_length: int = knob(32, "MDM: tokens per semi-autoregressive block", lo=1, hi=4096)
     mdm_steps: int | None = knob(

@@ -7,7 +7,7 @@ decodes exactly what the authors' decoder does. A row gets one rule, built from 
 `DecodeConfig` by `rule_for`; rows of any rules share a batch, since each rule reads only
 its own row's logits.
 
-The three options are `DecodeConfig` fields, off by default:
+The four options are `DecodeConfig` fields, off by default:
 
 - `ar_correction`: in infilling, the first token that fails verification is replaced by
   the AR prediction its verify pass made for it and accepted. The paper re-drafts it from
@@ -28,11 +28,19 @@ The three options are `DecodeConfig` fields, off by default:
   far past the first failure are wasted; attention is causal, so the drafts a window makes
   are the ones a whole slot of MASKs would give. With ar_correction, the token after a
   window's drafts is the AR prediction of its last one.
+- `left_check`: only the leftmost undecoded slot of a block, and the slots verified in one
+  causal pass right after it, are committed. Every other slot a step completes (in
+  infilling, or in global verification behind a gap) is held, its tokens and not its KV
+  entries, and verified again once its left neighbour is final: fed after it, it keeps
+  the entries of that pass if it passes whole, and is filled again from its first failing
+  token otherwise (in the same step, when it was fed right after the committed run). The
+  leftmost slot is always selected, so every step commits a slot.
 
 With one slot per block and token_threshold >= 0.5, greedy decoding with ar_correction
 and first_token_check equals greedy AR decoding of the same weights (every accepted token
 is the AR argmax): ReFusion becomes a lossless drafter for its own AR head, and the plan's
-MDM drafts only decide the speed.
+MDM drafts only decide the speed. With left_check as well, that holds for any slot
+layout: every committed entry was computed with the whole left context and nothing else.
 """
 
 from __future__ import annotations
@@ -93,13 +101,24 @@ class PaperRule:
         """The plan's logits (n, V) less the rows `plan_head` asked for."""
         return logits
 
-    def check_selected(self, row: ReFusionRow) -> None:
-        """The selected slots' plan drafts are verified as drafted."""
+    def select(self, row: ReFusionRow) -> None:
+        """The plan's selection (`row.selected`) stands, with the plan's drafts."""
+
+    def check_selected(self, row: ReFusionRow) -> list[int]:
+        """The selected slots' plan drafts are verified as drafted; returns the indices
+        (into `row.undecoded`) of the slots whose first token was checked here: none."""
+        return []
 
     # ------------------------------------------------------------------ verify
+    def first_scored(self, slots: list[int]) -> list[bool]:
+        """Which of the selected slots (in feed order) have their first token scored by the
+        global verify pass: none, each keeps its plan confidence, which selected it."""
+        return [False] * len(slots)
+
     def pass_first_tokens(self, firsts: torch.Tensor, slots: list[int]) -> None:
         """`firsts` (n_selected,), a view of the global verify pass's passing mask at the
-        selected slots' first tokens: each keeps its plan confidence, which selected it."""
+        selected slots' first tokens: each keeps its plan confidence, which selected it
+        (`first_scored` scores none)."""
         firsts.fill_(True)
 
     def whole_slots_verified(self, slots: list[int], logits: torch.Tensor, last: range) -> None:
@@ -114,6 +133,34 @@ class PaperRule:
 
     def committed(self, row: ReFusionRow, slots: list[int]) -> None:
         """`slots` left the row's undecoded list."""
+
+    def split(self, row: ReFusionRow, path: str, slots: list[int], toks: list[list[int]]) -> int:
+        """`slots` (position order) are complete, by global verification (`path` "fast") or
+        infilling: how many of them, from the first, are committed now. All of them."""
+        return len(slots)
+
+    def waits(self, row: ReFusionRow, slots: list[int]) -> list[bool]:
+        """Which selected slots that global verification left to infill keep what they
+        hold instead: none."""
+        return [False] * len(slots)
+
+    def refill(
+        self,
+        row: ReFusionRow,
+        logits: torch.Tensor,
+        slots: list[int],
+        chunks: list[list[int]],
+        passed: list[int],
+        k: int,
+    ) -> tuple[int, bool] | None:
+        """Global verification committed slots[:k] and the rest of the selection goes back
+        to planning (None), as the paper has it."""
+        return None
+
+    def commits(self, row: ReFusionRow, slot: int) -> bool:
+        """Whether a slot being infilled is committed once complete (so an EOS it accepts
+        ends the row's text): always."""
+        return True
 
     # ------------------------------------------------------------------ infill
     def passing(self, f: Fork, pred: torch.Tensor, off: int, scores: list[float]) -> tuple[int, int | None]:
@@ -137,7 +184,7 @@ class BeyondPaper(PaperRule):
 
     def __init__(self, cfg: DecodeConfig) -> None:
         super().__init__(cfg)
-        self.corrects, self.checks_first = cfg.ar_correction, cfg.first_token_check
+        self.corrects, self.checks_first, self.left = cfg.ar_correction, cfg.first_token_check, cfg.left_check
         self.window = cfg.infill_window or cfg.slot_size
         self.global_next = int(self.checks_first)  # predicts the next slot's first token
         self.infill_next = int(
@@ -150,6 +197,8 @@ class BeyondPaper(PaperRule):
         self.lookahead: dict[int, torch.Tensor] = {}
         self.ends: dict[int, torch.Tensor] = {}  # whole verified slot -> logits (V,) at its last token
         self.head: int | None = None  # the slot whose first token this step's first plan logits predict
+        # left_check: slot -> its tokens (up to an EOS), decided while its left neighbour was not final
+        self.held: dict[int, list[int]] = {}
 
     # ------------------------------------------------------------------ first_token_check
     def plan_head(self, feeds_head: bool, slot: int) -> int:
@@ -162,26 +211,35 @@ class BeyondPaper(PaperRule):
             self.lookahead[self.head], logits = logits[0].clone(), logits[1:]
         return logits
 
-    def check_selected(self, row: ReFusionRow) -> None:
+    def check_selected(self, row: ReFusionRow) -> list[int]:
         """A selected slot whose left neighbour is committed has its first token scored by
         the AR prediction read there; one that fails (probability <= token_threshold) is
-        replaced by that prediction."""
+        replaced by that prediction. Returns the indices of the slots checked."""
+        checked = []
         for i in row.selected:
             ahead = self.lookahead.get(row.undecoded[i])
             if ahead is None:
                 continue
+            checked.append(i)
             draft = row.plan.drafts[i, :1]  # (1,)
             if float(token_probs(ahead[None], draft)[0]) <= self.tau:
+                old = int(draft[0])  # before the view below changes
                 row.plan.drafts[i, 0] = row.req.sampler.pick(ahead[None])[0]
-                replaced(row, row.undecoded[i] * self.s, int(draft[0]), int(row.plan.drafts[i, 0]))
+                replaced(row, row.undecoded[i] * self.s, old, int(row.plan.drafts[i, 0]))
+        return checked
 
-    def pass_first_tokens(self, firsts: torch.Tensor, slots: list[int]) -> None:
+    def first_scored(self, slots: list[int]) -> list[bool]:
         """A slot's first token is scored like any other when the slot before it in the
         feed is its left neighbour: the logits there predict it."""
         if not self.checks_first:
+            return super().first_scored(slots)
+        return [i > 0 and slots[i - 1] == slots[i] - 1 for i in range(len(slots))]
+
+    def pass_first_tokens(self, firsts: torch.Tensor, slots: list[int]) -> None:
+        """Each first token `first_scored` does not score passes."""
+        if not self.checks_first:
             return super().pass_first_tokens(firsts, slots)
-        scored = [i > 0 and slots[i - 1] == slots[i] - 1 for i in range(len(slots))]
-        firsts |= ~torch.tensor(scored, dtype=torch.bool, device=firsts.device)
+        firsts |= ~torch.tensor(self.first_scored(slots), dtype=torch.bool, device=firsts.device)
 
     def whole_slots_verified(self, slots: list[int], logits: torch.Tensor, last: range) -> None:
         if self.checks_first:
@@ -193,6 +251,7 @@ class BeyondPaper(PaperRule):
         at its last token predict the first token of the slot to its right."""
         for j in slots:
             self.lookahead.pop(j, None)
+            self.held.pop(j, None)
         for j in slots:
             end = self.ends.pop(j, None)
             if end is not None:
@@ -234,6 +293,77 @@ class BeyondPaper(PaperRule):
         replaced(f.row, f.slot * self.s + n, old, f.tokens[n])
         return n + 1, n
 
+    # ------------------------------------------------------------------ left_check
+    def select(self, row: ReFusionRow) -> None:
+        """The leftmost undecoded slot, and the held slots right after it (up to one that
+        ends in an EOS), are selected, with their held tokens as drafts; so are the plan's
+        choices that hold nothing. A held slot whose left neighbour is not final is not
+        filled again: it waits."""
+        if not self.left:
+            return
+        und, held = row.undecoded, self.held
+        chosen = [0]
+        while (
+            chosen[-1] + 1 < len(und)
+            and und[chosen[-1] + 1] == und[chosen[-1]] + 1
+            and und[chosen[-1] + 1] in held
+            and (und[chosen[-1]] not in held or row.ends(held[und[chosen[-1]]]) is None)
+        ):
+            chosen.append(chosen[-1] + 1)
+        row.selected = sorted(set(chosen) | {i for i in row.selected if und[i] not in held})
+        for i in row.selected:
+            toks = held.get(und[i])
+            if toks is not None:
+                row.plan.drafts[i, : len(toks)] = torch.tensor(toks, device=row.plan.drafts.device)
+
+    def split(self, row: ReFusionRow, path: str, slots: list[int], toks: list[list[int]]) -> int:
+        """With left_check, only slots decided with a final left neighbour are committed:
+        in global verification the run fed right after the committed ones, in infilling the
+        leftmost slot's fork (no fork sees its siblings). The others are held."""
+        if not self.left:
+            return len(slots)
+        first = min(row.undecoded + slots)  # the leftmost undecoded slot (an EOS it took dropped it)
+        if path == "fast":
+            n = next((i for i, j in enumerate(slots) if j != first + i), len(slots))
+        else:
+            n = int(bool(slots) and slots[0] == first)
+        for j, t in zip(slots[n:], toks[n:]):
+            self.held[j] = list(t)
+        return n
+
+    def waits(self, row: ReFusionRow, slots: list[int]) -> list[bool]:
+        """Held slots behind the leftmost one keep their tokens: their left neighbour is not
+        final yet, so filling them again would decide them without it once more."""
+        return [self.left and i > 0 and j in self.held for i, j in enumerate(slots)]
+
+    def commits(self, row: ReFusionRow, slot: int) -> bool:
+        return not self.left or slot == min(row.undecoded, default=slot)
+
+    def refill(
+        self,
+        row: ReFusionRow,
+        logits: torch.Tensor,
+        slots: list[int],
+        chunks: list[list[int]],
+        passed: list[int],
+        k: int,
+    ) -> tuple[int, bool] | None:
+        """With left_check, the slot fed right after the committed run (now the leftmost)
+        was scored in AR's context, so it is filled again from its first failing token in
+        this step's infilling rather than planned again: returns its accepted length and
+        whether its last accepted token is this pass's AR prediction in place of the
+        failing one (with ar_correction, as `passing` would; else the paper's first token
+        passes)."""
+        if not self.left or k >= len(slots) or slots[k] != slots[k - 1] + 1 or passed[k] >= self.s:
+            return None
+        n = passed[k]
+        if not self.corrects:
+            return max(n, 1), False
+        i = k * self.s + n - 1  # the logits that predict slot token n
+        old, chunks[k][n] = chunks[k][n], int(row.req.sampler.pick(logits[i : i + 1])[0])
+        replaced(row, slots[k] * self.s + n, old, chunks[k][n])
+        return n + 1, True
+
 
 def replaced(row: ReFusionRow, offset: int, old: int, new: int) -> None:
     """Note, when the trace wants the steps, a token at generation offset `offset` that the
@@ -246,6 +376,6 @@ def replaced(row: ReFusionRow, offset: int, old: int, new: int) -> None:
 
 def rule_for(cfg: DecodeConfig) -> PaperRule:
     """The rule of a row decoded with `cfg`: the paper's unless an option is set."""
-    if cfg.ar_correction or cfg.first_token_check or cfg.infill_window is not None:
+    if cfg.ar_correction or cfg.first_token_check or cfg.infill_window is not None or cfg.left_check:
         return BeyondPaper(cfg)
     return PaperRule(cfg)

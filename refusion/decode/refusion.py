@@ -69,6 +69,7 @@ class Fork:
     length: int = 0  # slot length to commit (s, or up to and including an EOS)
     complete: bool = False
     dropped: bool = False  # a slot at an earlier position accepted an EOS
+    how: list[str] | None = None  # when tracing: how each accepted token was accepted (request.HOW)
 
 
 @dataclass
@@ -87,7 +88,12 @@ class ReFusionRow:
     done: bool = False
     plan: Plan | None = None
     selected: list[int] = field(default_factory=list)  # indices into `undecoded` chosen by the plan
-    to_infill: tuple[list[int], list[list[int]], list[int]] | None = None  # slots, drafts, passing prefixes
+    # slots, drafts, passing prefixes, and (when tracing) how each token of those prefixes passed
+    to_infill: tuple[list[int], list[list[int]], list[int], list[list[str]] | None] | None = None
+    # when tracing: slot -> how the plan step set its first token
+    first_how: dict[int, str] = field(default_factory=dict)
+    # when tracing: committed slot -> it was decided in AR's own context
+    exact: dict[int, bool] = field(default_factory=dict)
     # draft widths the engine sets each step when they cannot change the output
     # (docs/algorithm.md#adaptive-widths): MASKs the plan drafts per slot (0: the whole slot),
     # and where the row's verify passes are counted
@@ -157,6 +163,8 @@ class ReFusionRow:
                 self.ends_after_block = True
             self.undecoded = []
             self.rule.committed(self, [slot])
+            if self.req.tracing:  # decoded left to right: in AR's context if everything to its left was
+                self.exact[slot] = all(self.exact.get(k, False) for k in range(slot))
 
     def _block_slots(self, block: int) -> list[int]:
         return list(range(block * self.slots_per_block, (block + 1) * self.slots_per_block))
@@ -175,13 +183,35 @@ class ReFusionRow:
         else:
             self.undecoded = self._block_slots(self.block)
 
-    def commit(self, path: str, slots: list[int], toks: list[list[int]]) -> None:
-        """Slots (indices into the region) leave the undecoded list; their tokens are final."""
+    def commit(
+        self, path: str, slots: list[int], toks: list[list[int]], how: list[list[str]] | None = None
+    ) -> None:
+        """Slots (indices into the region, in position order) leave the undecoded list;
+        their tokens are final. `how` (when tracing): how each token was accepted."""
+        exact = self._exact(path, slots) if self.req.tracing else None
         gone = set(slots)
         self.undecoded = [j for j in self.undecoded if j not in gone]
         self.rule.committed(self, slots)
-        spans = [(j * self.s, t) for j, t in zip(slots, toks) if t]
-        self.req.commit(path, spans)
+        keep = [i for i, t in enumerate(toks) if t]
+        spans = [(slots[i] * self.s, toks[i]) for i in keep]
+        if exact is None:
+            self.req.commit(path, spans)
+        else:
+            self.req.commit(path, spans, [how[i] for i in keep], [exact[i] for i in keep])
+
+    def _exact(self, path: str, slots: list[int]) -> list[bool]:
+        """Per slot: was its context exactly AR's, every slot to its left final (committed
+        in an exact context itself) and in it, and none to its right? Global verification
+        decided each slot after the ones fed before it; an infilling fork saw the committed
+        ones only. `self.exact` holds every committed slot."""
+        out = []
+        for i, j in enumerate(slots):  # position order: slots[:i] are to the left of j
+            left = all(self.exact.get(k, False) for k in range(j))
+            right = any(k > j for k in self.exact)  # committed before, at a later position
+            ok = (path == "fast" or i == 0) and left and not right
+            self.exact[j] = ok
+            out.append(ok)
+        return out
 
     # ------------------------------------------------------------------ step 1: plan
     def plan_feed(self, mask_id: int) -> Feed:
@@ -220,13 +250,37 @@ class ReFusionRow:
             conf = torch.nn.functional.pad(conf, (0, self.s - w))
         self.plan = Plan(drafts, conf)
         self.selected = select_slots(self.plan, self.req.cfg.slot_threshold)
+        self.rule.select(self)
         if self.req.traces_steps:
             self.req.note(
                 "plan",
                 [(self.undecoded[i] * self.s, self.plan.drafts[i, :w].tolist()) for i in self.selected],
             )
-        self.rule.check_selected(self)
+        before = self.plan.drafts[self.selected, 0].tolist() if self.req.tracing else None
+        checked = self.rule.check_selected(self)
+        if before is not None:
+            self._trace_first_tokens(before, checked)
         return n_fed - logits.shape[0]
+
+    def _trace_first_tokens(self, before: list[int], checked: list[int]) -> None:
+        """When tracing: how the plan step left each selected slot's first token (checked
+        against its left neighbour's AR prediction, or replaced by it)."""
+        self.first_how = {}
+        for i, old in zip(self.selected, before):
+            if int(self.plan.drafts[i, 0]) != old:
+                self.first_how[self.undecoded[i]] = "corrected"
+            elif i in checked:
+                self.first_how[self.undecoded[i]] = "verify"
+
+    def _trace_verified(self, slots: list[int], per_slot: list[int]) -> list[list[str]]:
+        """When tracing: how global verification passed each selected slot's tokens, up to
+        its passing prefix (`per_slot`, before a slot keeps its first token regardless)."""
+        scored = self.rule.first_scored(slots)
+        how = []
+        for j, sc, n in zip(slots, scored, per_slot):
+            first = self.first_how.get(j) or ("verify" if sc and n > 0 else "plan")
+            how.append([first] + ["verify"] * (max(n, 1) - 1))
+        return how
 
     def ends(self, toks: list[int]) -> int | None:
         """The index of the first EOS in `toks` (None: there is none)."""
@@ -263,8 +317,9 @@ class ReFusionRow:
         self.rule.pass_first_tokens(
             passing.view(-1, s)[:, 0], slots
         )  # (n_sel,) view: the slots' first tokens
-        per_slot = passing.view(-1, s).int().cumprod(-1).sum(-1).tolist()  # passing prefix per slot
-        per_slot = [max(n, 1) for n in per_slot]  # a slot keeps at least its first token, the plan's draft
+        passed = passing.view(-1, s).int().cumprod(-1).sum(-1).tolist()  # passing prefix per slot
+        how = self._trace_verified(slots, passed) if self.req.tracing else None
+        per_slot = [max(n, 1) for n in passed]  # a slot keeps at least its first token, the plan's draft
         prefix = int(passing.int().cumprod(0).sum())
         if self.acceptance is not None:  # the drafts scored past the first token, and how many passed
             self.acceptance.plan.add(max(prefix - 1, 0), len(toks) - 1)
@@ -273,19 +328,52 @@ class ReFusionRow:
         eos = self.ends(toks[:prefix])
         if eos is not None:
             k = eos // s + 1
-            self.commit("fast", slots[:k], chunks[: k - 1] + [chunks[k - 1][: eos + 1 - (k - 1) * s]])
+            cut = eos + 1 - (k - 1) * s
+            if how is not None:
+                how[k - 1] = how[k - 1][:cut]
+            done = chunks[: k - 1] + [chunks[k - 1][:cut]]
+            n = self.rule.split(self, "fast", slots[:k], done)  # the rule holds the others
+            if n < k:  # the EOS's slot is held: the slots committed are whole, and the row goes on
+                self.rule.whole_slots_verified(slots[:n], logits, range(s - 1, n * s, s))
+                self.commit("fast", slots[:n], done[:n], how)
+                return n * s
+            self.commit("fast", slots[:n], done[:n], how)
             self.drop_after(slots[k - 1])
             return eos + 1
         if prefix >= s:
-            k = prefix // s
+            k = self.rule.split(self, "fast", slots[: prefix // s], chunks[: prefix // s])
             self.rule.whole_slots_verified(slots[:k], logits, range(s - 1, k * s, s))
-            self.commit("fast", slots[:k], chunks[:k])
-            self.reject([(j, chunk[: self.width or s], 0) for j, chunk in zip(slots[k:], chunks[k:])])
+            self.commit("fast", slots[:k], chunks[:k], how)
+            refill = self.rule.refill(self, logits, slots, chunks, passed, k)
+            kept = 0  # drafts of slots[k] that stay
+            if refill is not None:  # the slot fed after the committed ones is filled again in this step
+                kept, corrected = refill
+                h = (
+                    None
+                    if how is None
+                    else [how[k][: kept - 1] + ["corrected"] if corrected else how[k][:kept]]
+                )
+                self.to_infill = ([slots[k]], [chunks[k]], [kept], h)
+            self.reject(
+                [
+                    (j, chunk[: self.width or s], kept * (i == 0))
+                    for i, (j, chunk) in enumerate(zip(slots[k:], chunks[k:]))
+                ]
+            )
             return k * s
+        first = per_slot[0]
         self.rule.before_infill(self, logits, chunks, per_slot)
+        if how is not None and per_slot[0] > first:  # the rule corrected the first slot's failing token
+            how[0] = how[0][:first] + ["corrected"]
         # a narrower plan drafted only the first `width` tokens of a slot: the rest are MASKs
         self.reject([(j, chunk[: self.width or s], n) for j, chunk, n in zip(slots, chunks, per_slot)])
-        self.to_infill = (slots, chunks, per_slot)
+        fill = [i for i, w in enumerate(self.rule.waits(self, slots)) if not w]
+        self.to_infill = (
+            [slots[i] for i in fill],
+            [chunks[i] for i in fill],
+            [per_slot[i] for i in fill],
+            None if how is None else [how[i] for i in fill],
+        )
         return 0
 
     def reject(self, drafts: list[tuple[int, list[int], int]]) -> None:
@@ -319,8 +407,12 @@ class Infill:
         forks: list[Fork] = []
         src_rows: list[int] = []
         for row, b in zip(rows, index):
-            slots, drafts, per_slot = row.to_infill
-            forks += [Fork(row, j, list(d), a, cache.lengths[b]) for j, d, a in zip(slots, drafts, per_slot)]
+            slots, drafts, per_slot, how = row.to_infill
+            hows = how if how is not None else [None] * len(slots)
+            forks += [
+                Fork(row, j, list(d), a, cache.lengths[b], how=h)
+                for j, d, a, h in zip(slots, drafts, per_slot, hows)
+            ]
             src_rows += [b] * len(slots)
         widest = max(r.s for r in rows)
         # rows grow by < s, feeds are <= s; the scratch storage of the last step is reused
@@ -408,13 +500,19 @@ class Infill:
             pred[: len(targets)], torch.tensor(targets, dtype=torch.long, device=lg.device)
         ).tolist()
         n, corrected = f.row.rule.passing(f, pred, off, scores)
+        if f.how is not None:
+            f.how = f.how[: f.accepted] + [
+                _infill_how(i, corrected, scores[i - off] if 0 <= i - off < len(scores) else None, f.row.tau)
+                for i in range(f.accepted, n)
+            ]
         if f.row.req.traces_steps:
             f.row.reject([(f.slot, f.tokens[: f.drafted], n)])
         f.accepted = n
         eos = f.row.ends(f.tokens[:n])
         if eos is not None:
             f.length = eos + 1
-            self._drop_later_forks(f, forks)
+            if f.row.rule.commits(f.row, f.slot):  # the EOS ends the row's text
+                self._drop_later_forks(f, forks)
         elif n == s:
             f.length = s
         valid = s if corrected is None else corrected  # entries this pass computed with final tokens
@@ -433,7 +531,18 @@ class Infill:
 
     @staticmethod
     def _commit(forks: list[Fork], fcache: KVCache, cache: KVCache, owner: list[int]) -> None:
-        live = [(i, f) for i, f in enumerate(forks) if not f.dropped]  # position order within each row
+        """Each row's complete slots that its rule commits (`split`; it holds the others)
+        get their fork's entries appended, in position order."""
+        by_row: dict[int, list[tuple[int, Fork]]] = {}
+        for i, f in enumerate(forks):  # position order within each row
+            if not f.dropped:
+                by_row.setdefault(id(f.row), []).append((i, f))
+        done = []  # per row: the (fork index, fork) pairs committed now
+        for fs in by_row.values():
+            row = fs[0][1].row
+            n = row.rule.split(row, "infill", [f.slot for _, f in fs], [f.tokens[: f.length] for _, f in fs])
+            done.append(fs[:n])
+        live = [pair for fs in done for pair in fs]
         cache.append_from(
             fcache,
             src_rows=[i for i, _ in live],
@@ -441,8 +550,14 @@ class Infill:
             counts=[f.length for _, f in live],
             dst_rows=[owner[i] for i, _ in live],
         )
-        by_row: dict[int, list[Fork]] = {}
-        for _, f in live:
-            by_row.setdefault(id(f.row), []).append(f)
-        for fs in by_row.values():
-            fs[0].row.commit("infill", [f.slot for f in fs], [f.tokens[: f.length] for f in fs])
+        for fs in filter(None, done):
+            row = fs[0][1].row
+            how = [f.how[: f.length] for _, f in fs] if row.req.tracing else None
+            row.commit("infill", [f.slot for _, f in fs], [f.tokens[: f.length] for _, f in fs], how)
+
+
+def _infill_how(i: int, corrected: int | None, score: float | None, tau: float) -> str:
+    """How an infilling verify pass accepted slot token i (request.HOW)."""
+    if i == corrected:
+        return "corrected"
+    return "infill" if score is not None and score > tau else "infill-first"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .config import DecodeConfig
@@ -68,11 +68,24 @@ class DecodeStats:
 # plan selected with their drafts, a token replaced by its AR prediction, drafts thrown away
 NOTES = ("plan", "correction", "rejected")
 
+# How the decoder accepted a committed token (`TraceEvent.how`), by the code path that did it
+# (docs/algorithm.md#provenance):
+HOW = {
+    "plan": "a slot's first token, passed by global verification on its plan confidence alone (unscored)",
+    "verify": "passed global verification: its AR probability exceeded the token threshold",
+    "infill-first": "infilling's first not-yet-accepted token, passed without exceeding the threshold",
+    "infill": "passed an infilling verify pass: its AR probability exceeded the token threshold",
+    "corrected": "an AR prediction put in place of a draft (ar_correction or first_token_check)",
+    "ar": "AR decoding",
+    "mdm": "masked diffusion decoding",
+}
+
 
 @dataclass
 class TraceEvent:
     """One event of a decoding: a commit (which slots, start position and length, entered
-    the cache, by which path) or, with trace="steps", a note of what the step did besides."""
+    the cache, by which path, and how each token was accepted) or, with trace="steps", a
+    note of what the step did besides."""
 
     step: int  # 0-based decoding step of this request in which it happened
     nfe: int  # this request's forward count when it happened
@@ -81,6 +94,11 @@ class TraceEvent:
     path: str
     spans: list[tuple[int, int]]  # (first position relative to the generation start, length)
     tokens: list[list[int]]  # the tokens of each span
+    # commits only (notes leave them empty): per span, per token, a key of HOW; and per span
+    # whether everything to its left was final and in the context its tokens were decided in
+    # (ReFusion slots decided in parallel beside an unfinished left neighbour are not)
+    how: list[list[str]] = field(default_factory=list)
+    exact: list[bool] = field(default_factory=list)
 
     @property
     def committed(self) -> bool:
@@ -144,12 +162,31 @@ class Request:
         self.filled = [None] * self.cfg.region_length
         self.started = time.perf_counter()
 
-    def commit(self, path: str, spans: Sequence[tuple[int, list[int]]]) -> None:
-        """Tokens enter the committed sequence at generation offsets (start, tokens)."""
+    @property
+    def tracing(self) -> bool:
+        """Whether commits are recorded; a decoder works out provenance only then."""
+        return self.trace is not None
+
+    def commit(
+        self,
+        path: str,
+        spans: Sequence[tuple[int, list[int]]],
+        how: Sequence[list[str]] | None = None,
+        exact: Sequence[bool] | None = None,
+    ) -> None:
+        """Tokens enter the committed sequence at generation offsets (start, tokens).
+        `how` and `exact` (read only when tracing) say how each token was accepted and
+        whether each span's left context was final; by default every token was accepted
+        by `path` itself in its exact context (AR, MDM)."""
         for start, toks in spans:
             self.filled[start : start + len(toks)] = toks
         if self.trace is not None:
-            self._record(path, spans)
+            self._record(
+                path,
+                spans,
+                [list(h) for h in how] if how is not None else [[path] * len(t) for _, t in spans],
+                list(exact) if exact is not None else [True] * len(spans),
+            )
         row, n, limit = self.filled, self.prefix_len, self.cfg.gen_length
         while n < limit and row[n] is not None and (n == 0 or row[n - 1] not in self.eos_ids):
             n += 1
@@ -161,10 +198,22 @@ class Request:
         if self.traces_steps and spans:
             self._record(path, spans)
 
-    def _record(self, path: str, spans: Sequence[tuple[int, list[int]]]) -> None:
+    def _record(
+        self,
+        path: str,
+        spans: Sequence[tuple[int, list[int]]],
+        how: list[list[str]] | None = None,
+        exact: list[bool] | None = None,
+    ) -> None:
         self.trace.append(
             TraceEvent(
-                self.steps, self.stats.nfe, path, [(s, len(t)) for s, t in spans], [list(t) for _, t in spans]
+                self.steps,
+                self.stats.nfe,
+                path,
+                [(s, len(t)) for s, t in spans],
+                [list(t) for _, t in spans],
+                how or [],
+                exact or [],
             )
         )
 

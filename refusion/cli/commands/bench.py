@@ -14,6 +14,10 @@ BENCHES = {
         "a training run's learning curve: held-out accuracy and TPF of ReFusion decoding, "
         "and the losses, per checkpoint"
     ),
+    "diagnose": (
+        "where a setting's answers part from greedy AR decoding of the same weights, and which "
+        "code path of the decoder committed the first differing token"
+    ),
     "load": "load a random Qwen3-8B-shaped checkpoint (bf16, sharded): time and peak memory, TP=1 and TP=2",
 }
 
