@@ -41,7 +41,7 @@ def test_a_model_without_the_file_gets_the_defaults(model_dir):
 @pytest.mark.parametrize(
     "text, words",
     [
-        ("{not json", "cannot read"),
+        ("{not json", "not valid JSON"),
         ('{"decode": {"slot_size": 0}}', "not a valid DecodeConfig"),
         ('{"decode": {"no_such_field": 1}}', "not a valid DecodeConfig"),
         ('{"colour": "blue"}', "expected an object with keys"),
@@ -149,7 +149,10 @@ def test_nan_weights_warn_once_in_one_line(model_dir, tmp_path, capsys):
         refusion.generate(model, tok, ["hello", "there"], DecodeConfig(gen_length=8, slot_size=4))
     assert len([w for w in caught if "not finite" in str(w.message)]) == 1
     save_pretrained(model, tok, tmp_path / "nan")
-    assert main(["generate", str(tmp_path / "nan"), "hello", "--gen-length", "8", "--slot-size", "4"]) == 0
+    argv = ["generate", str(tmp_path / "nan"), "hello", "--gen-length", "8", "--slot-size", "4"]
+    assert main(argv) == 2  # refused before decoding, unless the user allows it
+    assert "--allow-nonfinite-weights" in capsys.readouterr().err
+    assert main([*argv, "--allow-nonfinite-weights"]) == 0
     err = capsys.readouterr().err.splitlines()
     assert [line for line in err if "not finite" in line] == [
         next(

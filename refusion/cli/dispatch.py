@@ -90,6 +90,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         _silence_stdout()
         return EXIT_BROKEN_PIPE
+    except SystemExit as e:
+        # argparse swallows an OSError while it prints help (one longer than the stream's
+        # buffer fails in the write itself), then exits 0: the pipe broke all the same
+        if e.code not in (0, None) or not _stdout_closed():
+            raise
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
 
 
 def _stdout_closed() -> bool:
