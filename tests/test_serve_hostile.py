@@ -237,14 +237,17 @@ def test_text_too_long_to_fit_is_refused_without_tokenising_it(loaded):
 def test_a_header_over_the_limit_is_refused_before_the_app(server, size):
     """uvicorn's h11 refuses a head over the limit while it arrives in pieces (a plain 400);
     one that arrives whole is measured before the app runs (a 431 in OpenAI's shape)."""
-    r = httpx.post(
-        server.url + "/v1/completions",
-        json={"prompt": "Hello", "max_tokens": 4},
-        headers={"x-padding": "a" * size},
-        timeout=60,
-    )
-    assert r.status_code in (400, 431), (r.status_code, r.text[:200])
-    if r.status_code == 431:
+    try:
+        r = httpx.post(
+            server.url + "/v1/completions",
+            json={"prompt": "Hello", "max_tokens": 4},
+            headers={"x-padding": "a" * size},
+            timeout=60,
+        )
+    except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+        r = None  # closed while the head was still being sent (a reset): refused all the same
+    assert r is None or r.status_code in (400, 431), (r.status_code, r.text[:200])
+    if r is not None and r.status_code == 431:
         assert openai_error(r, 431)["code"] == "request_headers_too_large"
     ok = httpx.post(
         server.url + "/v1/completions",
@@ -624,7 +627,7 @@ def test_sigterm_under_load_drains_within_the_timeout(model_dirs):
     p = Process(model_dirs[1], "--shutdown-timeout", str(timeout), "--max-batch-size", "4")
     try:
         body = {"messages": USER, "max_tokens": 400, "method": "ar", "stop_token_ids": []}
-        results: list[list] = [[] for _ in range(6)]
+        results: list[list] = [[] for _ in range(8)]  # 4 queued: at least 2 still are when the signal comes
         started = [threading.Event() for _ in results]
         clients = [
             threading.Thread(target=stream_client, args=(p.url, body, out, ev), daemon=True)
@@ -665,7 +668,7 @@ def test_sigterm_under_load_drains_within_the_timeout(model_dirs):
                     and last["error"]["code"] == "shutting_down"
                 )
     ended_with_error = [o for o in outcomes if o[0] == "stream" and "error" in json.loads(o[1][-2][6:])]
-    assert len(ended_with_error) >= 2  # the 2 queued behind a batch of 4 at least
+    assert len(ended_with_error) >= 2  # of the 4 queued behind a batch of 4, those not yet admitted
     log = p.log_after(t0)
     assert not any("Traceback" in x or "Exception in ASGI" in x for _, x in p.lines), "\n".join(log)
     assert sum("cut" in x for x in log) <= 1 and sum("refused" in x for x in log) <= 2, "\n".join(

@@ -91,11 +91,23 @@ def enter_view(settings):
     """Make a fresh tmpfs the root of this mount namespace, holding only what a program
     needs, read-only; the old root is detached and gone."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    visible = _visible(settings["site_packages"])  # looked up before /tmp is covered
+    hidden = [os.path.realpath(p) for p in settings["hidden"]]
+    # the real /tmp stays reachable (an interpreter or venv may live in it, a checkout's
+    # .venv in a clone under /tmp) once the new root covers it: bound at /var/tmp, unused
+    stash = "/var/tmp" if os.path.isdir("/var/tmp") else None
+    if stash:
+        _mount("/tmp", stash, None, MS_BIND | MS_REC)
     new = "/tmp"  # exists everywhere; the tmpfs mounted on it becomes the new root
     _mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
-    for path in _visible(settings["site_packages"]):
-        _show(new, path)
-    for path in settings["hidden"]:
+    size = max(1 << 20, settings["file_bytes"])
+    for path in _TMPFS:  # first: what is shown under /tmp is bound on top of its fresh tmpfs
+        os.makedirs(new + path, exist_ok=True)
+        _mount("tmpfs", new + path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=1777")
+    for path in visible:
+        under_tmp = path == "/tmp" or path.startswith("/tmp/")
+        _show(new, path, stash + path[len("/tmp") :] if stash and under_tmp else path)
+    for path in hidden:
         _hide(new, path)
     _devices(new)
     os.makedirs(new + "/proc")
@@ -103,10 +115,6 @@ def enter_view(settings):
     for path in filter(lambda p: os.path.exists(new + p), _PROC_READONLY):  # read, never written
         _mount(new + path, new + path, None, MS_BIND)
         _readonly(new + path)
-    size = max(1 << 20, settings["file_bytes"])
-    for path in _TMPFS:
-        os.makedirs(new + path, exist_ok=True)
-        _mount("tmpfs", new + path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=1777")
     os.makedirs(new + "/.old")
     _syscall("pivot_root", _c(new), _c(new + "/.old"))
     os.chdir("/")
@@ -124,29 +132,30 @@ def _visible(site_packages):
     return sorted({os.path.abspath(p) for p in paths if os.path.lexists(p)}, key=len)
 
 
-def _show(new, path):
-    """`path` at the same place in the new root: a symlink as a symlink, a folder as a
-    read-only bind. A path already visible (inside a folder shown before) is left."""
+def _show(new, path, source):
+    """`path` (found at `source`) at the same place in the new root: a symlink as a
+    symlink, a folder as a read-only bind. A path already visible (inside a folder shown
+    before) is left."""
     target = new + path
     parts = path.strip("/").split("/")
     if any(os.path.islink(new + "/" + "/".join(parts[:i])) for i in range(1, len(parts))):
         return  # under a symlink: shown where the link points, if at all
-    if os.path.lexists(target):
+    if os.path.lexists(target) and path not in _TMPFS:
         return
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    if os.path.islink(path):
-        os.symlink(os.readlink(path), target)
+    if os.path.islink(source):
+        os.symlink(os.readlink(source), target)
         return
-    if not os.path.isdir(path):
+    if not os.path.isdir(source):
         return
-    os.mkdir(target)
-    _mount(path, target, None, MS_BIND)
+    os.makedirs(target, exist_ok=True)
+    _mount(source, target, None, MS_BIND)
     _readonly(target)
 
 
 def _hide(new, path):
-    """An empty, read-only file or folder over `path`, where the view shows it."""
-    target = new + os.path.realpath(path)
+    """An empty, read-only file or folder over `path` (a real path), where the view shows it."""
+    target = new + path
     if not os.path.exists(target):
         return
     if os.path.isdir(target):
@@ -160,7 +169,7 @@ def _hide(new, path):
 
 
 def _devices(new):
-    os.makedirs(new + "/dev")
+    os.makedirs(new + "/dev", exist_ok=True)  # /dev/shm may have made it
     for name in _DEVICES:
         open(f"{new}/dev/{name}", "w").close()
         _mount("/dev/" + name, f"{new}/dev/{name}", None, MS_BIND)
