@@ -69,8 +69,6 @@ class Engine:
         # each rank would time its own forwards and choose apart, so widths stay fixed there
         self.adaptive = config.adaptive_drafts and config.tensor_parallel_size == 1
         self.drafting = drafting_of(model)
-        # (plan width, window) -> row-steps that drafted so; (0, 0): blocks decoded as AR decoding
-        self.widths_chosen: dict[tuple[int, int], int] = {}
         self._last_step_end = 0.0  # when the last step ended, while requests remained
         self._drafted = False  # whether a row drafted in the last step (else: AR blocks and AR rows)
         self._not_step = 0.0  # seconds of this step that are no step's own work (a calibration)
@@ -293,7 +291,7 @@ class Engine:
         """Each group of rows with adaptive widths (same slot size and widest window) gets
         the plan width and infilling window that commit the most tokens per second with the
         batch as it is (`widths.choose`); the forward cost is timed at first use and
-        once a minute after."""
+        every five minutes after."""
         groups: dict[tuple[int, int], list[ReFusionRow]] = {}
         cached: dict[int, int] = {}  # id(row) -> entries in its cache row
         for b, r in enumerate(self.rows):
@@ -321,12 +319,9 @@ class Engine:
                 if r.ar_block:
                     continue  # an AR block runs to its end
                 if p == 0 and r.can_start_ar_block():
-                    r.start_ar_block()
-                    self.widths_chosen[(0, 0)] = self.widths_chosen.get((0, 0), 0) + 1
-                    continue
-                r.set_widths(max(p, 1), w)
-                key = (max(p, 1), w)
-                self.widths_chosen[key] = self.widths_chosen.get(key, 0) + 1
+                    r.start_ar_block()  # counted in its request's stats (ar_blocks), as drafting steps are
+                else:
+                    r.set_widths(max(p, 1), w)
 
     def _plan(self) -> None:
         """Steps 1-2: MASKs for every undecoded slot of each ReFusion row's block (its

@@ -224,11 +224,9 @@ class ReFusionRow:
         mask_pos = [P + j * s + i for j in self.undecoded for i in range(w)]
         self.mask_id, self.pending = mask_id, []
         stats = self.req.stats
-        stats.draft_steps, stats.plan_width_sum, stats.window_sum = (
-            stats.draft_steps + 1,
-            stats.plan_width_sum + w,
-            stats.window_sum + self.rule.window,
-        )
+        stats.draft_steps += 1
+        stats.plan_width_sum += w
+        stats.window_sum += self.rule.window
         start = len(head) - self.rule.plan_head(bool(head), self.undecoded[0])
         return (
             head + [mask_id] * len(mask_pos),

@@ -13,7 +13,7 @@ second, from two measurements:
 
 - `ForwardCost`: seconds of a forward as a function of the tokens it feeds and the rows
   it feeds them to, fitted by least squares to a short calibration (a few shapes, timed
-  again once a minute);
+  again every five minutes);
 - `Acceptance`: how far runs of drafts get through verification, per distance into the
   run, counted over the rows' verify passes (the plan's drafts and infilling's apart).
 
