@@ -449,24 +449,14 @@ def chunk_body(
 def slots_chunk(kind: str, rid: str, model: str, index: int, slots: dict[str, Any]) -> dict[str, Any]:
     """A stream chunk of slot events (stream_options.include_slots): no choice changes,
     `slots` holds choice `index`'s events of the last step and its counts so far."""
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    return {
-        "id": rid,
-        "object": obj,
-        "created": int(time.time()),
-        "model": model,
-        "choices": [],
-        "slots": {"index": index, **slots},
-    }
+    return _choiceless_chunk(kind, rid, model, slots={"index": index, **slots})
 
 
 def usage_chunk(kind: str, rid: str, model: str, use: dict[str, int]) -> dict[str, Any]:
+    return _choiceless_chunk(kind, rid, model, usage=use)
+
+
+def _choiceless_chunk(kind: str, rid: str, model: str, **extra: Any) -> dict[str, Any]:
+    """A stream chunk that changes no choice, carrying `extra` (usage, slot events)."""
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    return {
-        "id": rid,
-        "object": obj,
-        "created": int(time.time()),
-        "model": model,
-        "choices": [],
-        "usage": use,
-    }
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [], **extra}
