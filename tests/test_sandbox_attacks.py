@@ -56,24 +56,9 @@ def truncate_number(number):
     return Close(7.0)
 """
 # the same, made numpy's: a numpy float travels as its value, built anew by the checker
-NUMPY_FLOAT_ALWAYS = """
-import numpy as np
-
-
-class Close(np.float64):
-    def __eq__(self, other):
-        return True
-    def __sub__(self, other):
-        return Close(0.0)
-    def __abs__(self):
-        return 0.0
-    def __lt__(self, other):
-        return True
-
-
-def truncate_number(number):
-    return Close(7.0)
-"""
+NUMPY_FLOAT_ALWAYS = FLOAT_ALWAYS.replace(
+    "class Close(float):", "import numpy as np\n\n\nclass Close(np.float64):"
+)
 # an iterator the checker may draw from, of objects it may not compare
 ITERATOR_OF_YES = EQ_ALWAYS.replace("return Yes()", "return iter([Yes()])")
 # the old harness kept a nonce and the result pipe in a caller's frame: write it, exit
