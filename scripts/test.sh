@@ -3,7 +3,7 @@
 # code with ruff (lint and format, configured in pyproject.toml), then pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh "dev,gguf,train,serve,eval,plot"
+scripts/setup.sh "dev,gguf,train,serve,eval,plot,quant"
 .venv/bin/ruff check refusion tests
 .venv/bin/ruff format --check refusion tests
 exec .venv/bin/python -m pytest -q "$@"

@@ -64,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "one run: +c with --compile (ar+c, refusion+c), +f with fixed draft widths (refusion+f: "
         "--no-adaptive-drafts); +cf both",
     )
+    parser.add_argument(
+        "--quantized",
+        default="",
+        metavar="SCHEMES",
+        help="also run every method on the model quantized with each scheme (comma-separated: int8,int4), "
+        "as METHOD@SCHEME rows interleaved with the unquantized ones (docs/quantization.md)",
+    )
     parser.add_argument("--batch-sizes", default="1,4,16")
     parser.add_argument(
         "--sweep-prompts",
@@ -78,8 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def method_config(base: DecodeConfig, engine: EngineConfig, name: str) -> tuple[DecodeConfig, EngineConfig]:
     """The configs of a method name: `refusion`; `refusion+c` for the same compiled,
-    `refusion+f` with fixed draft widths, `refusion+cf` both."""
-    method, plus, flags = name.partition("+")
+    `refusion+f` with fixed draft widths, `refusion+cf` both; an `@int8` tail names the
+    model (`model_of`), not a setting."""
+    method, plus, flags = name.partition("@")[0].partition("+")
     if plus and (not flags or set(flags) - {"c", "f"}):
         raise ConfigError(
             f"method {name!r}: a suffix is +c (compiled), +f (fixed draft widths) or +cf, as in {method}+c"
@@ -90,8 +98,31 @@ def method_config(base: DecodeConfig, engine: EngineConfig, name: str) -> tuple[
     )
 
 
+def model_of(models: dict[str | None, Any], name: str) -> Any:
+    """The model a method name runs on: `refusion@int8` the int8 copy, `refusion` the
+    model as loaded."""
+    return models[name.partition("@")[2] or None]
+
+
+def quantized_models(model, schemes: str) -> dict[str | None, Any]:
+    """The loaded model (key None) and a quantized copy per scheme named (`--quantized`)."""
+    from ..io.quantize import check_scheme, quantized_copy
+
+    models: dict[str | None, Any] = {None: model}
+    for s in filter(None, schemes.split(",")):
+        if check_scheme(s) is None:
+            raise ConfigError("--quantized takes int8 and/or int4 (the unquantized model always runs)")
+        models[s] = quantized_copy(model, s)
+    return models
+
+
 def warm_up(
-    model, tokenizer, base: DecodeConfig, engine: EngineConfig, methods: list[str], sizes: list[int]
+    models: dict[str | None, Any],
+    tokenizer,
+    base: DecodeConfig,
+    engine: EngineConfig,
+    methods: list[str],
+    sizes: list[int],
 ) -> None:
     """Compile the graphs of the compiled methods before any timing (one row and several,
     one token and several): compile time is a one-off, not decoding speed."""
@@ -101,7 +132,7 @@ def warm_up(
             print(f"warm-up: compiling {m}'s graphs (a minute or so at first use)", flush=True)
             for b in sorted({1, max(sizes)}):
                 generate(
-                    model,
+                    model_of(models, m),
                     tokenizer,
                     bench_prompts(min(b, 4)),
                     cfg.for_max_tokens(min(cfg.gen_length, 32)),
@@ -122,10 +153,14 @@ def bench_prompts(n: int) -> list[str]:
 def timed(model, tokenizer, prompts, cfg: DecodeConfig, engine: EngineConfig) -> dict[str, Any]:
     """Decode prompts with at most engine.max_batch_size rows in flight; figures for the whole set."""
     sync(model.device)
+    cuda = model.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(model.device)
     t0 = time.perf_counter()
     outs = generate(model, tokenizer, prompts, cfg, engine_config=engine)
     sync(model.device)
     wall = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(model.device) / 1e6 if cuda else 0.0
     tokens = sum(o.stats.tokens for o in outs)
     nfe = sum(o.stats.nfe for o in outs)
     # share of the time outside forward passes: the decoder's own per-step overhead (each
@@ -144,6 +179,8 @@ def timed(model, tokenizer, prompts, cfg: DecodeConfig, engine: EngineConfig) ->
         "fed_per_token": fed / max(tokens, 1),
         "logit_rows_per_token": logit_rows / max(tokens, 1),
         "gflops": flops / wall / 1e9,
+        "peak_mb": peak,  # the device's peak allocated memory during the run (a GPU only; 0 on a CPU)
+        "_ids": [list(o.token_ids) for o in outs],  # not a figure: for `agreement`
     }
 
 
@@ -237,50 +274,60 @@ def _run(args: argparse.Namespace, report: bool) -> int:
     methods = args.methods.split(",")
     for m in methods:
         method_config(base, engine, m)  # a bad name fails before any timing
+    models = quantized_models(model, args.quantized)
+    methods += [f"{m}@{q}" for q in models if q is not None for m in methods]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    warm_up(model, tokenizer, base, engine, methods, sizes)
+    warm_up(models, tokenizer, base, engine, methods, sizes)
     rows: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     for _ in range(args.rounds):
         for m in methods:
             cfg, ecfg = method_config(base, engine, m)
-            rows[m].append(timed(model, tokenizer, prompts, cfg, ecfg.replace(max_batch_size=1)))
-    table = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in rows.items()}
+            rows[m].append(
+                timed(model_of(models, m), tokenizer, prompts, cfg, ecfg.replace(max_batch_size=1))
+            )
+    table = {m: medians(rs) for m, rs in rows.items()}
     ar_tps = table.get("ar", {}).get("tps")
     threads = f", {torch.get_num_threads()} CPU threads" if model.device.type == "cpu" else ""
     print(
         f"{len(prompts)} prompts, batch size 1, gen_length {base.gen_length}, "
         f"median of {args.rounds} interleaved rounds{threads}"
     )
-    print(f"{'method':10} {'tokens':>7} {'NFE':>6} {'TPF':>6} {'tok/s':>8} {'vs AR':>6} {'overhead':>9}")
+    gpu = model.device.type == "cuda"
+    print(
+        f"{'method':20} {'tokens':>7} {'NFE':>6} {'TPF':>6} {'tok/s':>8} {'vs AR':>6} {'overhead':>9}"
+        + (f" {'peak MB':>8}" if gpu else "")
+    )
     for m, r in table.items():
         ratio = f"{r['tps'] / ar_tps:.2f}x" if ar_tps else "-"
         print(
-            f"{m:10} {r['tokens']:7.0f} {r['nfe']:6.0f} {r['tpf']:6.2f} {r['tps']:8.1f} "
-            f"{ratio:>6} {r['overhead']:8.1%}"
+            f"{m:20} {r['tokens']:7.0f} {r['nfe']:6.0f} {r['tpf']:6.2f} {r['tps']:8.1f} "
+            f"{ratio:>6} {r['overhead']:8.1%}" + (f" {r['peak_mb']:8.0f}" if gpu else "")
         )
     print(
         "overhead: share of decode time spent outside forward passes (decoder logic, sampling, bookkeeping)"
     )
+    agreed = print_agreement(rows)
+    weights = print_weights(models)
     full, n_sweep = batch_sweep(
-        model, tokenizer, base, engine, methods, sizes, args.sweep_prompts or 4 * max(sizes), args.rounds
+        models, tokenizer, base, engine, methods, sizes, args.sweep_prompts or 4 * max(sizes), args.rounds
     )
     sweep = {m: {b: r["tps"] for b, r in per.items()} for m, per in full.items()}
     print(
         f"\nbatch-size sweep: {n_sweep} prompts, at most b rows in flight (refilled as rows finish), "
         f"tokens/s of the whole set, median of {args.rounds} interleaved rounds"
     )
-    print(f"{'method':10} " + " ".join(f"{'b=' + str(b):>9}" for b in sizes) + f" {'max/b1':>7}")
+    print(f"{'method':20} " + " ".join(f"{'b=' + str(b):>9}" for b in sizes) + f" {'max/b1':>7}")
     ar_sweep = sweep.get("ar")
     for m in methods:
         print(
-            f"{m:10} "
+            f"{m:20} "
             + " ".join(f"{sweep[m][b]:9.1f}" for b in sizes)
             + f" {max(sweep[m].values()) / sweep[m][sizes[0]]:6.2f}x"
         )
     if ar_sweep:
         for m in methods:
             if m != "ar":
-                print(f"{m + ' / ar':10} " + " ".join(f"{sweep[m][b] / ar_sweep[b]:8.2f}x" for b in sizes))
+                print(f"{m + ' / ar':20} " + " ".join(f"{sweep[m][b] / ar_sweep[b]:8.2f}x" for b in sizes))
     peak = statistics.median(r["peak_gflops"] for per in full.values() for r in per.values())
     print(
         "\nwhat the sweep asks of the machine: tokens fed per token committed, "
@@ -288,8 +335,8 @@ def _run(args: argparse.Namespace, report: bool) -> int:
         f"a matmul of the model's shapes reaches {peak:.1f} GFLOP/s in this run"
     )
     for m in methods:
-        print(f"{m:10} fed/token " + " ".join(f"{full[m][b]['fed_per_token']:9.2f}" for b in sizes))
-        print(f"{'':10} GFLOP/s   " + " ".join(f"{full[m][b]['gflops']:9.1f}" for b in sizes))
+        print(f"{m:20} fed/token " + " ".join(f"{full[m][b]['fed_per_token']:9.2f}" for b in sizes))
+        print(f"{'':20} GFLOP/s   " + " ".join(f"{full[m][b]['gflops']:9.1f}" for b in sizes))
     print_widths(full, methods, sizes)
     ceilings = print_ceilings(model, full, methods, sizes)
     if args.json_out and report:
@@ -305,6 +352,8 @@ def _run(args: argparse.Namespace, report: bool) -> int:
                     "sweep_detail": full,
                     "matmul_peak_gflops": peak,
                     "ceiling": ceilings,
+                    "weight_bytes": weights,
+                    "agreement": agreed,
                 },
                 f,
                 indent=2,
@@ -326,7 +375,7 @@ def print_widths(full: dict[str, dict[int, dict[str, float]]], methods: list[str
             f"{full[m][b]['plan_width']:.0f}/{full[m][b]['window']:.0f} {full[m][b]['ar_block_share']:4.0%}"
             for b in sizes
         ]
-        print(f"{m:10} " + " ".join(f"{c:>12}" for c in cells))
+        print(f"{m:20} " + " ".join(f"{c:>12}" for c in cells))
 
 
 def print_ceilings(
@@ -343,19 +392,30 @@ def print_ceilings(
         "sampling and bookkeeping took no time; no batch size can beat it "
         "for this many tokens fed per token committed"
     )
-    print(f"{'method':10} {'ceiling':>9} {'/ b=1':>7} {'best b':>7} {'share':>6}")
+    print(f"{'method':20} {'ceiling':>9} {'/ b=1':>7} {'best b':>7} {'share':>6}")
     for m in methods:
         big = full[m][sizes[-1]]
         ceil = ceiling_tps(model, rates, 1.0, big["fed_per_token"], big["logit_rows_per_token"])
         best = max(r["tps"] for r in full[m].values())
         b1 = full[m][sizes[0]]["tps"]
         out[m] = {"ceiling_tps": ceil, "ceiling_vs_b1": ceil / b1, "best_share_of_ceiling": best / ceil}
-        print(f"{m:10} {ceil:9.1f} {ceil / b1:6.2f}x {best:7.1f} {best / ceil:6.1%}")
+        print(f"{m:20} {ceil:9.1f} {ceil / b1:6.2f}x {best:7.1f} {best / ceil:6.1%}")
+    return out
+
+
+def print_weights(models: dict[str | None, Any]) -> dict[str, dict[str, int]]:
+    """Each model's weight bytes per dtype (and, on a GPU, the peak memory the sweep
+    reaches is printed with it), when quantized copies run beside the loaded model."""
+    from ..io.quantize import describe_bytes, weight_bytes
+
+    out = {q or "loaded": weight_bytes(m) for q, m in models.items()}
+    if len(models) > 1:
+        print("\nweights read per forward: " + "; ".join(f"{k}: {describe_bytes(v)}" for k, v in out.items()))
     return out
 
 
 def batch_sweep(
-    model,
+    models: dict[str | None, Any],
     tokenizer,
     base: DecodeConfig,
     engine: EngineConfig,
@@ -373,7 +433,38 @@ def batch_sweep(
         for m in methods:
             for b in sizes:
                 cfg, ecfg = method_config(base, engine, m)
+                model = model_of(models, m)
                 r = timed(model, tokenizer, prompts, cfg, ecfg.replace(max_batch_size=b))
-                runs[m][b].append({**r, "peak_gflops": matmul_peak(model)})
-    med = lambda rs: {k: statistics.median(r[k] for r in rs) for k in rs[0]}  # noqa: E731
-    return {m: {b: med(rs) for b, rs in per.items()} for m, per in runs.items()}, len(prompts)
+                runs[m][b].append({**r, "peak_gflops": matmul_peak(models[None])})
+    return {m: {b: medians(rs) for b, rs in per.items()} for m, per in runs.items()}, len(prompts)
+
+
+def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Each figure's median over the runs (keys starting with `_` are not figures)."""
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0] if not k.startswith("_")}
+
+
+def agreement(ids: list[list[int]], ref: list[list[int]]) -> tuple[float, float]:
+    """Greedy agreement of two decodings of the same prompts: the share of the reference's
+    tokens matched at the same position, and the share of outputs identical in full."""
+    same = sum(sum(a == b for a, b in zip(x, y)) for x, y in zip(ids, ref))
+    total = sum(max(len(x), len(y)) for x, y in zip(ids, ref))
+    return same / max(total, 1), sum(x == y for x, y in zip(ids, ref)) / max(len(ref), 1)
+
+
+def print_agreement(rows: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """How far each quantized method's greedy tokens follow the same method unquantized."""
+    out = {}
+    for m, rs in rows.items():
+        base = m.partition("@")[0]
+        if "@" in m and base in rows:
+            tokens, whole = agreement(rs[-1]["_ids"], rows[base][-1]["_ids"])
+            out[m] = {"tokens": tokens, "outputs": whole}
+    if out:
+        print(
+            "greedy agreement with the same method unquantized: "
+            "tokens at the same position, outputs identical"
+        )
+        for m, a in out.items():
+            print(f"{m:20} {a['tokens']:8.1%} {a['outputs']:8.1%}")
+    return out

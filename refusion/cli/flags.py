@@ -26,7 +26,22 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="float32, bfloat16, float16 (default: the checkpoint's, if the device runs it)",
     )
+    add_quantize_argument(parser)
     add_nonfinite_argument(parser)
+
+
+QUANTIZE_CHOICES = ("none", "int8", "int4")
+
+
+def add_quantize_argument(parser: argparse.ArgumentParser) -> None:
+    """--quantize int8|int4: weight-only quantization of the blocks' linear layers at load."""
+    parser.add_argument(
+        "--quantize",
+        choices=QUANTIZE_CHOICES,
+        default=None,
+        help="quantize the linear layers' weights at load (torchao, weight only; int4 runs in bfloat16; "
+        "a checkpoint saved quantized needs none; docs/quantization.md)",
+    )
 
 
 def add_nonfinite_argument(parser: argparse.ArgumentParser) -> None:
@@ -142,6 +157,7 @@ def load_from_args(args: argparse.Namespace):
         dtype=args.dtype,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", None) or 1,
         allow_nonfinite=getattr(args, "allow_nonfinite_weights", False),
+        quantize=getattr(args, "quantize", None),
     )
 
 

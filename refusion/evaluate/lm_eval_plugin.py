@@ -70,6 +70,7 @@ class ReFusionLM(LM):
         max_length: int | None = None,
         device: str = "cpu",
         dtype: str | None = None,
+        quantize: str | None = None,
         model: Any = None,
         tokenizer: Any = None,
         generate_fn: Callable | None = None,
@@ -79,7 +80,7 @@ class ReFusionLM(LM):
         if model is None:
             from ..io import load
 
-            model, tokenizer = load(pretrained, device=device, dtype=dtype)
+            model, tokenizer = load(pretrained, device=device, dtype=dtype, quantize=quantize)
         self.model, self.tokenizer = model.eval(), tokenizer
         self.pretrained = pretrained
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1  # "auto" -> 1
@@ -288,7 +289,7 @@ def _split_model_args(args: dict[str, Any], batch_size: int):
 
         raise ConfigError(
             f"unknown model_args {', '.join(unknown)}; accepted: pretrained, batch_size, max_length, device, "
-            f"dtype, protocol, {', '.join(sorted(decode_names | engine_names))}"
+            f"dtype, quantize, protocol, {', '.join(sorted(decode_names | engine_names))}"
         )
     engine = {k: v for k, v in args.items() if k in engine_names and v is not None}
     engine.setdefault("max_batch_size", batch_size)

@@ -21,8 +21,17 @@ from ..parallel.launch import tensor_shard
 from .dtypes import check_device, config_dtype, parse_dtype
 from .gguf import gguf_metadata, load_gguf
 from .metadata import read_metadata
+from .quantize import (
+    check_loadable,
+    check_scheme,
+    quantization_in,
+    quantize_model,
+    read_weights,
+    run_dtype,
+    weight_bytes,
+)
 from .resolve import PathLike, resolve_source
-from .weights import checked_headers, fill_model, read_tensors
+from .weights import check_finite, check_tensors, checked_headers, fill_model, header_bytes, read_tensors
 
 
 def load(
@@ -31,6 +40,7 @@ def load(
     dtype: str | torch.dtype | None = None,
     tensor_parallel_size: int = 1,
     allow_nonfinite: bool = False,
+    quantize: str | None = None,
 ) -> tuple[Transformer, Any]:
     """Load a model and its tokenizer.
 
@@ -46,9 +56,16 @@ def load(
     rank's share of the model, read as slices of the checkpoint's tensors; its config is
     the share's (`model.tensor_parallel` says which). A weight that is NaN or infinite
     fails the load unless allow_nonfinite.
+    quantize "int8" or "int4": the blocks' linear layers quantized after the load, weight
+    only, through torchao (docs/quantization.md); int4 runs in bfloat16. A checkpoint
+    saved quantized (`refusion convert --quantize`) loads as it was saved, without
+    quantizing again.
     """
     dev = check_device(device)
     wanted = parse_dtype(dtype, dev)  # a bad dtype fails before any file is read
+    scheme = check_scheme(quantize)
+    if scheme is not None:
+        run_dtype(scheme, dev, wanted, torch.float32)  # an unsupported pair fails before any read
     source = resolve_source(path)
     shard = tensor_shard(tensor_parallel_size)
     if source.suffix == ".gguf":
@@ -57,8 +74,18 @@ def load(
                 "tensor parallelism reads safetensors slices; convert the GGUF file first "
                 "(refusion convert FILE.gguf OUT) and load OUT"
             )
-        return load_gguf(source, dev, wanted, allow_nonfinite)
+        if scheme == "int4":
+            wanted = torch.bfloat16
+        model, tokenizer = load_gguf(source, dev, wanted, allow_nonfinite)
+        if scheme is not None:
+            quantize_model(model, scheme)
+        return model, tokenizer
     config, tokenizer = read_metadata(source)
+    record = quantization_in(config.extra)
+    if record is not None:
+        return _load_saved_quantized(
+            source, config, record, dev, wanted, scheme, shard, allow_nonfinite
+        ), tokenizer
     model, headers = checked_headers(source, config)
     slicer = None
     if shard is not None:
@@ -66,11 +93,39 @@ def load(
         make_row_parallel(model, shard)
         slicer = lambda name: slice_of(name, config, shard)  # noqa: E731
     dtype = wanted or config_dtype(config, dev)
+    if scheme is not None:
+        dtype = run_dtype(scheme, dev, wanted, dtype)
     state = read_tensors(headers, set(stored_shapes(model)), dev, dtype, slicer, allow_nonfinite)
     model = fill_model(model, state, dev)
     model.tensor_parallel = shard
     model.recommended = Recommended.read(source)  # decode settings that travel with the weights
+    if scheme is not None:  # each rank quantizes its own share
+        quantize_model(model, scheme)
     return model, tokenizer
+
+
+def _load_saved_quantized(
+    source, config: ModelConfig, record: dict[str, Any], dev, wanted, scheme, shard, allow_nonfinite: bool
+) -> Transformer:
+    """A checkpoint saved quantized: its state dict as saved (torchao's tensors
+    included), checked against the config as a safetensors checkpoint is."""
+    if shard is not None:
+        raise ConfigError(
+            "a checkpoint saved quantized loads whole; to split a quantized model, load the unquantized "
+            "checkpoint with --tensor-parallel-size and --quantize (each rank quantizes its share)"
+        )
+    check_loadable(record, dev, wanted, scheme)
+    state = read_weights(source, record, dev)
+    model = Transformer.meta(config)
+    check_tensors(model, {k: (None, tuple(v.shape)) for k, v in state.items()}, where=str(source))
+    if not allow_nonfinite:
+        for name, t in state.items():
+            if t.is_floating_point() and type(t) is torch.Tensor:
+                check_finite(name, t, str(source))
+    model = fill_model(model, state, dev)
+    model.quantization = dict(record)
+    model.recommended = Recommended.read(source)
+    return model
 
 
 def load_metadata(path: PathLike | None = None) -> tuple[ModelConfig, Any]:
@@ -89,10 +144,16 @@ def describe(path: PathLike | None = None) -> dict[str, Any]:
     built on the meta device), which the check has just matched with the headers'."""
     source = resolve_source(path)
     config, tokenizer = load_metadata(source)
+    record = None if source.suffix == ".gguf" else quantization_in(config.extra)
     if source.suffix == ".gguf":  # transformers has parsed the GGUF file to read its config
-        model = Transformer.meta(config)
+        model, stored = Transformer.meta(config), {}
+    elif record is not None:  # the saved state dict, memory-mapped: its tensors' bytes, no copy
+        state = read_weights(source, record, torch.device("cpu"))
+        model, stored = Transformer.meta(config), weight_bytes(state)
+        check_tensors(model, {k: (None, tuple(v.shape)) for k, v in state.items()}, where=str(source))
     else:
-        model, _ = checked_headers(source, config)
+        model, headers = checked_headers(source, config)
+        stored = header_bytes(sorted({f for f, _ in headers.values()}))
     return {
         "path": str(source if path is None else path),  # None: the bundled model's directory
         "architecture": config.to_hf_dict()["architectures"][0],
@@ -103,6 +164,8 @@ def describe(path: PathLike | None = None) -> dict[str, Any]:
         "context_length": config.max_position_embeddings,
         "mask_token_id": config.mask_token_id,
         "dtype": config.torch_dtype,
+        "weight_bytes": stored,  # per dtype, as stored (GGUF: not read)
+        "quantization": record,
         "num_hidden_layers": config.num_hidden_layers,
         "hidden_size": config.hidden_size,
         "num_attention_heads": config.num_attention_heads,

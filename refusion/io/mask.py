@@ -85,13 +85,15 @@ def convert(
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype | None = None,
     overwrite: bool = False,
+    quantize: str | None = None,
 ) -> int:
     """Load an AR checkpoint, add `<|mask|>` and save it as a ReFusion checkpoint at out.
     Returns the MASK id. Fails before loading if out is a non-empty directory (unless
-    overwrite), and never leaves a half-written out."""
+    overwrite), and never leaves a half-written out. quantize "int8" / "int4": the saved
+    weights are quantized (`io.quantize`), and load again without quantizing."""
     out = Path(out)
     check_output_dir(out, overwrite)
-    model, tokenizer = load(base, device=device, dtype=dtype)
+    model, tokenizer = load(base, device=device, dtype=dtype, quantize=quantize)
     mask_id = add_mask_token(model, tokenizer)
     save_pretrained(model, tokenizer, out, overwrite=overwrite)
     return mask_id

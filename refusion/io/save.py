@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from ..decode.recommended import recommended_of
 from ..errors import CheckpointError
 from ..model.transformer import Transformer
+from .quantize import QUANT_KEY, save_weights
 from .resolve import PathLike
 from .staging import follow_umask, make_staging, move_into_place, remove_stale_staging
 
@@ -30,7 +31,8 @@ def save_pretrained(
     overwrite: bool = False,
     max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> Path:
-    """Write config.json, model.safetensors and the tokenizer files (if any) to out_dir.
+    """Write config.json, model.safetensors and the tokenizer files (if any) to out_dir
+    (a quantized model: its state dict as torchao saves it, `quantize.save_weights`).
     Weights above `max_shard_bytes` go to shards model-0000i-of-0000n.safetensors of at
     most that size (a tensor larger than it alone in one) with model.safetensors.index.json,
     as transformers writes them.
@@ -81,8 +83,15 @@ def _write_checkpoint(
 ) -> None:
     config = model.config.to_hf_dict()
     config["torch_dtype"] = str(model.dtype).removeprefix("torch.")  # what the weights are, as saved
+    config.pop(QUANT_KEY, None)
+    quantization = getattr(model, "quantization", None)
+    if quantization is not None:  # torchao's format, not safetensors (docs/quantization.md)
+        config[QUANT_KEY] = quantization
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    _write_weights(model, directory, max_shard_bytes)
+    if quantization is not None:
+        save_weights(model, directory)
+    else:
+        _write_weights(model, directory, max_shard_bytes)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
     recommended_of(model).write(directory)

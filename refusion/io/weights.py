@@ -244,6 +244,22 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+def header_bytes(files: list[Path]) -> dict[str, int]:
+    """Bytes of weights per dtype (`float32`, `bfloat16`, ...) as the safetensors headers
+    declare them, reading no tensor: what `refusion info` reports."""
+    out: dict[str, int] = {}
+    for f in files:
+        try:
+            entries, _ = _safetensors_header(f)
+        except ValueError as e:
+            raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from None
+        for entry in entries.values():
+            dtype = str(_SAFETENSORS_DTYPES.get(entry["dtype"], entry["dtype"])).removeprefix("torch.")
+            start, stop = entry["data_offsets"]
+            out[dtype] = out.get(dtype, 0) + stop - start
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def _safetensors_header(file: Path, size: int | None = None) -> tuple[dict[str, dict], int]:
     """The tensor entries of a safetensors file (dtype, shape, data_offsets) and where its
     data starts; ValueError for a header longer than the file (`size`, when known)."""

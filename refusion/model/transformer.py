@@ -224,6 +224,7 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.gradient_checkpointing = False
         self.tensor_parallel = None  # this rank's Shard when the model is split (checkpoint.load)
+        self.quantization = None  # what `io.quantize.quantize_model` did to the weights, if anything
 
     @property
     def device(self) -> torch.device:

@@ -18,14 +18,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="dtype to save in (default: the base model's)",
     )
     parser.add_argument("--device", default="cpu", help="device to load the model on (default: cpu)")
+    parser.add_argument(
+        "--quantize",
+        choices=["int8", "int4"],
+        default=None,
+        help="save the linear layers' weights quantized (torchao, weight only; int4 packed for --device, "
+        "bfloat16): the saved model loads without quantizing again",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from ...io import convert, load_metadata
 
     had_mask = load_metadata(args.base)[0].mask_token_id is not None
-    mask_id = convert(args.base, args.out, device=args.device, dtype=args.dtype, overwrite=args.force)
-    print(f"wrote {args.out} (MASK token <|mask|> = id {mask_id})")
+    mask_id = convert(
+        args.base, args.out, device=args.device, dtype=args.dtype, overwrite=args.force, quantize=args.quantize
+    )
+    quantized = f", {args.quantize} weights" if args.quantize else ""
+    print(f"wrote {args.out} (MASK token <|mask|> = id {mask_id}{quantized})")
     if had_mask:
         print(
             "The base already had <|mask|>: its weights are copied as they are. If it was trained with "

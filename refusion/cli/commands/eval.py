@@ -18,6 +18,7 @@ from ..flags import (
     add_data_parallel_argument,
     add_decode_arguments,
     add_nonfinite_argument,
+    add_quantize_argument,
     decode_config_from_args,
     engine_config_from_args,
 )
@@ -79,6 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default=None, help="model dtype, e.g. bfloat16 (default: the checkpoint's)"
     )
+    add_quantize_argument(parser)
     add_nonfinite_argument(parser)
     parser.add_argument(
         "--timeout",
@@ -182,6 +184,7 @@ def _evaluate_model(args: argparse.Namespace, bench, common: dict) -> dict:
         dtype=args.dtype,
         tensor_parallel_size=engine_cfg.tensor_parallel_size,
         allow_nonfinite=args.allow_nonfinite_weights,
+        quantize=args.quantize,
     )
     cfg = decode_config_from_args(args, model=model)
     if bench.protocol == "paper":

@@ -70,6 +70,9 @@ def _memory(args: argparse.Namespace, info: dict[str, Any]) -> list[dict[str, An
     ar, refusion = cfg.replace(method="ar"), cfg.replace(method="refusion")
     for label, c in (("ar", ar), (f"refusion ({refusion.slots_per_block} slots per block)", refusion)):
         plan = memory_plan(config, DTYPES[name], args.batch_size, args.context, c, args.split)
+        if info.get("quantization"):  # the weights as stored, not as the config's dtype would hold them
+            plan["weights_bytes"] = sum(info["weight_bytes"].values())
+            plan["total_bytes"] = plan["weights_bytes"] + plan["kv_cache_bytes"]
         plans.append({"decoding": label, **plan})
     return plans
 
@@ -92,6 +95,20 @@ def format_info(info: dict[str, Any]) -> str:
         ("head dim", info["head_dim"]),
         ("tied embeddings", "yes" if info["tie_word_embeddings"] else "no"),
     ]
+    if info.get("weight_bytes"):
+        from ...io.quantize import describe_bytes
+
+        rows.append(("weights", describe_bytes(info["weight_bytes"])))
+    q = info.get("quantization")
+    if q:
+        left = f", {len(q['unquantized'])} layers left in {q['dtype']}" if q.get("unquantized") else ""
+        rows.append(
+            (
+                "quantized",
+                f"{q['scheme']} weights of the blocks' linear layers ({q['library']} {q['version']}, packed for "
+                f"{q['packed_for']}, {q['dtype']} activations{left})",
+            )
+        )
     rec = info.get("recommended") or {}
     decode = rec.get("decode")
     rows.append(
