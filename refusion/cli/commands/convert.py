@@ -1,4 +1,5 @@
-"""`refusion convert BASE OUT`: prepare an AR checkpoint for ReFusion training by adding `<|mask|>`."""
+"""`refusion convert BASE OUT`: prepare an AR checkpoint for ReFusion training by adding `<|mask|>`
+(with --quantize, its linear layers' weights saved quantized)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,12 @@ def run(args: argparse.Namespace) -> int:
 
     had_mask = load_metadata(args.base)[0].mask_token_id is not None
     mask_id = convert(
-        args.base, args.out, device=args.device, dtype=args.dtype, overwrite=args.force, quantize=args.quantize
+        args.base,
+        args.out,
+        device=args.device,
+        dtype=args.dtype,
+        overwrite=args.force,
+        quantize=args.quantize,
     )
     quantized = f", {args.quantize} weights" if args.quantize else ""
     print(f"wrote {args.out} (MASK token <|mask|> = id {mask_id}{quantized})")

@@ -105,8 +105,8 @@ def format_info(info: dict[str, Any]) -> str:
         rows.append(
             (
                 "quantized",
-                f"{q['scheme']} weights of the blocks' linear layers ({q['library']} {q['version']}, packed for "
-                f"{q['packed_for']}, {q['dtype']} activations{left})",
+                f"{q['scheme']} weights of the blocks' linear layers ({q['library']} {q['version']}, "
+                f"packed for {q['packed_for']}, {q['dtype']} activations{left})",
             )
         )
     rec = info.get("recommended") or {}
