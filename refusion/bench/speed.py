@@ -42,7 +42,7 @@ from ..model.config import ModelConfig
 from ..model.prompts import encode_prompt, mask_id_of
 from ..model.transformer import Transformer
 from ..timing import calibrate, median, time_ms
-from .decode import bench_prompts, timed
+from .decode import bench_prompts, quantized_models, timed
 
 # Shapes of randomly initialised models (`random:NAME`): speed does not depend on the values.
 RANDOM_SHAPES: dict[str, dict[str, Any]] = {
@@ -124,6 +124,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "off"],
         default="auto",
         help="compare with transformers (auto: when it is installed)",
+    )
+    g.add_argument(
+        "--quantized",
+        default="",
+        metavar="SCHEMES",
+        help="section e: the model quantized with each scheme (comma-separated: int8,int4), its forwards and "
+        "AR decode interleaved with the unquantized model's, and each one's peak memory in a fresh process",
     )
     g.add_argument("--json", dest="json_out", default=None, help="also write every figure to this JSON file")
 
@@ -306,9 +313,14 @@ class HFForward:
 # ---------------------------------------------------------------------------- sections
 @torch.inference_mode()
 def forward_section(
-    model: Transformer, hf: Any, probe: MachineProbe, args: argparse.Namespace
+    model: Transformer,
+    hf: Any,
+    probe: MachineProbe,
+    args: argparse.Namespace,
+    quantized: dict[str, Transformer] | None = None,
 ) -> dict[str, Any]:
-    """Sections a and b: floors and forwards, interleaved round by round."""
+    """Sections a and b: floors and forwards, interleaved round by round (with the
+    quantized copies' forwards, for section e)."""
     dev, C = model.device, args.cache_len
     sizes = [int(s) for s in args.sizes.split(",")]
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -318,6 +330,8 @@ def forward_section(
         impls["hf"] = HFForward(hf, ids[:, :C])
     if args.compile:
         impls["compiled"] = CompiledForward(model, ids[:, :C], max(sizes))
+    for scheme, qmodel in (quantized or {}).items():
+        impls[scheme] = OurForward(qmodel, ids[:, :C], max(sizes))
     calls: dict[tuple[str, int], Callable[[], Any]] = {}
     for s in sizes:
         toks, pos = ids[:, C : C + s], torch.arange(C, C + s, device=dev)[None]
@@ -351,6 +365,8 @@ def forward_section(
             row["hf_ms"] = median(samples[("hf", s)])
             row["hf_vs_floor"] = row["hf_ms"] / floor
             row["hf_vs_ours"] = row["hf_ms"] / row["ours_ms"]
+        for scheme in quantized or {}:
+            row[f"{scheme}_ms"] = median(samples[(scheme, s)])
         rows.append(row)
     floors = {
         "bandwidth_gbs": bw,
@@ -361,8 +377,15 @@ def forward_section(
     return {"floors": floors, "cache_len": C, "forward": rows}
 
 
-def ar_section(model: Transformer, hf: Any, prompt: list[int], args: argparse.Namespace) -> dict[str, Any]:
-    """Section c: greedy AR decode, batch 1, exactly args.new_tokens tokens on both sides."""
+def ar_section(
+    model: Transformer,
+    hf: Any,
+    prompt: list[int],
+    args: argparse.Namespace,
+    quantized: dict[str, Transformer] | None = None,
+) -> dict[str, Any]:
+    """Section c: greedy AR decode, batch 1, exactly args.new_tokens tokens on both sides
+    (and by each quantized copy, for section e)."""
     n, dev = args.new_tokens, model.device
     cfg = DecodeConfig(method="ar", gen_length=n, stop_token_ids=())  # no token ends it
     one = EngineConfig(max_batch_size=1)
@@ -386,10 +409,14 @@ def ar_section(model: Transformer, hf: Any, prompt: list[int], args: argparse.Na
     def compiled() -> list[int]:
         return generate(model, None, [prompt], cfg, engine_config=one.replace(compile=True))[0].token_ids
 
+    def ours_on(qmodel: Transformer) -> Callable[[], list[int]]:
+        return lambda: generate(qmodel, None, [prompt], cfg, engine_config=one)[0].token_ids
+
     runs = (
         {"ours": ours}
         | ({"compiled": compiled} if args.compile else {})
         | ({"hf": theirs} if hf is not None else {})
+        | {scheme: ours_on(qmodel) for scheme, qmodel in (quantized or {}).items()}
     )
     out: dict[str, list[int]] = {name: fn() for name, fn in runs.items()}  # warm-up, and the outputs compared
     tps: dict[str, list[float]] = {name: [] for name in runs}
@@ -415,6 +442,11 @@ def ar_section(model: Transformer, hf: Any, prompt: list[int], args: argparse.Na
         )
         if args.compile:
             res["compiled_vs_hf"] = res["compiled_tps"] / res["hf_tps"]
+    for scheme in quantized or {}:
+        from .decode import agreement
+
+        res[f"{scheme}_tps"] = median(tps[scheme])
+        res[f"{scheme}_agreement"] = agreement([out[scheme]], [out["ours"]])[0]
     return res
 
 
@@ -435,6 +467,120 @@ def refusion_section(
     table = {m: {k: median([r[k] for r in rs]) for k in rs[0]} for m, rs in rows.items()}
     table["refusion"]["vs_ar"] = table["refusion"]["tps"] / table["ar"]["tps"]
     return {"prompts": len(prompts), "gen_length": base.gen_length, **table}
+
+
+# A fresh process that loads a saved checkpoint and decodes: its peak resident memory (and,
+# on a GPU, the peak the allocator held) is what the checkpoint costs to run.
+_PEAK_CHILD = """
+import json, resource, sys, torch
+import refusion
+from refusion.decode import DecodeConfig, EngineConfig, generate
+path, device, n, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+cuda = device.startswith("cuda")
+if path != "-":
+    model, _ = refusion.load(path, device=device)
+    cfg = DecodeConfig(method="ar", gen_length=n, stop_token_ids=())
+    generate(model, None, [prompt], cfg, engine_config=EngineConfig(max_batch_size=1))
+else:
+    torch.ones(1, device=device)
+peak = torch.cuda.max_memory_allocated(device) / 1e6 if cuda else 0.0
+print(json.dumps({"rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "device_mb": peak}))
+"""
+
+
+def peak_memory(path: str, device: str, new_tokens: int, prompt: list[int]) -> dict[str, float]:
+    """Peak memory of a fresh process that loads `path` ("-": loads nothing, the
+    interpreter's and torch's own) and decodes new_tokens AR tokens."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-c", _PEAK_CHILD, path, device, str(new_tokens), json.dumps(prompt)]
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the peak-memory process for {path} failed: {done.stderr.strip()[-500:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def quantized_section(
+    fig: dict[str, Any],
+    model: Transformer,
+    tokenizer: Any,
+    quantized: dict[str, Transformer],
+    prompt: list[int],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """Section e: each quantized copy against the model as loaded: weight bytes, the
+    forwards and AR decode timed in sections b and c (interleaved with the loaded
+    model's), greedy agreement, and peak memory of a fresh process per checkpoint saved
+    to a temporary directory (the loaded model saved too, so each loads the same way)."""
+    import tempfile
+
+    from ..io import save_pretrained
+    from ..io.quantize import weight_bytes
+
+    out: dict[str, Any] = {"weights": {"loaded": weight_bytes(model)}, "forward": {}, "peak": {}}
+    one = next(r for r in fig["forward"] if r["tokens"] == 1)
+    many = fig["forward"][-1]
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pretrained(model, tokenizer, f"{tmp}/loaded")
+        out["peak"]["nothing loaded"] = peak_memory("-", str(model.device), 0, prompt)
+        out["peak"]["loaded"] = peak_memory(f"{tmp}/loaded", str(model.device), args.new_tokens, prompt)
+        for scheme, qmodel in quantized.items():
+            out["weights"][scheme] = weight_bytes(qmodel)
+            out["forward"][scheme] = {
+                "one_ms": one[f"{scheme}_ms"],
+                "one_vs_loaded": one["ours_ms"] / one[f"{scheme}_ms"],
+                "tokens": many["tokens"],
+                "many_ms": many[f"{scheme}_ms"],
+                "many_vs_loaded": many["ours_ms"] / many[f"{scheme}_ms"],
+                "ar_tps": fig["ar_decode"][f"{scheme}_tps"],
+                "ar_vs_loaded": fig["ar_decode"][f"{scheme}_tps"] / fig["ar_decode"]["ours_tps"],
+                "agreement": fig["ar_decode"][f"{scheme}_agreement"],
+            }
+            save_pretrained(qmodel, tokenizer, f"{tmp}/{scheme}")
+            out["peak"][scheme] = peak_memory(f"{tmp}/{scheme}", str(model.device), args.new_tokens, prompt)
+    return out
+
+
+def print_quantized(e: dict[str, Any], fig: dict[str, Any]) -> None:
+    """Section e as a table: a row per weights (the model as loaded first)."""
+    from ..io.quantize import describe_bytes
+
+    gpu = any(p["device_mb"] for p in e["peak"].values())
+    one, many, a = fig["forward"][0], fig["forward"][-1], fig["ar_decode"]
+    print(
+        "\ne. quantized weights against the model as loaded "
+        "(forwards as in b, AR decode as in c, interleaved with it)"
+    )
+    print(
+        f"{'weights':8} {'MB':>7} {str(one['tokens']) + '-token ms':>11} {'x':>6} "
+        f"{str(many['tokens']) + '-token ms':>11} {'x':>6} {'AR tok/s':>9} {'x':>6} {'same tokens':>12} "
+        f"{'peak RSS MB':>12}" + (f" {'device MB':>9}" if gpu else "")
+    )
+    loaded = {
+        "one_ms": one["ours_ms"],
+        "one_vs_loaded": 1.0,
+        "many_ms": many["ours_ms"],
+        "many_vs_loaded": 1.0,
+        "ar_tps": a["ours_tps"],
+        "ar_vs_loaded": 1.0,
+        "agreement": 1.0,
+    }
+    for name, f in [("loaded", loaded), *e["forward"].items()]:
+        peak = e["peak"][name]
+        print(
+            f"{name:8} {sum(e['weights'][name].values()) / 1e6:7.1f} {f['one_ms']:11.3f} "
+            f"{f['one_vs_loaded']:5.2f}x {f['many_ms']:11.3f} {f['many_vs_loaded']:5.2f}x {f['ar_tps']:9.1f} "
+            f"{f['ar_vs_loaded']:5.2f}x {f['agreement']:12.1%} {peak['rss_mb']:12.0f}"
+            + (f" {peak['device_mb']:9.0f}" if gpu else "")
+        )
+    print(
+        "x: speed against the model as loaded; same tokens: of its greedy AR tokens in c; peak RSS: a fresh "
+        f"process that loads the saved\ncheckpoint and decodes (one that loads nothing: "
+        f"{e['peak']['nothing loaded']['rss_mb']:.0f} MB)"
+    )
+    for name, b in e["weights"].items():
+        print(f"  {name}: {describe_bytes(b)}")
 
 
 # ---------------------------------------------------------------------------- report
@@ -494,6 +640,8 @@ def print_report(fig: dict[str, Any]) -> None:
             )
         print("overhead: share of decode time outside forward passes (decoder logic, sampling, bookkeeping)")
         print(f"ReFusion / AR tokens/s: {d['refusion']['vs_ar']:.2f}x")
+    if "quantized" in fig:
+        print_quantized(fig["quantized"], fig)
     print("\nspeed targets (1-token forward vs floor, AR decode vs transformers):")
     for t in fig["targets"]:
         print(f"  {t['name']}: {t['value']:.2f} (want {t['want']}) {'met' if t['met'] else 'NOT met'}")
@@ -550,8 +698,11 @@ def run(args: argparse.Namespace) -> int:
         }
         | {"bw_mib": bw_mib, "matmul_n": matmul_n},
     }
-    fig |= forward_section(model, hf, probe, args)
-    fig["ar_decode"] = ar_section(model, hf, prompts[0], args)
+    quantized = {k: m for k, m in quantized_models(model, args.quantized).items() if k is not None}
+    fig |= forward_section(model, hf, probe, args, quantized)
+    fig["ar_decode"] = ar_section(model, hf, prompts[0], args, quantized)
+    if quantized:
+        fig["quantized"] = quantized_section(fig, model, tokenizer, quantized, prompts[0], args)
     fig["refusion"] = refusion_section(model, tokenizer, prompts, args)
     fig["targets"] = targets(fig)
     print_report(fig)
