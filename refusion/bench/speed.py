@@ -472,7 +472,7 @@ def refusion_section(
 # A fresh process that loads a saved checkpoint and decodes: its peak resident memory (and,
 # on a GPU, the peak the allocator held) is what the checkpoint costs to run.
 _PEAK_CHILD = """
-import json, resource, sys, torch
+import json, sys, torch
 import refusion
 from refusion.decode import DecodeConfig, EngineConfig, generate
 path, device, n, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
@@ -484,7 +484,9 @@ if path != "-":
 else:
     torch.ones(1, device=device)
 peak = torch.cuda.max_memory_allocated(device) / 1e6 if cuda else 0.0
-print(json.dumps({"rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "device_mb": peak}))
+# VmHWM, not ru_maxrss: the latter carries the parent's peak across fork and exec
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"rss_mb": hwm / 1024, "device_mb": peak}))
 """
 
 

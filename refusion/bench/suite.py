@@ -569,6 +569,7 @@ def load_models(args: argparse.Namespace, ar_path: str | None) -> dict[str, tupl
             dtype=args.dtype,
             tensor_parallel_size=args.tensor_parallel_size or 1,
             allow_nonfinite=args.allow_nonfinite_weights,
+            quantize=args.quantize,  # the baseline quantized as the model is
         )
     return models
 
