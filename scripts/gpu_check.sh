@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The device check, prepared to run unattended on a machine with a GPU and no network
-# (the venv set up by `scripts/setup.sh "dev,gguf"` or scripts/test.sh):
+# (the venv set up by `scripts/setup.sh "dev,gguf,quant"` or scripts/test.sh):
 #   1. the model-parity and decode tests, with their models and inputs on the device;
 #   2. `refusion bench speed` on SmolLM2-135M (float32, against the speed targets; bfloat16 too on cuda),
 #      then its forwards and AR decode compiled (--compile);
 #   3. AR vs ReFusion vs MDM at batch 1 and 16 on the bundled model and on a randomly
 #      initialised Qwen3-0.6B-shaped model (bfloat16 on cuda), printed as one table;
 #   4. tensor parallelism (generate, TP=2 against TP=1) and data parallelism (eval, DP=2
-#      against DP=1) where there are two GPUs (skipped, and said so, with fewer).
+#      against DP=1) where there are two GPUs (skipped, and said so, with fewer);
+#   5. quantized weights (int8, int4 through torchao) against the model as loaded: SmolLM2's
+#      forwards, AR decode and peak memory (bench speed, bfloat16), and AR and ReFusion on the
+#      bundled model at batch 1 and 16 (bench decode), each in one interleaved run.
 # Usage: scripts/gpu_check.sh [--device cpu|cuda] [--small]
 #   --small: a scaled-down random model and shorter runs (the default with --device cpu,
 #   where a 0.6B model in float32 would take far too long).
@@ -128,6 +131,18 @@ PY
   else
     echo "skipped: serve --data-parallel-size 2 (the serve extra is not installed)"
   fi
+fi
+
+step "5. quantized weights (--quantized int8,int4) against the model as loaded"
+if "$py" -c 'import torchao' 2> /dev/null; then
+  if [ -n "$gguf" ]; then
+    "$py" -m refusion.cli bench speed "$gguf" --device "$device" --dtype bfloat16 --quantized int8,int4 --sizes 1,16 \
+      --repeats 3 --decode-rounds 2 --hf off --json "${OUT:-/tmp}/speed_smollm2_quantized.json" || status=1
+  fi
+  "$py" -m refusion.cli bench decode --device "$device" --methods ar,refusion --quantized int8,int4 --prompts 8 \
+    --rounds 2 --batch-sizes 1,16 --sweep-prompts 32 --json "${OUT:-/tmp}/decode_bundled_quantized.json" || status=1
+else
+  echo "skipped: torchao is not installed (scripts/setup.sh quant)"; status=1
 fi
 
 step "done: $([ $status -eq 0 ] && echo 'every step passed' || echo 'a step FAILED (see above)')"

@@ -193,3 +193,30 @@ def test_compile_adds_the_compiled_step_and_decode(tmp_path, capsys, make_hf_dir
     assert out.count("compiled (--compile): ") == 2 and "outputs identical to ours eager" in out
     names = {t["name"] for t in fig["targets"]}
     assert "1-token forward / floor, compiled" in names
+
+
+def test_quantized_adds_section_e_beside_the_loaded_model(tmp_path, capsys):
+    """--quantized int8,int4: each copy's forwards and AR decode are timed with the loaded
+    model's, its weight bytes are what it holds, and a fresh process per saved checkpoint
+    gives a peak memory above that of one that loads nothing."""
+    pytest.importorskip("torchao", reason="the quant extra is not installed")
+    path = tmp_path / "speed.json"
+    argv = ["bench", "speed", *TINY_RUN, "--hf", "off", "--quantized", "int8,int4", "--json", str(path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    e = json.loads(path.read_text())["quantized"]
+    assert "e. quantized weights" in out and set(e["forward"]) == {"int8", "int4"}
+    for scheme, row in e["forward"].items():
+        assert row["one_ms"] > 0 and row["ar_tps"] > 0 and 0 <= row["agreement"] <= 1
+        assert scheme in ("int8", "int4") and e["weights"][scheme]
+    assert e["weights"]["int8"]["int8"] > 0 and e["weights"]["int4"]["uint8"] > 0
+    assert (
+        sum(e["weights"]["int4"].values())
+        < sum(e["weights"]["int8"].values())
+        < sum(e["weights"]["loaded"].values())
+    )
+    assert all(
+        p["rss_mb"] > e["peak"]["nothing loaded"]["rss_mb"]
+        for k, p in e["peak"].items()
+        if k != "nothing loaded"
+    )
