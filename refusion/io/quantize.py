@@ -220,19 +220,6 @@ def quantization_in(config_extra: dict[str, Any]) -> dict[str, Any] | None:
     return q
 
 
-def save_weights(model: nn.Module, directory: Path) -> None:
-    """The quantized model's state dict as torchao saves it (`torch.save`), with a tied
-    head stored once."""
-    from .save import drop_tied_head
-
-    state = {k: v.detach() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        drop_tied_head(state)
-    torch.save(
-        {k: v.cpu() if v.device.type != "cpu" else v for k, v in state.items()}, directory / WEIGHTS_FILE
-    )
-
-
 def read_weights(directory: Path, record: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
     """The saved state dict, through `torch.load(weights_only=True)` (no code runs but
     torch's and torchao's tensor constructors), on `device`."""

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from ..decode.recommended import recommended_of
 from ..errors import CheckpointError
 from ..model.transformer import Transformer
-from .quantize import QUANT_KEY, save_weights
+from .quantize import QUANT_KEY, WEIGHTS_FILE
 from .resolve import PathLike
 from .staging import follow_umask, make_staging, move_into_place, remove_stale_staging
 
@@ -32,7 +32,7 @@ def save_pretrained(
     max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> Path:
     """Write config.json, model.safetensors and the tokenizer files (if any) to out_dir
-    (a quantized model: its state dict as torchao saves it, `quantize.save_weights`).
+    (a quantized model: its state dict as torchao saves it, `_write_quantized`).
     Weights above `max_shard_bytes` go to shards model-0000i-of-0000n.safetensors of at
     most that size (a tensor larger than it alone in one) with model.safetensors.index.json,
     as transformers writes them.
@@ -89,7 +89,7 @@ def _write_checkpoint(
         config[QUANT_KEY] = quantization
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if quantization is not None:
-        save_weights(model, directory)
+        _write_quantized(model, directory)
     else:
         _write_weights(model, directory, max_shard_bytes)
     if tokenizer is not None:
@@ -109,6 +109,15 @@ def _write_weights(model: Transformer, directory: Path, max_shard_bytes: int = M
     for name, keys in shards:  # one shard in memory (on the CPU) at a time
         _write_shard(state, keys, directory / name)
     write_index(directory, shards, sizes)
+
+
+def _write_quantized(model: Transformer, directory: Path) -> None:
+    """A quantized model's state dict as torchao saves it (`torch.save`, its tensor
+    subclasses included; docs/quantization.md), on the CPU, with a tied head stored once."""
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:  # before the copies to the CPU, which part the tied pair
+        drop_tied_head(state)
+    torch.save({k: v.cpu() for k, v in state.items()}, directory / WEIGHTS_FILE)
 
 
 def shard_plan(sizes: dict[str, int], max_bytes: int) -> list[tuple[str, list[str]]]:
