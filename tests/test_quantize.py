@@ -242,3 +242,24 @@ def test_bench_decode_runs_quantized_rows_beside_the_loaded_model(capsys, tmp_pa
     assert fig["weight_bytes"]["int8"]["int8"] > 0 and "int8" not in fig["weight_bytes"]["loaded"]
     assert 0.5 <= fig["agreement"]["ar@int8"]["tokens"] <= 1
     assert main([*argv, "--quantized", "fp8"]) == 2
+
+
+def test_the_server_serves_a_quantized_model(tmp_path):
+    """`refusion serve --quantize int4` answers a chat request with what `generate` gives
+    the same quantized model."""
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from test_serve_hostile import Process
+
+    from refusion.io.resolve import BUNDLED_DIR
+
+    model, tok = refusion.load(quantize="int4")
+    want = refusion.generate(model, tok, [PROMPTS[0]])[0].text
+    server = Process(BUNDLED_DIR, "--quantize", "int4", "--log-level", "warning")
+    try:
+        body = {"model": "refusion-tiny", "messages": [{"role": "user", "content": PROMPTS[0]}]}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    finally:
+        server.kill()
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == want
