@@ -210,6 +210,7 @@ def test_quantized_adds_section_e_beside_the_loaded_model(tmp_path, capsys):
         assert row["one_ms"] > 0 and row["ar_tps"] > 0 and 0 <= row["agreement"] <= 1
         assert scheme in ("int8", "int4") and e["weights"][scheme]
     assert e["weights"]["int8"]["int8"] > 0 and e["weights"]["int4"]["uint8"] > 0
+    assert 0 < e["logits"]["int8"]["mean"] < e["logits"]["int4"]["mean"] < e["logits"]["mean_abs_logit"]
     assert (
         sum(e["weights"]["int4"].values())
         < sum(e["weights"]["int8"].values())

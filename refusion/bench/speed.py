@@ -521,6 +521,7 @@ def quantized_section(
     from ..io.quantize import weight_bytes
 
     out: dict[str, Any] = {"weights": {"loaded": weight_bytes(model)}, "forward": {}, "peak": {}}
+    out["logits"] = logit_errors(model, quantized, prompt)
     one = next(r for r in fig["forward"] if r["tokens"] == 1)
     many = fig["forward"][-1]
     with tempfile.TemporaryDirectory() as tmp:
@@ -541,6 +542,26 @@ def quantized_section(
             }
             save_pretrained(qmodel, tokenizer, f"{tmp}/{scheme}")
             out["peak"][scheme] = peak_memory(f"{tmp}/{scheme}", str(model.device), args.new_tokens, prompt)
+    return out
+
+
+@torch.inference_mode()
+def logit_errors(model: Transformer, quantized: dict[str, Transformer], prompt: list[int]) -> dict[str, Any]:
+    """Each quantized copy's logits over the prompt against the loaded model's: max and
+    mean absolute error, the loaded logits' mean magnitude, and the share of positions
+    whose argmax is kept."""
+    ids = torch.tensor([prompt], device=model.device)
+    pos = torch.arange(len(prompt), device=model.device)[None]
+    ref = model(ids, pos).float()
+    out: dict[str, Any] = {"positions": len(prompt), "mean_abs_logit": ref.abs().mean().item()}
+    for scheme, qmodel in quantized.items():
+        got = qmodel(ids, pos).float()
+        err = (got - ref).abs()
+        out[scheme] = {
+            "max": err.max().item(),
+            "mean": err.mean().item(),
+            "argmax_kept": (got.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+        }
     return out
 
 
@@ -583,6 +604,17 @@ def print_quantized(e: dict[str, Any], fig: dict[str, Any]) -> None:
     )
     for name, b in e["weights"].items():
         print(f"  {name}: {describe_bytes(b)}")
+    lg = e["logits"]
+    print(
+        f"logits over the {lg['positions']}-token prompt against the model as loaded "
+        f"(mean |logit| {lg['mean_abs_logit']:.3f}):"
+    )
+    for scheme in e["forward"]:
+        r = lg[scheme]
+        print(
+            f"  {scheme}: max error {r['max']:.4f}, mean {r['mean']:.4f}, "
+            f"argmax kept at {r['argmax_kept']:.1%}"
+        )
 
 
 # ---------------------------------------------------------------------------- report
