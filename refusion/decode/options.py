@@ -115,12 +115,6 @@ class PaperRule:
         global verify pass: none, each keeps its plan confidence, which selected it."""
         return [False] * len(slots)
 
-    def pass_first_tokens(self, firsts: torch.Tensor, slots: list[int]) -> None:
-        """`firsts` (n_selected,), a view of the global verify pass's passing mask at the
-        selected slots' first tokens: each keeps its plan confidence, which selected it
-        (`first_scored` scores none)."""
-        firsts.fill_(True)
-
     def whole_slots_verified(self, slots: list[int], logits: torch.Tensor, last: range) -> None:
         """`slots` are whole and final (they are committed next); logits[last[i]] (V,) are
         this pass's logits at slots[i]'s last token."""
@@ -234,12 +228,6 @@ class BeyondPaper(PaperRule):
         if not self.checks_first:
             return super().first_scored(slots)
         return [i > 0 and slots[i - 1] == slots[i] - 1 for i in range(len(slots))]
-
-    def pass_first_tokens(self, firsts: torch.Tensor, slots: list[int]) -> None:
-        """Each first token `first_scored` does not score passes."""
-        if not self.checks_first:
-            return super().pass_first_tokens(firsts, slots)
-        firsts |= ~torch.tensor(self.first_scored(slots), dtype=torch.bool, device=firsts.device)
 
     def whole_slots_verified(self, slots: list[int], logits: torch.Tensor, last: range) -> None:
         if self.checks_first:

@@ -88,6 +88,7 @@ class ReFusionRow:
     done: bool = False
     plan: Plan | None = None
     selected: list[int] = field(default_factory=list)  # indices into `undecoded` chosen by the plan
+    chunks: list[list[int]] = field(default_factory=list)  # the selected slots' drafts (verify_feed)
     # slots, drafts, passing prefixes, and (when tracing) how each token of those prefixes passed
     to_infill: tuple[list[int], list[list[int]], list[int], list[list[str]] | None] | None = None
     # when tracing: slot -> how the plan step set its first token
@@ -292,7 +293,9 @@ class ReFusionRow:
         if self.ar_block:
             return self.ar_feed()
         P, s, sel = len(self.req.prompt), self.s, self.selected
-        toks = self.plan.drafts[sel][:, : self.width or s].flatten().tolist()  # a narrower plan: one slot
+        self.chunks = self.plan.drafts[sel].tolist()  # read from the plan once a step
+        w = self.width or s  # a narrower plan: one slot, of which the first w tokens are drafted
+        toks = [t for chunk in self.chunks for t in chunk[:w]]
         eos = self.ends(toks[(len(sel) - 1) * s :])
         if eos is not None:
             toks = toks[: (len(sel) - 1) * s + eos + 1]
@@ -308,20 +311,15 @@ class ReFusionRow:
         if self.ar_block:
             return self.take_ar(logits)
         s, sel = self.s, self.selected
-        flat = torch.tensor(toks, device=logits.device)
-        passing = torch.zeros(len(sel) * s, dtype=torch.bool, device=logits.device)  # the unfed tail fails
-        passing[1 : len(toks)] = token_probs(logits[: len(toks) - 1], flat[1:]) > self.tau
         slots = [self.undecoded[j] for j in sel]
-        self.rule.pass_first_tokens(
-            passing.view(-1, s)[:, 0], slots
-        )  # (n_sel,) view: the slots' first tokens
-        passed = passing.view(-1, s).int().cumprod(-1).sum(-1).tolist()  # passing prefix per slot
+        passing = self._passing(logits, toks, slots)  # (n_sel * s,)
+        passed = [leading(passing[i : i + s]) for i in range(0, len(passing), s)]  # passing prefix per slot
         how = self._trace_verified(slots, passed) if self.req.tracing else None
         per_slot = [max(n, 1) for n in passed]  # a slot keeps at least its first token, the plan's draft
-        prefix = int(passing.int().cumprod(0).sum())
+        prefix = leading(passing)
         if self.acceptance is not None:  # the drafts scored past the first token, and how many passed
             self.acceptance.plan.add(max(prefix - 1, 0), len(toks) - 1)
-        chunks = self.plan.drafts[sel].tolist()  # whole slots, also past an EOS the feed stopped at
+        chunks = self.chunks  # whole slots, also past an EOS the feed stopped at
         self.to_infill = None
         eos = self.ends(toks[:prefix])
         if eos is not None:
@@ -374,6 +372,19 @@ class ReFusionRow:
         )
         return 0
 
+    def _passing(self, logits: torch.Tensor, toks: list[int], slots: list[int]) -> list[bool]:
+        """Per token of the selected slots, in feed order: whether global verification
+        passes it. A fed token passes when its AR probability exceeds token_threshold; a
+        slot's first token that the pass does not score (`rule.first_scored`) passes on the
+        plan confidence that selected it; the unfed tail fails. One read of the scores."""
+        target = torch.tensor(toks[1:], dtype=torch.long, device=logits.device)
+        scored = (token_probs(logits[: len(toks) - 1], target) > self.tau).tolist()
+        passing = [False, *scored] + [False] * (len(slots) * self.s - len(toks))
+        for i, by_score in enumerate(self.rule.first_scored(slots)):
+            if not by_score:
+                passing[i * self.s] = True
+        return passing
+
     def reject(self, drafts: list[tuple[int, list[int], int]]) -> None:
         """Note, when the trace wants the steps, the drafts of slots that are dropped:
         (slot, its drafts, how many of them stay)."""
@@ -386,8 +397,13 @@ def select_slots(plan: Plan, slot_threshold: float) -> list[int]:
     """Indices (into the undecoded list) of the slots whose first-token confidence exceeds
     the threshold, in position order; the single most confident one if none does."""
     first = plan.conf[:, 0]  # (n_undecoded,)
-    chosen = (first > slot_threshold).nonzero().flatten().tolist()
+    chosen = [i for i, over in enumerate((first > slot_threshold).tolist()) if over]
     return chosen if chosen else [int(first.argmax())]
+
+
+def leading(flags: list[bool]) -> int:
+    """How many of `flags`, from the first, are True."""
+    return next((i for i, f in enumerate(flags) if not f), len(flags))
 
 
 class Infill:
