@@ -135,6 +135,7 @@ class Survival:
         self.failed: list[float] = []
         self.decay, self.weight = decay, 1.0
         self._curve: list[float] | None = None
+        self._expected: dict[int, tuple[float, float]] = {}  # m -> expected(m), until the next run
 
     def add(self, passed: int, verified: int) -> None:
         """A run of `verified` drafts of which the first `passed` passed (then one failed,
@@ -155,17 +156,20 @@ class Survival:
         if passed < verified:
             self.failed[passed] += self.weight
         self._curve = None
+        self._expected.clear()
 
     def expected(self, m: int) -> tuple[float, float]:
         """(expected passing drafts among m verified in order, chance that all m pass);
         distances never measured take the prior."""
         if m <= 0:
             return 0.0, 1.0
-        curve = self._survival()
-        if m > len(curve):
-            last = curve[-1] if curve else 1.0
-            curve = curve + [last * 0.95 ** (i + 1) for i in range(m - len(curve))]
-        return sum(curve[:m]), curve[m - 1]
+        if m not in self._expected:  # asked for each candidate width, step after step
+            curve = self._survival()
+            if m > len(curve):
+                last = curve[-1] if curve else 1.0
+                curve = curve + [last * 0.95 ** (i + 1) for i in range(m - len(curve))]
+            self._expected[m] = sum(curve[:m]), curve[m - 1]
+        return self._expected[m]
 
     def _survival(self) -> list[float]:
         if self._curve is None:
