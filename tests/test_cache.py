@@ -215,6 +215,24 @@ def test_select_reorders_rows_and_sets_capacity(tiny_model):
         cache.select([0], capacity=4)  # row 0 holds 5 entries
 
 
+def test_select_copies_runs_and_scattered_rows_as_a_gather_would(tiny_model):
+    """Rows in order, repeated rows and scattered rows in one selection: every tensor's used
+    region equals the reference gather of the same rows (copied in runs, no temporary)."""
+    cache = tiny_model.new_cache(5, 16)
+    prompts = torch.stack([rand_tokens(6, seed=s) for s in range(40, 45)])  # (5, 6)
+    tiny_model(prompts, torch.arange(6).expand(5, -1), cache, n_new=[6, 3, 5, 2, 4])
+    rows = [3, 3, 0, 1, 2, 2, 4, 1, 0, 0]
+    picked = cache.select(rows, capacity=12)
+    assert picked.lengths == [cache.lengths[r] for r in rows]
+    idx = torch.tensor(rows)
+    for got, src in zip(picked._tensors(), cache._tensors()):
+        used = 6  # the longest selected row
+        if src.dim() == 2:
+            assert torch.equal(got[: len(rows), :used], src[idx, :used])
+        else:
+            assert torch.equal(got[: len(rows), :, :used], src[idx, :, :used])
+
+
 def three_rows(model: Transformer, reserve: int = 0) -> KVCache:
     """Rows of 5, 2 and 4 entries in a cache of capacity 16."""
     cache = model.new_cache(3, 16, reserve=reserve)

@@ -176,9 +176,9 @@ class KVCache:
         the used region, then `empty` empty rows. `capacity` defaults to this cache's.
         `out` (a scratch cache from an earlier call) is reused when its storage is big
         enough: no allocation, and its old entries are overwritten or never read."""
-        idx = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        rows = rows.tolist() if isinstance(rows, torch.Tensor) else [int(r) for r in rows]
         cap = capacity if capacity is not None else self.capacity
-        lengths = [self.lengths[int(r)] for r in idx.tolist()]
+        lengths = [self.lengths[r] for r in rows]
         used = max(lengths, default=0)
         if used > cap:
             raise ContextLengthError(f"rows of length {used} do not fit a cache of capacity {cap}")
@@ -186,9 +186,14 @@ class KVCache:
         fits = out is not None and out is not self and out.reserved_rows >= n + empty and out.capacity >= cap
         if not fits:
             out = self._empty_like(n + empty, cap)
+        runs = row_runs(rows)
         for src, dst in zip(self._tensors(), out._tensors()):
             col = 1 if src.dim() == 2 else 2  # entries along dim 1 (tokens) or 2 (keys, values)
-            dst[:n].narrow(col, 0, used).copy_(src.narrow(col, 0, used)[idx])
+            src, dst = src.narrow(col, 0, used), dst.narrow(col, 0, used)
+            # a run is copied in place: a gather would copy twice, through a temporary
+            for at, first, count, step in runs:
+                part = src.narrow(0, first, count if step else 1)
+                dst.narrow(0, at, count).copy_(part.expand(count, *part.shape[1:]))
         out.lengths = lengths + [0] * empty
         out._view()
         return out
@@ -237,11 +242,10 @@ class KVCache:
             order[h] = m
         if holes:
             used = max(self.lengths[m] for m in movers)
-            src = torch.tensor(movers, device=self.device)
-            dst = torch.tensor(holes, device=self.device)
             for t in self._tensors():
-                col = 1 if t.dim() == 2 else 2
-                t.narrow(col, 0, used).index_copy_(0, dst, t.narrow(col, 0, used)[src])
+                t = t.narrow(1 if t.dim() == 2 else 2, 0, used)
+                for h, m in zip(holes, movers):  # kept rows and dropped ones: no row is both
+                    t[h].copy_(t[m])
         self.lengths = [self.lengths[b] for b in order]
         self._view()
         return order
@@ -281,6 +285,21 @@ class KVCache:
         self.tokens[dr_t, dc_t] = src.tokens[sr_t, sc_t]
         self.positions[dr_t, dc_t] = src.positions[sr_t, sc_t]
         self.lengths = lengths
+
+
+def row_runs(rows: Sequence[int]) -> list[tuple[int, int, int, int]]:
+    """`rows` as runs (at, first, count, step): places at .. at + count - 1 take rows first,
+    first + step, ..., with step 1 (rows in order: a copy of every row) or 0 (one row again
+    and again: its forks)."""
+    runs, i = [], 0
+    while i < len(rows):
+        step = 1 if i + 1 == len(rows) or rows[i + 1] != rows[i] else 0
+        j = i + 1
+        while j < len(rows) and rows[j] == rows[j - 1] + step:
+            j += 1
+        runs.append((i, rows[i], j - i, step))
+        i = j
+    return runs
 
 
 @dataclass
