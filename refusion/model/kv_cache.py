@@ -53,6 +53,10 @@ class KVCache:
         self.k, self.v = [t[:B] for t in k], [t[:B] for t in v]
         self.tokens, self.positions = tokens[:B], positions[:B]  # (B, capacity) int64 each
 
+    def _view_tensors(self) -> list[torch.Tensor]:
+        """The rows in use of every tensor: keys and values of each layer, tokens, positions."""
+        return [*self.k, *self.v, self.tokens, self.positions]
+
     def _tensors(self) -> list[torch.Tensor]:
         """Every storage tensor, rows first: keys and values of each layer, tokens, positions."""
         k, v, tokens, positions = self._store
@@ -261,29 +265,21 @@ class KVCache:
         """Append src[src_rows[i], src_starts[i] : src_starts[i] + counts[i]] to the end of
         row dst_rows[i], for each i in order (several segments may go to one row)."""
         lengths = list(self.lengths)
-        d_rows, d_cols, s_rows, s_cols = [], [], [], []
+        segments = []  # (dst row, dst start, src row, src start, count)
         for sr, ss, n, dr in zip(src_rows, src_starts, counts, dst_rows):
             if ss + n > src.lengths[sr]:
                 raise ValueError(f"source row {sr} holds {src.lengths[sr]} entries, asked for {ss}..{ss + n}")
-            d_rows += [dr] * n
-            d_cols += range(lengths[dr], lengths[dr] + n)
-            s_rows += [sr] * n
-            s_cols += range(ss, ss + n)
+            if n:
+                segments.append((dr, lengths[dr], sr, ss, n))
             lengths[dr] += n
         if max(lengths, default=0) > self.capacity:
             raise ContextLengthError(
                 f"appending would make a row {max(lengths)} entries long; capacity is {self.capacity}"
             )
-        if not d_rows:
-            return
-        dev = self.device
-        dr_t, dc_t = torch.tensor(d_rows, device=dev), torch.tensor(d_cols, device=dev)
-        sr_t, sc_t = torch.tensor(s_rows, device=dev), torch.tensor(s_cols, device=dev)
-        for layer in range(len(self.k)):
-            self.k[layer][dr_t, :, dc_t] = src.k[layer][sr_t, :, sc_t]
-            self.v[layer][dr_t, :, dc_t] = src.v[layer][sr_t, :, sc_t]
-        self.tokens[dr_t, dc_t] = src.tokens[sr_t, sc_t]
-        self.positions[dr_t, dc_t] = src.positions[sr_t, sc_t]
+        for dst, from_ in zip(self._view_tensors(), src._view_tensors()):
+            col = 1 if dst.dim() == 2 else 2  # entries along dim 1 (tokens) or 2 (keys, values)
+            for dr, at, sr, ss, n in segments:  # a slot's entries: one slice copy each
+                dst[dr].narrow(col - 1, at, n).copy_(from_[sr].narrow(col - 1, ss, n))
         self.lengths = lengths
 
 
