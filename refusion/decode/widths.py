@@ -217,8 +217,9 @@ def choose(
     `margin` times the rate of AR blocks. `overheads`: seconds a step costs per row outside
     its forwards (`StepOverhead`) when rows draft, and in AR blocks."""
     rates = {}
+    windows = [*candidates(window), 0] if window else [0]
     for p in candidates(slot):
-        for w in [*candidates(window), 0] if window else [0]:
+        for w in windows:
             rates[(p, w)] = block_rate(
                 rows, other_rows, other_fed, slot, p, w, acceptance, cost, overheads[0]
             )
