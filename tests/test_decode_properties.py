@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from refusion.decode import DecodeConfig, generate
+from refusion.decode.widths import drafting_of
 from refusion.errors import ConfigError, ContextLengthError, MissingMaskTokenError
 from refusion.model.config import ModelConfig
 from refusion.model.transformer import Transformer
@@ -21,7 +22,17 @@ EOS_CHOICES = [298, 165, 250, 93]
 def tiny():
     model = Transformer(ModelConfig.from_json(GOLDEN / "tiny-qwen3" / "config.json"))
     model.load_state_dict(load_file(GOLDEN / "tiny-qwen3" / "model.safetensors"), strict=False)
-    return model.eval()
+    # the draft widths time a few forwards at their first use and every few minutes after
+    # (`widths.ForwardCost`): done here, once for the module, so that the forwards a test
+    # counts are the decoding's own
+    lossless = DecodeConfig(
+        slot_size=2, gen_length=2, token_threshold=0.9, ar_correction=True, first_token_check=True
+    )
+    generate(model.eval(), None, [[1, 2]], lossless)
+    cost = drafting_of(model).cost
+    assert cost.calibrated
+    cost.every = float("inf")
+    return model
 
 
 class CountingModel:
