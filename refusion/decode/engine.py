@@ -306,6 +306,8 @@ class Engine:
             cost.calibrate(self.fwd.time_shapes, self.config.max_batch_size)
             self._not_step += time.perf_counter() - t0  # a one-off: not the step's own work
         for (s, window), rows in groups.items():
+            if all(r.ar_block for r in rows):
+                continue  # an AR block runs to its end: nothing to choose
             member = {id(r) for r in rows}
             rest = [r for r in self.rows if id(r) not in member]
             fed = sum(r.s if isinstance(r, ReFusionRow) else 1 for r in rest)
@@ -317,7 +319,7 @@ class Engine:
             p, w = choose(len(rows), len(rest), fed, s, window, d.acceptance, at, overheads=overheads)
             for r in rows:
                 if r.ar_block:
-                    continue  # an AR block runs to its end
+                    continue
                 if p == 0 and r.can_start_ar_block():
                     r.start_ar_block()  # counted in its request's stats (ar_blocks), as drafting steps are
                 else:
