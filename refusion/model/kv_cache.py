@@ -53,10 +53,6 @@ class KVCache:
         self.k, self.v = [t[:B] for t in k], [t[:B] for t in v]
         self.tokens, self.positions = tokens[:B], positions[:B]  # (B, capacity) int64 each
 
-    def _view_tensors(self) -> list[torch.Tensor]:
-        """The rows in use of every tensor: keys and values of each layer, tokens, positions."""
-        return [*self.k, *self.v, self.tokens, self.positions]
-
     def _tensors(self) -> list[torch.Tensor]:
         """Every storage tensor, rows first: keys and values of each layer, tokens, positions."""
         k, v, tokens, positions = self._store
@@ -276,10 +272,10 @@ class KVCache:
             raise ContextLengthError(
                 f"appending would make a row {max(lengths)} entries long; capacity is {self.capacity}"
             )
-        for dst, from_ in zip(self._view_tensors(), src._view_tensors()):
-            col = 1 if dst.dim() == 2 else 2  # entries along dim 1 (tokens) or 2 (keys, values)
+        for dst, from_ in zip(self._tensors(), src._tensors()):
+            col = 0 if dst.dim() == 2 else 1  # a row's entries: dim 0 (tokens) or 1 (keys, values)
             for dr, at, sr, ss, n in segments:  # a slot's entries: one slice copy each
-                dst[dr].narrow(col - 1, at, n).copy_(from_[sr].narrow(col - 1, ss, n))
+                dst[dr].narrow(col, at, n).copy_(from_[sr].narrow(col, ss, n))
         self.lengths = lengths
 
 
