@@ -331,8 +331,10 @@ def test_suite_task_uses_the_bundled_tasks(tmp_path):
 def test_cli_runs_a_model_with_the_task_preset(tmp_path, gsm8k_file, monkeypatch, capsys):
     seen = {}
 
-    def fake_load(path, device="cpu", dtype=None, tensor_parallel_size=1, allow_nonfinite=False):
-        seen["load"] = (path, device, dtype, allow_nonfinite)
+    def fake_load(
+        path, device="cpu", dtype=None, tensor_parallel_size=1, allow_nonfinite=False, quantize=None
+    ):
+        seen["load"] = (path, device, dtype, allow_nonfinite, quantize)
         return "model", "tokenizer"
 
     def fake_generate(model, tokenizer, prompts, cfg, engine_config=None):
@@ -360,10 +362,12 @@ def test_cli_runs_a_model_with_the_task_preset(tmp_path, gsm8k_file, monkeypatch
             str(out),
             "--no-progress",
             "--json",
+            "--quantize",
+            "int8",
         ]
     )
     assert code == 0
-    assert seen["load"] == (None, "cpu", None, False)
+    assert seen["load"] == (None, "cpu", None, False, "int8")
     cfg = seen["cfg"]
     assert (cfg.method, cfg.slot_size, cfg.serial_blocks, cfg.slot_threshold, cfg.token_threshold) == (
         "refusion",
