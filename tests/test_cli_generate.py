@@ -236,3 +236,35 @@ def test_bench_decode_compares_fixed_and_adaptive_widths(capsys, tmp_path):
             fig["sweep_detail"]["refusion"][b]["overhead"] >= 0
             and fig["sweep_detail"]["ar"][b]["overhead"] >= 0
         )
+
+
+def test_bench_decode_times_the_draft_widths_forwards_before_any_timed_run(monkeypatch, capsys):
+    """The forwards adaptive widths are chosen from are timed in the warm-up: a timed run
+    that did it would count it as decoder overhead (a one-round run showed ReFusion's
+    overhead at half its time)."""
+    import refusion.bench.decode as bench
+    from refusion.decode.widths import drafting_of
+
+    timed = bench.timed
+    seen = []
+
+    def checked(model, tokenizer, prompts, cfg, engine):
+        if cfg.method == "refusion" and engine.adaptive_drafts:
+            seen.append(drafting_of(model).cost.calibrated)
+        return timed(model, tokenizer, prompts, cfg, engine)
+
+    monkeypatch.setattr(bench, "timed", checked)  # the bench loads its own model: nothing timed yet
+    args = [
+        "bench",
+        "decode",
+        "--prompts",
+        "1",
+        "--rounds",
+        "1",
+        "--batch-sizes",
+        "1",
+        "--sweep-prompts",
+        "1",
+    ]
+    assert main([*args, "--methods", "refusion"]) == 0
+    assert seen and all(seen)

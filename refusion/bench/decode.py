@@ -125,9 +125,13 @@ def warm_up(
     sizes: list[int],
 ) -> None:
     """Compile the graphs of the compiled methods before any timing (one row and several,
-    one token and several): compile time is a one-off, not decoding speed."""
+    one token and several), and time the forwards adaptive draft widths are chosen from
+    (`calibrate_widths`): both are one-offs, not decoding speed."""
     for m in methods:
         cfg, ecfg = method_config(base, engine, m)
+        calibrate_widths(
+            model_of(models, m), tokenizer, bench_prompts(1), cfg, ecfg.replace(max_batch_size=max(sizes))
+        )
         if ecfg.compile and cfg.method != "mdm":
             print(f"warm-up: compiling {m}'s graphs (a minute or so at first use)", flush=True)
             for b in sorted({1, max(sizes)}):
@@ -138,6 +142,20 @@ def warm_up(
                     cfg.for_max_tokens(min(cfg.gen_length, 32)),
                     engine_config=ecfg.replace(max_batch_size=b),
                 )
+
+
+def calibrate_widths(model, tokenizer, prompts: list, cfg: DecodeConfig, engine: EngineConfig) -> None:
+    """For ReFusion with adaptive draft widths: a short decode, so that the forwards the
+    widths are chosen from are timed (once per model, at first use) before any timing
+    rather than inside the first timed run (docs/algorithm.md#adaptive-widths)."""
+    if cfg.method == "refusion" and engine.adaptive_drafts:
+        generate(
+            model,
+            tokenizer,
+            bench_prompts(1),
+            cfg.for_max_tokens(min(cfg.gen_length, 16)),
+            engine_config=engine,
+        )
 
 
 def bench_prompts(n: int) -> list[str]:

@@ -42,7 +42,7 @@ from ..model.config import ModelConfig
 from ..model.prompts import encode_prompt, mask_id_of
 from ..model.transformer import Transformer
 from ..timing import calibrate, median, time_ms
-from .decode import bench_prompts, quantized_models, timed
+from .decode import bench_prompts, calibrate_widths, quantized_models, timed
 
 # Shapes of randomly initialised models (`random:NAME`): speed does not depend on the values.
 RANDOM_SHAPES: dict[str, dict[str, Any]] = {
@@ -460,6 +460,7 @@ def refusion_section(
         decode_config_from_args(args, model=model),
         engine_config_from_args(args).replace(max_batch_size=1),
     )
+    calibrate_widths(model, tokenizer, prompts, base.replace(method="refusion"), one)
     rows: dict[str, list[dict[str, Any]]] = {"ar": [], "refusion": []}
     for _ in range(args.decode_rounds):
         for m in rows:
