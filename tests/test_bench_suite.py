@@ -168,16 +168,27 @@ def test_sweep_png_and_aup_recomputed_from_points(small_run) -> None:
     png = Path(sweep["plot"])
     assert png == out / "sweep.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     checked = "ReFusion + AR correction + first-token check"
+    left = checked + " + left check"
     assert [p["method"] for p in sweep["points"]] == [
         "ReFusion",
         "ReFusion",
         checked,
         checked,
+        left,
+        left,
         "MDM",
         "MDM",
         "AR baseline",
     ]
-    assert [p["config"]["ar_correction"] for p in sweep["points"][:4]] == [False, False, True, True]
+    assert [p["config"]["ar_correction"] for p in sweep["points"][:6]] == [
+        False,
+        False,
+        True,
+        True,
+        True,
+        True,
+    ]
+    assert [p["config"]["left_check"] for p in sweep["points"][:6]] == [False] * 4 + [True] * 2
     assert all(len(p["records"]) == sweep["items"] == 2 for p in sweep["points"])
     y_max = max(100 * p["accuracy"] for p in sweep["points"])
     assert sweep["y_max"] == pytest.approx(y_max)

@@ -243,10 +243,11 @@ def recommended_run(base: DecodeConfig, recommended: Recommended, runs: Sequence
 
 
 def sweep_runs(base: DecodeConfig, args: argparse.Namespace, with_ar: bool) -> list[Run]:
-    """Figure 1's points: ReFusion thresholds (the paper's rule, then with both options
-    beyond it), MDM steps and thresholds, the AR baseline."""
+    """Figure 1's points: ReFusion thresholds (the paper's rule, then with AR correction and
+    the first-token check, then with the left check as well), MDM steps and thresholds, the
+    AR baseline."""
     runs = []
-    for key, group, rule in (("refusion", "ReFusion", PAPER_RULE), BEYOND_PAPER[1]):
+    for key, group, rule in (("refusion", "ReFusion", PAPER_RULE), BEYOND_PAPER[1], BEYOND_PAPER[2]):
         for ts in parse_floats(args.sweep_slot, "--sweep-slot"):
             for tt in parse_floats(args.sweep_token, "--sweep-token"):
                 cfg = base.replace(method="refusion", slot_threshold=ts, token_threshold=tt, **rule)
