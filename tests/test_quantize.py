@@ -15,8 +15,8 @@ import refusion
 from refusion import DecodeConfig
 from refusion.cli.dispatch import main
 from refusion.errors import CheckpointError, ConfigError
+from refusion.io import loading, save_pretrained
 from refusion.io import quantize as q
-from refusion.io import save_pretrained
 
 pytest.importorskip("torchao", reason="the quant extra (torchao) is not installed: scripts/setup.sh quant")
 
@@ -117,7 +117,7 @@ def test_saved_quantized_model_loads_without_quantizing_again(scheme, tmp_path, 
     assert main(["convert", "bundled:refusion-tiny", str(out), "--quantize", scheme]) == 0
     assert f"{scheme} weights" in capsys.readouterr().out
     fresh, _ = refusion.load(quantize=scheme)
-    monkeypatch.setattr(q, "quantize_model", lambda *a: pytest.fail("quantized again at load"))
+    monkeypatch.setattr(loading, "quantize_model", lambda *a: pytest.fail("quantized again"))
     loaded, tok = refusion.load(out)
     assert not (out / "model.safetensors").exists() and (out / q.WEIGHTS_FILE).exists()
     assert loaded.quantization == fresh.quantization

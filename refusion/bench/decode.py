@@ -422,8 +422,8 @@ def print_ceilings(
 
 
 def print_weights(models: dict[str | None, Any]) -> dict[str, dict[str, int]]:
-    """Each model's weight bytes per dtype (and, on a GPU, the peak memory the sweep
-    reaches is printed with it), when quantized copies run beside the loaded model."""
+    """Each model's weight bytes per dtype, printed when quantized copies run beside the
+    loaded model."""
     from ..io.quantize import describe_bytes, weight_bytes
 
     out = {q or "loaded": weight_bytes(m) for q, m in models.items()}

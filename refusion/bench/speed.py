@@ -42,7 +42,7 @@ from ..model.config import ModelConfig
 from ..model.prompts import encode_prompt, mask_id_of
 from ..model.transformer import Transformer
 from ..timing import calibrate, median, time_ms
-from .decode import bench_prompts, calibrate_widths, quantized_models, timed
+from .decode import agreement, bench_prompts, calibrate_widths, quantized_models, timed
 
 # Shapes of randomly initialised models (`random:NAME`): speed does not depend on the values.
 RANDOM_SHAPES: dict[str, dict[str, Any]] = {
@@ -443,8 +443,6 @@ def ar_section(
         if args.compile:
             res["compiled_vs_hf"] = res["compiled_tps"] / res["hf_tps"]
     for scheme in quantized or {}:
-        from .decode import agreement
-
         res[f"{scheme}_tps"] = median(tps[scheme])
         res[f"{scheme}_agreement"] = agreement([out[scheme]], [out["ours"]])[0]
     return res

@@ -64,8 +64,8 @@ def load(
     dev = check_device(device)
     wanted = parse_dtype(dtype, dev)  # a bad dtype fails before any file is read
     scheme = check_scheme(quantize)
-    if scheme is not None:
-        run_dtype(scheme, dev, wanted, torch.float32)  # an unsupported pair fails before any read
+    if scheme is not None:  # int4's bfloat16, or a refusal of the pair, before any file is read
+        wanted = run_dtype(scheme, dev, wanted, None)
     source = resolve_source(path)
     shard = tensor_shard(tensor_parallel_size)
     if source.suffix == ".gguf":
@@ -74,8 +74,6 @@ def load(
                 "tensor parallelism reads safetensors slices; convert the GGUF file first "
                 "(refusion convert FILE.gguf OUT) and load OUT"
             )
-        if scheme == "int4":
-            wanted = torch.bfloat16
         model, tokenizer = load_gguf(source, dev, wanted, allow_nonfinite)
         if scheme is not None:
             quantize_model(model, scheme)
@@ -93,8 +91,6 @@ def load(
         make_row_parallel(model, shard)
         slicer = lambda name: slice_of(name, config, shard)  # noqa: E731
     dtype = wanted or config_dtype(config, dev)
-    if scheme is not None:
-        dtype = run_dtype(scheme, dev, wanted, dtype)
     state = read_tensors(headers, set(stored_shapes(model)), dev, dtype, slicer, allow_nonfinite)
     model = fill_model(model, state, dev)
     model.tensor_parallel = shard
@@ -115,9 +111,7 @@ def _load_saved_quantized(
             "checkpoint with --tensor-parallel-size and --quantize (each rank quantizes its share)"
         )
     check_loadable(record, dev, wanted, scheme)
-    state = read_weights(source, record, dev)
-    model = Transformer.meta(config)
-    check_tensors(model, {k: (None, tuple(v.shape)) for k, v in state.items()}, where=str(source))
+    model, state = _saved_quantized_state(source, config, record, dev)
     if not allow_nonfinite:
         for name, t in state.items():
             if t.is_floating_point() and type(t) is torch.Tensor:
@@ -126,6 +120,17 @@ def _load_saved_quantized(
     model.quantization = dict(record)
     model.recommended = Recommended.read(source)
     return model
+
+
+def _saved_quantized_state(
+    source, config: ModelConfig, record: dict[str, Any], dev: torch.device
+) -> tuple[Transformer, dict[str, torch.Tensor]]:
+    """The model the config describes (on the meta device) and the saved state dict
+    (memory-mapped), every name and shape checked against each other."""
+    state = read_weights(source, record, dev)
+    model = Transformer.meta(config)
+    check_tensors(model, {k: (None, tuple(v.shape)) for k, v in state.items()}, where=str(source))
+    return model, state
 
 
 def load_metadata(path: PathLike | None = None) -> tuple[ModelConfig, Any]:
@@ -148,9 +153,8 @@ def describe(path: PathLike | None = None) -> dict[str, Any]:
     if source.suffix == ".gguf":  # transformers has parsed the GGUF file to read its config
         model, stored = Transformer.meta(config), {}
     elif record is not None:  # the saved state dict, memory-mapped: its tensors' bytes, no copy
-        state = read_weights(source, record, torch.device("cpu"))
-        model, stored = Transformer.meta(config), weight_bytes(state)
-        check_tensors(model, {k: (None, tuple(v.shape)) for k, v in state.items()}, where=str(source))
+        model, state = _saved_quantized_state(source, config, record, torch.device("cpu"))
+        stored = weight_bytes(state)
     else:
         model, headers = checked_headers(source, config)
         stored = header_bytes(sorted({f for f, _ in headers.values()}))

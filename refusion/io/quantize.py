@@ -61,9 +61,6 @@ def _quiet_import() -> Iterator[None]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
-        # torch.compile asks each subclass for a cache hash torchao does not give: a warning per
-        # compiled graph that a user can do nothing about
-        warnings.filterwarnings("ignore", message=".*does not implement _stable_hash_for_caching")
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
@@ -78,6 +75,9 @@ def torchao() -> Any:
             import torchao.quantization  # noqa: F401
     except ImportError as e:
         raise MissingExtraError(f"quantized weights need torchao ({e}); {_INSTALL}") from None
+    # torch.compile asks each of torchao's tensors for a cache hash it does not give: a warning
+    # per compiled graph that a user can do nothing about
+    warnings.filterwarnings("ignore", message=".*does not implement _stable_hash_for_caching")
     return ao
 
 
@@ -91,11 +91,12 @@ def check_scheme(scheme: str | None) -> str | None:
 
 
 def run_dtype(
-    scheme: str, device: torch.device, wanted: torch.dtype | None, default: torch.dtype
-) -> torch.dtype:
+    scheme: str, device: torch.device, wanted: torch.dtype | None, default: torch.dtype | None
+) -> torch.dtype | None:
     """The dtype the quantized model's activations (and unquantized weights) run in:
-    `wanted` if the scheme runs it on the device, else a one-line refusal that names
-    what does. int4 runs in bfloat16 only (torchao's int4 kernels), which is its default."""
+    `wanted` (else `default`) if the scheme runs it on the device, else a one-line refusal
+    that names what does. int4 runs in bfloat16 only (torchao's int4 kernels), which is
+    its default."""
     if device.type not in ("cpu", "cuda"):
         raise ConfigError(
             f"--quantize {scheme} runs on cpu and cuda (torchao's kernels), not on {device.type}; "
@@ -185,7 +186,7 @@ def weight_bytes(tensors: dict[str, torch.Tensor] | nn.Module) -> dict[str, int]
     once (a tied head is the embedding): what a forward at batch 1 reads."""
     if isinstance(tensors, nn.Module):
         tensors = dict(tensors.named_parameters())
-    seen: set[int] = set()
+    seen: set[tuple[int, torch.dtype, torch.Size]] = set()
     out: dict[str, int] = {}
     for t in tensors.values():
         for s in _storage_tensors(t):
@@ -250,9 +251,9 @@ def read_weights(directory: Path, record: dict[str, Any], device: torch.device) 
 
 def check_loadable(
     record: dict[str, Any], device: torch.device, wanted: torch.dtype | None, scheme: str | None
-) -> torch.dtype:
+) -> None:
     """A saved quantized checkpoint loads as it was saved: the dtype, and for int4 the
-    device type it was packed for. Returns its dtype."""
+    device type it was packed for."""
     dtype = getattr(torch, record.get("dtype", ""), None)
     if not isinstance(dtype, torch.dtype):
         raise CheckpointError(f"config.json's {QUANT_KEY} names no dtype; save the checkpoint again")
@@ -273,7 +274,6 @@ def check_loadable(
             f"checkpoint on {device.type}"
         )
     run_dtype(record["scheme"], device, dtype, dtype)
-    return dtype
 
 
 def quantized_copy(model: nn.Module, scheme: str) -> nn.Module:
