@@ -236,6 +236,22 @@ def test_bench_decode_compares_fixed_and_adaptive_widths(capsys, tmp_path):
             fig["sweep_detail"]["refusion"][b]["overhead"] >= 0
             and fig["sweep_detail"]["ar"][b]["overhead"] >= 0
         )
+    # the lead forward cost predicts: AR against itself is 1; ReFusion's follows from its own
+    # TPF and tokens fed per forward on the timed cost curve
+    lead = fig["forward_lead"]
+    assert lead["methods"]["ar"]["predicted_lead"] == 1.0
+    ms = {int(n): v for n, v in lead["ms_by_tokens_fed"].items()}
+    for m in ("refusion", "refusion+f"):
+        r, got = fig["table"][m], lead["methods"][m]
+        assert got["fed_per_forward"] == pytest.approx(r["fed_per_token"] * r["tpf"])
+        ar = fig["table"]["ar"]
+        want = (ms[round(ar["fed_per_token"] * ar["tpf"])] / ar["tpf"]) / (
+            ms[round(got["fed_per_forward"])] / r["tpf"]
+        )
+        assert got["predicted_lead"] == pytest.approx(want)
+    assert re.search(
+        r"^refusion\s+feeds\s+[\d.]+ tokens a forward at TPF\s+[\d.]+: predicted [\d.]+x AR$", out, re.M
+    )
 
 
 def test_bench_decode_times_the_draft_widths_forwards_before_any_timed_run(monkeypatch, capsys):

@@ -29,6 +29,7 @@ from ..cli.flags import (
     load_from_args,
 )
 from ..decode import DecodeConfig, EngineConfig, generate
+from ..decode.forward import Forward
 from ..errors import ConfigError
 from ..timing import sync, time_ms
 
@@ -324,6 +325,7 @@ def _run(args: argparse.Namespace, report: bool) -> int:
     print(
         "overhead: share of decode time spent outside forward passes (decoder logic, sampling, bookkeeping)"
     )
+    lead = print_forward_lead(model, table)
     agreed = print_agreement(rows)
     weights = print_weights(models)
     full, n_sweep = batch_sweep(
@@ -370,6 +372,7 @@ def _run(args: argparse.Namespace, report: bool) -> int:
                     "sweep_detail": full,
                     "matmul_peak_gflops": peak,
                     "ceiling": ceilings,
+                    "forward_lead": lead,
                     "weight_bytes": weights,
                     "agreement": agreed,
                 },
@@ -377,6 +380,35 @@ def _run(args: argparse.Namespace, report: bool) -> int:
                 indent=2,
             )
     return 0
+
+
+def print_forward_lead(model, table: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Why a method leads AR by what it does at batch size 1: a forward's seconds grow with
+    the tokens it feeds (timed here at one row), and a method that feeds F tokens per
+    forward (prompts included) at TPF T spends t(F) / T a token, so forward cost alone
+    predicts its lead over AR decoding (or over one-token forwards where AR is not run);
+    the decoder's own overhead comes on top. Printed for every method with the
+    forward-cost curve it is read from."""
+    fed = {m: r["fed_per_token"] * r["tpf"] for m, r in table.items()}
+    sizes = sorted({1, 8, 32, 64, *(max(1, round(f)) for f in fed.values())})
+    fwd = Forward(model=model, pad_id=0)
+    seconds = dict(zip(sizes, fwd.time_shapes([(1, n, 64) for n in sizes], repeats=10)))
+    print(
+        "\nforward cost at one row (64 cached entries): "
+        + ", ".join(f"{n} token{'s' * (n > 1)} {seconds[n] * 1e3:.2f} ms" for n in (1, 8, 32, 64))
+    )
+    per_token = {m: seconds[max(1, round(fed[m]))] / r["tpf"] for m, r in table.items()}  # s a token
+    unit = per_token.get("ar", seconds[1])
+    out: dict[str, Any] = {"ms_by_tokens_fed": {n: seconds[n] * 1e3 for n in sizes}, "methods": {}}
+    for m, r in table.items():
+        pred = unit / per_token[m]
+        out["methods"][m] = {"fed_per_forward": fed[m], "predicted_lead": pred}
+        print(f"{m:20} feeds {fed[m]:5.1f} tokens a forward at TPF {r['tpf']:5.2f}: predicted {pred:.2f}x AR")
+    print(
+        "predicted: t(tokens fed a forward) / TPF against AR's, the lead forward cost alone allows at batch "
+        "size 1 (decoder overhead aside): a wider forward is not free on this device"
+    )
+    return out
 
 
 def print_widths(full: dict[str, dict[int, dict[str, float]]], methods: list[str], sizes: list[int]) -> None:

@@ -13,6 +13,7 @@ model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import reprlib
 from dataclasses import dataclass, field
@@ -143,7 +144,7 @@ class DecodeConfig:
         return self
 
     # ------------------------------------------------------------------ derived
-    @property
+    @functools.cached_property  # read per committed token: computed once per config
     def unit(self) -> int:
         """Tokens the method decodes in whole units of: ReFusion whole slots in equal
         blocks, MDM whole blocks, AR single tokens."""
@@ -151,13 +152,13 @@ class DecodeConfig:
             self.method
         ]
 
-    @property
+    @functools.cached_property
     def region_length(self) -> int:
         """Positions the method decodes: gen_length rounded up to whole units. The output
         is cut back to gen_length tokens, and a row stops once it has them."""
         return -(-self.gen_length // self.unit) * self.unit
 
-    @property
+    @functools.cached_property
     def slots_per_block(self) -> int:
         """ReFusion: slots in each of the serial blocks of the region."""
         return self.region_length // self.slot_size // self.serial_blocks
