@@ -323,3 +323,29 @@ def test_a_row_in_an_ar_block_is_a_refusion_row(tiny, monkeypatch):
     row = engine.rows[0]
     assert isinstance(row, ReFusionRow) and row.to_infill is None
     assert row.req.stats.ar_blocks == 1 and row.req.stats.draft_steps == 0
+
+
+def test_infilling_verifies_the_plans_own_drafts_first_and_saves_forwards(bundled, monkeypatch):
+    """A lossless row's fork verifies the plan's drafts past its accepted prefix before it
+    drafts afresh: the same tokens (those of greedy AR decoding), in fewer forwards; with
+    the first round drafting as before, more forwards. Alone and in a batch."""
+    from refusion.decode.refusion import Infill
+    from refusion.tasks import load_test_items
+
+    model, tok = bundled
+    cfg = DecodeConfig(gen_length=128, slot_size=32, serial_blocks=4, infill_window=12, **LOSSLESS)
+    prompts = [it.prompt for it in load_test_items()[:12]]
+    ar = [o.token_ids for o in generate(model, tok, prompts, cfg.replace(method="ar"))]
+
+    def decode(b: int) -> tuple[list, int]:
+        outs = generate(
+            model, tok, prompts, cfg, engine_config=EngineConfig(max_batch_size=b, adaptive_drafts=False)
+        )
+        return [o.token_ids for o in outs], sum(o.stats.nfe for o in outs)
+
+    with_first = {b: decode(b) for b in (1, 4)}
+    monkeypatch.setattr(Infill, "_plan_drafts_first", staticmethod(lambda f: False))
+    without = {b: decode(b) for b in (1, 4)}
+    for b in (1, 4):
+        assert with_first[b][0] == without[b][0] == ar
+        assert with_first[b][1] < without[b][1]

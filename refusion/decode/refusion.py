@@ -43,7 +43,7 @@ from .forward import Forward
 from .options import PaperRule, rule_for
 from .request import Request
 from .sampling import token_probs
-from .widths import Acceptance
+from .widths import Acceptance, widths_keep_output
 
 
 @dataclass
@@ -431,10 +431,33 @@ class Infill:
         widest = max(r.s for r in rows)
         # rows grow by < s, feeds are <= s; the scratch storage of the last step is reused
         fcache = self.scratch = cache.select(src_rows, capacity=cache.used() + 2 * widest, out=self.scratch)
+        first = [self._plan_drafts_first(f) for f in forks]
+        if any(first):
+            self._verify(forks, fcache, only=first)
         while any(not f.complete for f in forks):
             self._draft(forks, fcache)
             self._verify(forks, fcache)
         self._commit(forks, fcache, cache, src_rows)
+
+    @staticmethod
+    def _plan_drafts_first(f: Fork) -> bool:
+        """Whether the fork's first round verifies the plan's own drafts past its accepted
+        prefix (up to a window of them) instead of drafting afresh: one forward instead of
+        two. The plan drafted them from MASKs, so the token that failed global verification
+        never conditioned them, and they often still pass after its correction. Only for
+        rows whose output cannot depend on which drafts are verified (`widths_keep_output`:
+        every accepted token is the AR argmax, and each round accepts one at least)."""
+        if not widths_keep_output(f.row.req.cfg) or f.row.ends(f.tokens[: f.accepted]) is not None:
+            return False
+        tail = []
+        for t in f.tokens[f.accepted : f.accepted + f.row.rule.window]:
+            if t == f.row.mask_id:  # a narrower plan left the rest of the slot undrafted
+                break
+            tail.append(t)
+            if t in f.row.req.eos_ids:  # drafts after an EOS are never verified
+                break
+        f.drafted, f.head = f.accepted + len(tail), None
+        return bool(tail)
 
     @staticmethod
     def _feed(f: Fork, tail: list[int]) -> tuple[list[int], list[int]]:
@@ -474,12 +497,15 @@ class Infill:
                 f.drafted += len(drafts) if eos is None else eos + 1
         fcache.advance(advance)
 
-    def _verify(self, forks: list[Fork], fcache: KVCache) -> None:
+    def _verify(self, forks: list[Fork], fcache: KVCache, only: list[bool] | None = None) -> None:
+        """A verify pass over every fork (`only`: over the forks marked; the others feed
+        nothing and stay as they are)."""
         tokens, positions, want = [], [], []
-        for f in forks:
+        for i, f in enumerate(forks):
             # a fork whose tokens are final feeds only the ones whose entries it lacks
             tail = [] if f.length else f.tokens[f.accepted : f.drafted]
-            toks, pos = self._feed(f, tail) if not f.complete else ([], [])
+            fed = not f.complete and (only is None or only[i])
+            toks, pos = self._feed(f, tail) if fed else ([], [])
             tokens.append(toks)
             positions.append(pos)
             # the logits that score the fed tokens (each token's predict the next), and any the rule
@@ -487,8 +513,11 @@ class Infill:
             want.append((0, len(toks) - 1 + f.row.rule.infill_next) if toks else (0, 0))
         logits = self.fwd.run([f.row.req for f in forks], tokens, positions, fcache, want)
         advance = []
-        for f, toks, lg in zip(forks, tokens, logits):
+        for i, (f, toks, lg) in enumerate(zip(forks, tokens, logits)):
             before = f.kept
+            if only is not None and not only[i]:  # left out of this pass
+                advance.append(0)
+                continue
             if f.length and not f.complete:
                 f.kept, f.complete = f.length, True
             elif not f.complete:
