@@ -43,7 +43,7 @@ from .forward import Forward
 from .options import PaperRule, rule_for
 from .request import Request
 from .sampling import token_probs
-from .widths import Acceptance, widths_keep_output
+from .widths import Acceptance, equals_greedy_ar
 
 
 @dataclass
@@ -445,9 +445,9 @@ class Infill:
         prefix (up to a window of them) instead of drafting afresh: one forward instead of
         two. The plan drafted them from MASKs, so the token that failed global verification
         never conditioned them, and they often still pass after its correction. Only for
-        rows whose output cannot depend on which drafts are verified (`widths_keep_output`:
+        rows whose output cannot depend on which drafts are verified (`equals_greedy_ar`:
         every accepted token is the AR argmax, and each round accepts one at least)."""
-        if not widths_keep_output(f.row.req.cfg) or f.row.ends(f.tokens[: f.accepted]) is not None:
+        if not equals_greedy_ar(f.row.req.cfg) or f.row.ends(f.tokens[: f.accepted]) is not None:
             return False
         tail = []
         for t in f.tokens[f.accepted : f.accepted + f.row.rule.window]:

@@ -31,19 +31,26 @@ from collections.abc import Callable
 from .config import DecodeConfig
 
 
-def widths_keep_output(cfg: DecodeConfig) -> bool:
-    """Whether this request's output is the same at any draft widths: greedy ReFusion with
-    AR correction and the first-token check, one slot per block and token_threshold >= 0.5
-    commits the AR argmax at every position (docs/algorithm.md#lossless), so the widths
-    only decide how many forwards that takes."""
+def equals_greedy_ar(cfg: DecodeConfig) -> bool:
+    """Whether this request decodes exactly what greedy AR decoding of the same weights
+    does, whichever drafts it verifies: greedy ReFusion with AR correction, the first-token
+    check and token_threshold >= 0.5 commits the AR argmax at every position, with one slot
+    per block or with the left check (docs/algorithm.md#lossless)."""
     return (
         cfg.method == "refusion"
         and cfg.greedy
         and cfg.ar_correction
         and cfg.first_token_check
-        and cfg.slots_per_block == 1
         and cfg.token_threshold >= 0.5
+        and (cfg.slots_per_block == 1 or cfg.left_check)
     )
+
+
+def widths_keep_output(cfg: DecodeConfig) -> bool:
+    """Whether this request's output is the same at any draft widths (`equals_greedy_ar`),
+    in a layout the engine narrows: one slot per block, so that a narrower plan drafts a
+    prefix of its only slot. The widths then only decide how many forwards it takes."""
+    return equals_greedy_ar(cfg) and cfg.slots_per_block == 1
 
 
 Shape = tuple[int, int, int]  # rows, tokens fed per row, entries cached per row
