@@ -26,6 +26,10 @@
 #   scripts/train_bundled.sh refusion-ft-mix-long  the same over 8000 ReFusion steps: the shipped model
 #   scripts/train_bundled.sh refusion-ft-mix-longer  refusion-ft-mix-long continued for 6000 more
 #                                      steps of the same objective (warm restart at lr 1e-3)
+#   scripts/train_bundled.sh refusion-ft-mix-longer-lowlr  the same continued for 4000 steps
+#                                      at lr 3e-4 (both: the shipped model's next candidates;
+#                                      runs/bundled-refusion-ft-mix-long may be a copy of
+#                                      refusion/bundled/refusion-tiny, the same weights)
 #
 # As in the paper, the shipped ReFusion model is made from a finished autoregressive model:
 # the AR baseline (`ar` then `ar-long`, 10250 steps of 16 examples) plus 8000 ReFusion
@@ -98,6 +102,10 @@ case "$what" in
     [ -f runs/bundled-refusion-ft-mix-long/model.safetensors ] || { echo "run '$0 refusion-ft-mix-long' first" >&2; exit 2; }
     train --model runs/bundled-refusion-ft-mix-long --out runs/bundled-refusion-ft-mix-longer --objective refusion \
       --seed 2 --max-steps 6000 --lr 1e-3 --warmup-steps 50 --keep-checkpoints 0 --boundary-labels --ar-mix 0.25 ;;
+  refusion-ft-mix-longer-lowlr)
+    [ -f runs/bundled-refusion-ft-mix-long/model.safetensors ] || { echo "run '$0 refusion-ft-mix-long' first" >&2; exit 2; }
+    train --model runs/bundled-refusion-ft-mix-long --out runs/bundled-refusion-ft-mix-longer-lowlr --objective refusion \
+      --seed 3 --max-steps 4000 --lr 3e-4 --warmup-steps 50 --keep-checkpoints 0 --boundary-labels --ar-mix 0.25 ;;
   refusion-ft-long)
     [ -f runs/bundled-ar-long/model.safetensors ] || { echo "run '$0 ar-long' first" >&2; exit 2; }
     train --model runs/bundled-ar-long --out runs/bundled-refusion-ft-long --objective refusion \
@@ -112,5 +120,5 @@ case "$what" in
       mkdir -p "$dest"
       cp "$run"/{config.json,model.safetensors,tokenizer.json,tokenizer_config.json,chat_template.jinja} "$dest"/
     done ;;
-  *) echo "usage: $0 ar|refusion|ar-long|refusion-short|refusion-ft|refusion-ft-long|refusion-ft-boundary|refusion-ft-mix|refusion-ft-mix-long|refusion-ft-mix-longer|scratch|ship" >&2; exit 2 ;;
+  *) echo "usage: $0 ar|refusion|ar-long|refusion-short|refusion-ft|refusion-ft-long|refusion-ft-boundary|refusion-ft-mix|refusion-ft-mix-long|refusion-ft-mix-longer|refusion-ft-mix-longer-lowlr|scratch|ship" >&2; exit 2 ;;
 esac
