@@ -449,15 +449,12 @@ class Infill:
         every accepted token is the AR argmax, and each round accepts one at least)."""
         if not equals_greedy_ar(f.row.req.cfg) or f.row.ends(f.tokens[: f.accepted]) is not None:
             return False
-        tail = []
-        for t in f.tokens[f.accepted : f.accepted + f.row.rule.window]:
-            if t == f.row.mask_id:  # a narrower plan left the rest of the slot undrafted
-                break
-            tail.append(t)
-            if t in f.row.req.eos_ids:  # drafts after an EOS are never verified
-                break
-        f.drafted, f.head = f.accepted + len(tail), None
-        return bool(tail)
+        tail = f.tokens[f.accepted : f.accepted + f.row.rule.window]
+        if f.row.mask_id in tail:  # a narrower plan left the rest of the slot undrafted
+            tail = tail[: tail.index(f.row.mask_id)]
+        eos = f.row.ends(tail)  # drafts after an EOS are never verified
+        f.drafted, f.head = f.accepted + (len(tail) if eos is None else eos + 1), None
+        return f.drafted > f.accepted
 
     @staticmethod
     def _feed(f: Fork, tail: list[int]) -> tuple[list[int], list[int]]:
@@ -500,12 +497,12 @@ class Infill:
     def _verify(self, forks: list[Fork], fcache: KVCache, only: list[bool] | None = None) -> None:
         """A verify pass over every fork (`only`: over the forks marked; the others feed
         nothing and stay as they are)."""
+        taking = only or [True] * len(forks)  # the forks this pass is over
         tokens, positions, want = [], [], []
-        for i, f in enumerate(forks):
+        for f, takes in zip(forks, taking):
             # a fork whose tokens are final feeds only the ones whose entries it lacks
             tail = [] if f.length else f.tokens[f.accepted : f.drafted]
-            fed = not f.complete and (only is None or only[i])
-            toks, pos = self._feed(f, tail) if fed else ([], [])
+            toks, pos = self._feed(f, tail) if takes and not f.complete else ([], [])
             tokens.append(toks)
             positions.append(pos)
             # the logits that score the fed tokens (each token's predict the next), and any the rule
@@ -513,9 +510,9 @@ class Infill:
             want.append((0, len(toks) - 1 + f.row.rule.infill_next) if toks else (0, 0))
         logits = self.fwd.run([f.row.req for f in forks], tokens, positions, fcache, want)
         advance = []
-        for i, (f, toks, lg) in enumerate(zip(forks, tokens, logits)):
+        for f, takes, toks, lg in zip(forks, taking, tokens, logits):
             before = f.kept
-            if only is not None and not only[i]:  # left out of this pass
+            if not takes:
                 advance.append(0)
                 continue
             if f.length and not f.complete:
