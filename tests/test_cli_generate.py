@@ -210,6 +210,8 @@ def test_bench_decode_compares_compiled_and_eager(model_dir, capsys, tmp_path):
             fig["sweep_detail"][m + "+c"]["2"]["fed_per_token"]
             == fig["sweep_detail"][m]["2"]["fed_per_token"]
         )
+    # the forward-cost lead is read from the eager forward: predicted for the eager methods only
+    assert set(fig["forward_lead"]["methods"]) == {"ar", "refusion"}
 
 
 def test_bench_decode_rejects_an_unknown_suffix(model_dir, capsys):

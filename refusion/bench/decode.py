@@ -325,7 +325,7 @@ def _run(args: argparse.Namespace, report: bool) -> int:
     print(
         "overhead: share of decode time spent outside forward passes (decoder logic, sampling, bookkeeping)"
     )
-    lead = print_forward_lead(model, table)
+    lead = print_forward_lead(model, {m: r for m, r in table.items() if runs_eagerly(base, engine, m)})
     agreed = print_agreement(rows)
     weights = print_weights(models)
     full, n_sweep = batch_sweep(
@@ -382,13 +382,20 @@ def _run(args: argparse.Namespace, report: bool) -> int:
     return 0
 
 
+def runs_eagerly(base: DecodeConfig, engine: EngineConfig, name: str) -> bool:
+    """Whether a method runs the loaded model's own eager forward (not compiled, not a
+    quantized copy): the forward `print_forward_lead` times."""
+    return "@" not in name and not method_config(base, engine, name)[1].compile
+
+
 def print_forward_lead(model, table: dict[str, dict[str, float]]) -> dict[str, Any]:
     """Why a method leads AR by what it does at batch size 1: a forward's seconds grow with
-    the tokens it feeds (timed here at one row), and a method that feeds F tokens per
-    forward (prompts included) at TPF T spends t(F) / T a token, so forward cost alone
-    predicts its lead over AR decoding (or over one-token forwards where AR is not run);
-    the decoder's own overhead comes on top. Printed for every method with the
-    forward-cost curve it is read from."""
+    the tokens it feeds (timed here at one row, on the loaded model, eagerly), and a method
+    that feeds F tokens per forward (prompts included) at TPF T spends t(F) / T a token, so
+    forward cost alone predicts its lead over AR decoding (or over one-token forwards where
+    AR is not run); the decoder's own overhead comes on top. Printed, with the
+    forward-cost curve it is read from, for the methods in `table`: those that run this
+    forward (`runs_eagerly`)."""
     fed = {m: r["fed_per_token"] * r["tpf"] for m, r in table.items()}
     sizes = sorted({1, 8, 32, 64, *(max(1, round(f)) for f in fed.values())})
     fwd = Forward(model=model, pad_id=0)
