@@ -26,6 +26,7 @@ from refusion.decode.widths import (
     Survival,
     block_rate,
     choose,
+    equals_greedy_ar,
     nonnegative_least_squares,
     widths_keep_output,
 )
@@ -121,6 +122,12 @@ def test_the_shipped_settings_are_the_ones_whose_output_cannot_change(bundled):
         dict(method="ar"),
     ]:
         assert not widths_keep_output(shipped.replace(**change)), change
+    # several slots per block with the left check also decode greedy AR whichever drafts they
+    # verify (the lossless first infilling round takes them), but their widths stay fixed
+    two_slots = shipped.replace(serial_blocks=2, slot_size=32, left_check=True)
+    assert equals_greedy_ar(two_slots) and not widths_keep_output(two_slots)
+    assert not equals_greedy_ar(two_slots.replace(left_check=False))
+    assert not equals_greedy_ar(two_slots.replace(token_threshold=0.4))
 
 
 @pytest.mark.parametrize("seed", range(3))
