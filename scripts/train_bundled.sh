@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The recipe of the bundled model, from nothing: tokenizer, data, config, `refusion train`.
 #
-#   scripts/train_bundled.sh [MODE]    MODE defaults to refusion-ft-mix-long, the shipped ReFusion model
+#   scripts/train_bundled.sh [MODE]    MODE defaults to refusion-ft-mix-longer-lowlr, the shipped ReFusion model
 #   scripts/train_bundled.sh ar        AR pre-training: 4000 steps of next-token training
 #   scripts/train_bundled.sh refusion  ar's step-2250 checkpoint, then 8000 steps of the
 #                                      paper's ReFusion objective (10250 in all, as the baseline)
@@ -13,7 +13,7 @@
 #   scripts/train_bundled.sh refusion-ft-long  the same over 8000 ReFusion steps: the shipped
 #                                      route's budget, from the finished AR model
 #   scripts/train_bundled.sh ship      copy the two shipped models into the package:
-#                                      runs/bundled-refusion-ft-mix-long -> refusion/bundled/refusion-tiny,
+#                                      runs/bundled-refusion-ft-mix-longer-lowlr -> refusion/bundled/refusion-tiny,
 #                                      runs/bundled-ar-long -> refusion/bundled/ar-tiny (their
 #                                      decode_config.json files stay; they are written by hand)
 #   scripts/train_bundled.sh refusion-ft  the paper's setting: the finished AR baseline
@@ -23,27 +23,27 @@
 #                                      across slot boundaries too, beyond the paper)
 #   scripts/train_bundled.sh refusion-ft-mix  refusion-ft-boundary with --ar-mix 0.25 (a quarter
 #                                      of the examples plain next-token ones, beyond the paper)
-#   scripts/train_bundled.sh refusion-ft-mix-long  the same over 8000 ReFusion steps: the shipped model
-#   scripts/train_bundled.sh refusion-ft-mix-longer  refusion-ft-mix-long continued for 6000 more
-#                                      steps of the same objective (warm restart at lr 1e-3)
-#   scripts/train_bundled.sh refusion-ft-mix-longer-lowlr  the same continued for 4000 steps
-#                                      at lr 3e-4 (both: the shipped model's next candidates;
-#                                      runs/bundled-refusion-ft-mix-long may be a copy of
-#                                      refusion/bundled/refusion-tiny, the same weights)
+#   scripts/train_bundled.sh refusion-ft-mix-long  the same over 8000 ReFusion steps (the model
+#                                      shipped before)
+#   scripts/train_bundled.sh refusion-ft-mix-longer-lowlr  refusion-ft-mix-long continued for 4000
+#                                      more steps of the same objective at lr 3e-4: the shipped model
+#   scripts/train_bundled.sh refusion-ft-mix-longer  the same continued for 6000 steps with a
+#                                      warm restart at lr 1e-3 (a reference)
 #
 # As in the paper, the shipped ReFusion model is made from a finished autoregressive model:
 # the AR baseline (`ar` then `ar-long`, 10250 steps of 16 examples) plus 8000 ReFusion
-# steps with two objective options beyond the paper (`refusion-ft-mix-long`). From nothing:
-#   ar, ar-long, refusion-ft-mix-long, ship
+# steps with two objective options beyond the paper (`refusion-ft-mix-long`), then 4000 more
+# at a lower rate (`refusion-ft-mix-longer-lowlr`). From nothing:
+#   ar, ar-long, refusion-ft-mix-long, refusion-ft-mix-longer-lowlr, ship
 # The other ReFusion modes are references: `refusion` the paper's objective at the AR
 # baseline's own budget, `refusion-ft` and `refusion-ft-boundary` the paper's objective and
 # boundary labels alone from the same start, `refusion-ft-mix` the shipped recipe over 4000
-# steps (the model shipped before). Everything is seeded; a run resumes from its latest
+# steps (the model shipped first). Everything is seeded; a run resumes from its latest
 # checkpoint when its output directory already holds one. The bundled copy's
 # model.safetensors is float32, <= 16 MB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-what="${1:-refusion-ft-mix-long}"
+what="${1:-refusion-ft-mix-longer-lowlr}"
 work=runs/bundled-data
 py=.venv/bin/python
 mkdir -p "$work"
@@ -114,7 +114,7 @@ case "$what" in
     train --init-config "$work/config.json" --tokenizer "$work/tokenizer" --out runs/bundled-refusion-scratch \
       --objective refusion --max-steps 4000 --lr 3e-3 --warmup-steps 100 --keep-checkpoints 2 ;;
   ship)
-    for pair in bundled-refusion-ft-mix-long:refusion-tiny bundled-ar-long:ar-tiny; do
+    for pair in bundled-refusion-ft-mix-longer-lowlr:refusion-tiny bundled-ar-long:ar-tiny; do
       run="runs/${pair%%:*}" dest="refusion/bundled/${pair##*:}"
       [ -f "$run/model.safetensors" ] || { echo "$run has no final model: train it first" >&2; exit 2; }
       mkdir -p "$dest"
