@@ -10,8 +10,8 @@
 #   scripts/train_bundled.sh refusion-short  ar's step-2250 checkpoint + 1750 ReFusion steps:
 #                                      the same 4000-step budget as `ar`
 #   scripts/train_bundled.sh scratch   ReFusion from random weights, 4000 steps (a reference)
-#   scripts/train_bundled.sh refusion-ft-long  the same over 8000 ReFusion steps: the shipped
-#                                      route's budget, from the finished AR model
+#   scripts/train_bundled.sh refusion-ft-long  the same over 8000 ReFusion steps: the budget of
+#                                      the shipped route's first stage, from the finished AR model
 #   scripts/train_bundled.sh ship      copy the two shipped models into the package:
 #                                      runs/bundled-refusion-ft-mix-longer-lowlr -> refusion/bundled/refusion-tiny,
 #                                      runs/bundled-ar-long -> refusion/bundled/ar-tiny (their
