@@ -332,6 +332,29 @@ def test_a_row_in_an_ar_block_is_a_refusion_row(tiny, monkeypatch):
     assert row.req.stats.ar_blocks == 1 and row.req.stats.draft_steps == 0
 
 
+def test_rows_inside_an_ar_block_are_priced_as_riders_not_choosers(tiny, monkeypatch):
+    """A row inside an AR block runs to the block's end whatever the others choose: the
+    choice is asked only of the rows at a block's start, and the AR-block rows are among
+    the rows that ride along, feeding one token each (they wait through any infilling)."""
+    asked = []
+
+    def record(rows, other_rows, other_fed, slot, window, acceptance, cost, overheads=(0.0, 0.0)):
+        asked.append((rows, other_rows, other_fed))
+        return (0, 0) if not asked[1:] else (slot, window)  # the first row's block is AR
+
+    monkeypatch.setattr(engine_module, "choose", record)
+    c = CASES[0]
+    engine = Engine(tiny)
+    engine.add_request(c["prompt_ids"], lossless(c, s=8, blocks=3), request_id="a")
+    with torch.inference_mode():
+        engine.step()  # "a" starts an AR block of 8 tokens: two a step
+        assert engine.rows[0].ar_block
+        engine.add_request(c["prompt_ids"], lossless(c, s=8, blocks=3), request_id="b")
+        engine.step()  # "b" joins and chooses alone; "a" rides along, one token a forward
+    assert asked == [(1, 0, 0), (1, 1, 1)]
+    assert engine.rows[0].ar_block and not engine.rows[1].ar_block
+
+
 def test_infilling_verifies_the_plans_own_drafts_first_and_saves_forwards(bundled, monkeypatch):
     """A lossless row's fork verifies the plan's drafts past its accepted prefix before it
     drafts afresh: the same tokens (those of greedy AR decoding), in fewer forwards; with

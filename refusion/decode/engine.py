@@ -288,14 +288,16 @@ class Engine:
             r.next_block_if_complete()
 
     def _choose_widths(self) -> None:
-        """Each group of rows with adaptive widths (same slot size and widest window) gets
-        the plan width and infilling window that commit the most tokens per second with the
-        batch as it is (`widths.choose`); the forward cost is timed at first use and
-        every five minutes after."""
+        """Each group of rows with adaptive widths at the start of a block (same slot size
+        and widest window) gets the plan width and infilling window that commit the most
+        tokens per second with the batch as it is (`widths.choose`); the forward cost is
+        timed at first use and every five minutes after. A row inside an AR block does not
+        choose: it runs to the block's end, a token in each plan and verification forward,
+        and waits through the drafting rows' infilling, so it is priced as such a rider."""
         groups: dict[tuple[int, int], list[ReFusionRow]] = {}
         cached: dict[int, int] = {}  # id(row) -> entries in its cache row
         for b, r in enumerate(self.rows):
-            if isinstance(r, ReFusionRow) and r.acceptance is not None:
+            if isinstance(r, ReFusionRow) and r.acceptance is not None and not r.ar_block:
                 groups.setdefault((r.s, r.req.cfg.infill_window or r.s), []).append(r)
                 cached[id(r)] = self.cache.lengths[b]
         if not groups:
@@ -306,11 +308,9 @@ class Engine:
             cost.calibrate(self.fwd.time_shapes, self.config.max_batch_size)
             self._not_step += time.perf_counter() - t0  # a one-off: not the step's own work
         for (s, window), rows in groups.items():
-            if all(r.ar_block for r in rows):
-                continue  # an AR block runs to its end: nothing to choose
             member = {id(r) for r in rows}
             rest = [r for r in self.rows if id(r) not in member]
-            fed = sum(r.s if isinstance(r, ReFusionRow) else 1 for r in rest)
+            fed = sum(r.s if isinstance(r, ReFusionRow) and not r.ar_block else 1 for r in rest)
             # the rows' mean cache length: attention's share of a forward's cost
             context = sum(cached[id(r)] for r in rows) // len(rows)
             at = functools.partial(cost, context=context)
@@ -318,8 +318,6 @@ class Engine:
             overheads = (d.overhead.seconds, d.ar_overhead.seconds)
             p, w = choose(len(rows), len(rest), fed, s, window, d.acceptance, at, overheads=overheads)
             for r in rows:
-                if r.ar_block:
-                    continue
                 if p == 0 and r.can_start_ar_block():
                     r.start_ar_block()  # counted in its request's stats (ar_blocks), as drafting steps are
                 else:

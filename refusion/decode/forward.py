@@ -166,8 +166,11 @@ class Forward:
         """Seconds of a forward of each shape (rows, tokens per row, entries cached per row),
         with the logits of each row's last token, best of `repeats`: calibration samples for
         the draft widths (widths.ForwardCost), on caches of their own (one per rows and
-        context; a forward writes past the rows' ends and keeps nothing)."""
-        device, out, caches = self.model.device, [], {}
+        context; a forward writes past the rows' ends and keeps nothing). The repeats go
+        round the shapes in turn, so that a moment when the machine is busy slows one
+        sample of each shape rather than every sample of one."""
+        device, caches = self.model.device, {}
+        feeds = []
         for rows, per_row, context in shapes:
             if (rows, context) not in caches:
                 longest = max(k for r, k, c in shapes if (r, c) == (rows, context))
@@ -177,16 +180,17 @@ class Forward:
             tokens = [[self.pad_id] * per_row] * rows
             positions = [list(range(context, context + per_row))] * rows
             self._packed(tokens, positions, caches[rows, context])  # a first call of a shape allocates
-            best = float("inf")
-            for _ in range(repeats):
+            feeds.append((tokens, positions, caches[rows, context], per_row))
+        best = [float("inf")] * len(shapes)
+        for _ in range(repeats):
+            for i, (tokens, positions, cache, per_row) in enumerate(feeds):
                 sync(device)
                 t0 = time.perf_counter()
-                hidden = self._packed(tokens, positions, caches[rows, context])  # (rows * per_row, hidden)
+                hidden = self._packed(tokens, positions, cache)  # (rows * per_row, hidden)
                 self.model.lm_head(hidden[per_row - 1 :: per_row]).float()
                 sync(device)
-                best = min(best, time.perf_counter() - t0)
-            out.append(best)
-        return out
+                best[i] = min(best[i], time.perf_counter() - t0)
+        return best
 
     def _check_finite(self, logits: torch.Tensor) -> None:
         """Warn once when logits are not finite: the tokens sampled from them are noise.
