@@ -7,6 +7,7 @@ import pytest
 
 import refusion
 from refusion.cli.dispatch import main
+from refusion.decode import DecodeConfig
 from refusion.decode.request import NOTES
 
 
@@ -254,6 +255,34 @@ def test_bench_decode_compares_fixed_and_adaptive_widths(capsys, tmp_path):
     assert re.search(
         r"^refusion\s+feeds\s+[\d.]+ tokens a forward at TPF\s+[\d.]+: predicted [\d.]+x AR$", out, re.M
     )
+
+
+def test_bench_decode_sweep_runs_methods_side_by_side_and_pairs_their_ratios(monkeypatch):
+    """At each batch size the methods run one after the other, their order turning each
+    round; a method's ratio to AR is the median of the rounds' own ratios, not a ratio of
+    medians taken minutes apart."""
+    import refusion.bench.decode as bench
+
+    calls, speed = [], iter([100.0, 300.0, 200.0, 200.0, 50.0, 200.0])  # AR, ReFusion per round at b=1
+
+    def fake_timed(model, tokenizer, prompts, cfg, engine):
+        calls.append((engine.max_batch_size, cfg.method))
+        return {"tps": next(speed) if engine.max_batch_size == 1 else 1.0}
+
+    monkeypatch.setattr(bench, "timed", fake_timed)
+    monkeypatch.setattr(bench, "matmul_peak", lambda model: 1.0)
+    base, engine = DecodeConfig(), refusion.EngineConfig()
+    full, _ = bench.batch_sweep({None: None}, None, base, engine, ["ar", "refusion"], [1, 4], 2, 3)
+    assert calls == [
+        (1, "ar"), (1, "refusion"), (4, "ar"), (4, "refusion"),
+        (1, "refusion"), (1, "ar"), (4, "refusion"), (4, "ar"),
+        (1, "ar"), (1, "refusion"), (4, "ar"), (4, "refusion"),
+    ]  # fmt: skip
+    # rounds at b=1: 300/100, 200/200 (ReFusion ran first), 200/50 -> median 3.0;
+    # the medians' ratio would say 200/100 = 2.0
+    assert full["refusion"][1]["vs_ar"] == pytest.approx(3.0)
+    assert full["refusion"][1]["tps"] / full["ar"][1]["tps"] == pytest.approx(2.0)
+    assert full["ar"][4]["vs_ar"] == 1.0
 
 
 def test_bench_decode_times_the_draft_widths_forwards_before_any_timed_run(monkeypatch, capsys):

@@ -298,18 +298,17 @@ def _run(args: argparse.Namespace, report: bool) -> int:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     warm_up(models, tokenizer, base, engine, methods, sizes)
     rows: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
-    for _ in range(args.rounds):
-        for m in methods:
+    for i in range(args.rounds):
+        for m in turn(methods, i):
             cfg, ecfg = method_config(base, engine, m)
             rows[m].append(
                 timed(model_of(models, m), tokenizer, prompts, cfg, ecfg.replace(max_batch_size=1))
             )
-    table = {m: medians(rs) for m, rs in rows.items()}
-    ar_tps = table.get("ar", {}).get("tps")
+    table = {m: {**medians(rs), **paired_vs_ar(rows, m)} for m, rs in rows.items()}
     threads = f", {torch.get_num_threads()} CPU threads" if model.device.type == "cpu" else ""
     print(
         f"{len(prompts)} prompts, batch size 1, gen_length {base.gen_length}, "
-        f"median of {args.rounds} interleaved rounds{threads}"
+        f"median of {args.rounds} interleaved rounds{threads}; vs AR: the median of each round's ratio"
     )
     gpu = model.device.type == "cuda"
     print(
@@ -317,7 +316,7 @@ def _run(args: argparse.Namespace, report: bool) -> int:
         + (f" {'peak MB':>8}" if gpu else "")
     )
     for m, r in table.items():
-        ratio = f"{r['tps'] / ar_tps:.2f}x" if ar_tps else "-"
+        ratio = f"{r['vs_ar']:.2f}x" if "vs_ar" in r else "-"
         print(
             f"{m:20} {r['tokens']:7.0f} {r['nfe']:6.0f} {r['tpf']:6.2f} {r['tps']:8.1f} "
             f"{ratio:>6} {r['overhead']:8.1%}" + (f" {r['peak_mb']:8.0f}" if gpu else "")
@@ -337,17 +336,20 @@ def _run(args: argparse.Namespace, report: bool) -> int:
         f"tokens/s of the whole set, median of {args.rounds} interleaved rounds"
     )
     print(f"{'method':20} " + " ".join(f"{'b=' + str(b):>9}" for b in sizes) + f" {'max/b1':>7}")
-    ar_sweep = sweep.get("ar")
     for m in methods:
         print(
             f"{m:20} "
             + " ".join(f"{sweep[m][b]:9.1f}" for b in sizes)
             + f" {max(sweep[m].values()) / sweep[m][sizes[0]]:6.2f}x"
         )
-    if ar_sweep:
+    if "ar" in methods:
         for m in methods:
             if m != "ar":
-                print(f"{m + ' / ar':20} " + " ".join(f"{sweep[m][b] / ar_sweep[b]:8.2f}x" for b in sizes))
+                print(f"{m + ' / ar':20} " + " ".join(f"{full[m][b]['vs_ar']:8.2f}x" for b in sizes))
+        print(
+            "ratios: the median of each round's ratio; at each batch size the methods run one after "
+            "the other, their order turning round by round"
+        )
     peak = statistics.median(r["peak_gflops"] for per in full.values() for r in per.values())
     print(
         "\nwhat the sweep asks of the machine: tokens fed per token committed, "
@@ -482,18 +484,38 @@ def batch_sweep(
     rounds: int,
 ) -> tuple[dict[str, dict[int, dict[str, float]]], int]:
     """Per (method, batch size), the figures of `timed` for n prompts (median over rounds of
-    each), sizes and methods interleaved within each round; `peak_gflops` is the model-shape
-    matmul rate measured next to each run."""
+    each, and `paired_vs_ar`); within a round, each batch size runs every method one after
+    the other, so that the figures a ratio compares are taken moments apart on a machine
+    whose speed drifts, and the methods' order turns each round (`turn`), so that none
+    always runs first. `peak_gflops` is the model-shape matmul rate measured next to each run."""
     prompts = bench_prompts(n)
     runs: dict[str, dict[int, list[dict[str, float]]]] = {m: {b: [] for b in sizes} for m in methods}
-    for _ in range(rounds):
-        for m in methods:
-            for b in sizes:
+    for i in range(rounds):
+        for b in sizes:
+            for m in turn(methods, i):
                 cfg, ecfg = method_config(base, engine, m)
                 model = model_of(models, m)
                 r = timed(model, tokenizer, prompts, cfg, ecfg.replace(max_batch_size=b))
                 runs[m][b].append({**r, "peak_gflops": matmul_peak(models[None])})
-    return {m: {b: medians(rs) for b, rs in per.items()} for m, per in runs.items()}, len(prompts)
+    return {
+        m: {b: {**medians(per[b]), **paired_vs_ar({k: runs[k][b] for k in runs}, m)} for b in sizes}
+        for m, per in runs.items()
+    }, len(prompts)
+
+
+def turn(methods: list[str], i: int) -> list[str]:
+    """The methods in round i's order: the list turned by i places."""
+    k = i % max(len(methods), 1)
+    return methods[k:] + methods[:k]
+
+
+def paired_vs_ar(runs: dict[str, list[dict[str, Any]]], m: str) -> dict[str, float]:
+    """{"vs_ar": the median over rounds of method m's tokens/s over AR's in the same round},
+    or {} when AR was not run: a ratio of runs moments apart, not of medians that may come
+    from different minutes of a drifting machine."""
+    if "ar" not in runs:
+        return {}
+    return {"vs_ar": statistics.median(r["tps"] / a["tps"] for r, a in zip(runs[m], runs["ar"]))}
 
 
 def medians(runs: list[dict[str, Any]]) -> dict[str, float]:

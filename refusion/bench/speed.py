@@ -42,7 +42,15 @@ from ..model.config import ModelConfig
 from ..model.prompts import encode_prompt, mask_id_of
 from ..model.transformer import Transformer
 from ..timing import calibrate, median, time_ms
-from .decode import agreement, bench_prompts, calibrate_widths, quantized_models, timed
+from .decode import (
+    agreement,
+    bench_prompts,
+    calibrate_widths,
+    paired_vs_ar,
+    quantized_models,
+    timed,
+    turn,
+)
 
 # Shapes of randomly initialised models (`random:NAME`): speed does not depend on the values.
 RANDOM_SHAPES: dict[str, dict[str, Any]] = {
@@ -460,11 +468,11 @@ def refusion_section(
     )
     calibrate_widths(model, tokenizer, prompts, base.replace(method="refusion"), one)
     rows: dict[str, list[dict[str, Any]]] = {"ar": [], "refusion": []}
-    for _ in range(args.decode_rounds):
-        for m in rows:
+    for i in range(args.decode_rounds):
+        for m in turn(list(rows), i):
             rows[m].append(timed(model, tokenizer, prompts, base.replace(method=m), one))
     table = {m: {k: median([r[k] for r in rs]) for k in rs[0]} for m, rs in rows.items()}
-    table["refusion"]["vs_ar"] = table["refusion"]["tps"] / table["ar"]["tps"]
+    table["refusion"].update(paired_vs_ar(rows, "refusion"))
     return {"prompts": len(prompts), "gen_length": base.gen_length, **table}
 
 
