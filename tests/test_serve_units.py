@@ -436,3 +436,14 @@ def test_library_errors_map_to_statuses():
     for err, status, code in cases:
         e = library_error(err)
         assert (e.status, e.code) == (status, code)
+
+
+def test_loadtest_method_ratio_is_the_median_of_each_rounds_own_ratio():
+    """Rounds of (AR, ReFusion) phases: each round's ratio is taken from phases moments
+    apart, then the median; the medians' ratio would mix rounds of a drifting machine."""
+    from refusion.serve.loadtest import paired_ratio
+
+    rounds = [(100.0, 300.0), (200.0, 200.0), (50.0, 200.0)]
+    pairs = [({"tokens_per_s": a}, {"tokens_per_s": b}) for a, b in rounds]
+    assert paired_ratio(pairs) == 3.0  # per round 3, 1, 4; the medians' ratio: 200 / 100 = 2
+    assert paired_ratio([({"tokens_per_s": 0.0}, {"tokens_per_s": 5.0})]) is None

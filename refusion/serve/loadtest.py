@@ -16,7 +16,8 @@ then each client with its own (`MIXED`: methods, thresholds, slot sizes, samplin
 the server batches together. `--methods ar,refusion` runs each client count once per
 method (the request's `method`, the rest from the checkpoint's settings) and prints, per
 count, the second method's tokens/s over the first's. --rounds N repeats the phases
-interleaved and reports each phase's median round.
+interleaved and reports each phase's median round; a method ratio is then the median of
+each round's own ratio.
 """
 
 from __future__ import annotations
@@ -218,6 +219,14 @@ def _phases(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple[
     return [(f"{m}@{n}", n, False, {"method": m}) for n in counts for m in methods]
 
 
+def paired_ratio(pairs: list[tuple[dict, dict]]) -> float | None:
+    """The median over rounds of the second phase's tokens/s over the first's, rounded;
+    None when a first phase made no tokens."""
+    if any(not a["tokens_per_s"] for a, _ in pairs):
+        return None
+    return round(statistics.median(b["tokens_per_s"] / a["tokens_per_s"] for a, b in pairs), 2)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m refusion.serve.loadtest", description=__doc__.split("\n\n")[0]
@@ -288,10 +297,11 @@ def main(argv: list[str] | None = None) -> int:
         "rss_kib_after": after,
     }
     if args.methods:
-        first, second = phases[0::2], phases[1::2]
+        # each round's own ratio, then their median: phases moments apart, on a machine whose
+        # speed drifts from round to round
         report["method_ratio"] = {
-            a["clients"]: round(b["tokens_per_s"] / a["tokens_per_s"], 2) if a["tokens_per_s"] else None
-            for a, b in zip(first, second)
+            phases[i]["clients"]: paired_ratio([(r[i], r[i + 1]) for r in runs])
+            for i in range(0, len(phases), 2)
         }
     elif len(phases) > 1 and phases[0]["tokens_per_s"]:
         report["tokens_per_s_ratio"] = round(phases[-1]["tokens_per_s"] / phases[0]["tokens_per_s"], 2)
