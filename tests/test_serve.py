@@ -509,6 +509,9 @@ def test_requests_with_different_settings_share_steps(loaded):
     assert m["refusion_engine_forward_passes"] < sum(
         o.stats.nfe for o in engine.outputs
     )  # forwards were shared
+    # how the ReFusion rows decoded: drafting steps and blocks as AR, summed over completions
+    assert m["refusion_drafting_steps_total"] == sum(o.stats.draft_steps for o in engine.outputs) > 0
+    assert m["refusion_ar_blocks_total"] == sum(o.stats.ar_blocks for o in engine.outputs)
 
 
 def test_a_preset_request_keeps_the_servers_sampling_settings(loaded):

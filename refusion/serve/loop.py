@@ -103,6 +103,8 @@ class Job:
                 self.metrics.completion_tokens.inc(self.completion_tokens)
                 self.metrics.generated_tokens.inc(out.stats.tokens)
                 self.metrics.forwards.inc(out.stats.nfe)
+                self.metrics.drafting_steps.inc(out.stats.draft_steps)
+                self.metrics.ar_blocks.inc(out.stats.ar_blocks)
                 if out.stats.nfe:
                     self.metrics.tpf.observe(out.stats.tpf)
             self._send(("done", out.finish_reason, self.completion_tokens))

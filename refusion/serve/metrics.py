@@ -177,6 +177,16 @@ class Metrics(Registry):
             p + "forward_passes_total",
             "Forward passes summed over completions (generated_tokens_total / this = overall TPF)",
         )
+        self.drafting_steps = self._add(
+            Counter,
+            p + "drafting_steps_total",
+            "ReFusion steps that drafted (plan, global verification, infilling), summed over completions",
+        )
+        self.ar_blocks = self._add(
+            Counter,
+            p + "ar_blocks_total",
+            "ReFusion blocks the adaptive draft widths decoded as AR decoding does, a token per forward",
+        )
         self.tpf = self._add(
             Histogram,
             p + "tokens_per_forward",
