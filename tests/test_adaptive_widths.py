@@ -267,22 +267,24 @@ def test_a_costly_step_keeps_drafting_where_forwards_alone_would_not():
         acc.infill.add(5, 12)
     token_heavy = lambda n, r: 1e-4 + 1e-4 * n  # noqa: E731
     assert choose(16, 0, 0, 32, 12, acc, token_heavy) == (0, 0)
-    assert choose(16, 0, 0, 32, 12, acc, token_heavy, overheads=(0.01, 0.01)) != (0, 0)
-    assert choose(16, 0, 0, 32, 12, acc, token_heavy, overheads=(0.01, 0.0)) == (0, 0)  # drafting's own
+    assert choose(16, 0, 0, 32, 12, acc, token_heavy, overheads=(0.16, 0.16)) != (0, 0)
+    assert choose(16, 0, 0, 32, 12, acc, token_heavy, overheads=(0.16, 0.0)) == (0, 0)  # drafting's own
+
+
+def test_step_overhead_is_fitted_per_step_and_per_row():
+    """A step's own time is part fixed, part per row: fitted over the medians at each batch
+    size, so that steps held up by a neighbour move it little, and steps measured at one
+    batch size alone price a step, not a row."""
     overhead = StepOverhead()
-    for seconds in (
-        0.1,
-        0.2,
-        10.0,
-        0.2,
-        0.2,
-        0.1,
-        50.0,
-    ):  # steps held up by a neighbour move the median little
-        overhead.add(10, seconds)
-    assert overhead.seconds == 0.0  # fewer than 8 steps: not trusted yet
-    overhead.add(10, 0.2)
-    assert overhead.seconds == pytest.approx(0.02)
+    for seconds in (0.002, 0.002, 0.5, 0.002, 0.002, 0.002, 0.002):  # one row, one slow outlier
+        overhead.add(1, seconds)
+    assert overhead.seconds(1) == 0.0  # fewer than 8 steps: not trusted yet
+    overhead.add(1, 0.002)
+    assert overhead.seconds(1) == pytest.approx(0.002)
+    assert overhead.seconds(32) == pytest.approx(0.002)  # one batch size seen: a cost per step
+    for _ in range(8):
+        overhead.add(32, 0.002 + 31 * 0.0001)
+    assert overhead.seconds(1) == pytest.approx(0.002) and overhead.seconds(16) == pytest.approx(0.0035)
 
 
 def test_forward_cost_calibrates_on_the_real_forward_and_keeps_the_fastest(tiny):

@@ -315,7 +315,7 @@ class Engine:
             context = sum(cached[id(r)] for r in rows) // len(rows)
             at = functools.partial(cost, context=context)
             d = self.drafting
-            overheads = (d.overhead.seconds, d.ar_overhead.seconds)
+            overheads = (d.overhead.seconds(len(self.rows)), d.ar_overhead.seconds(len(self.rows)))
             p, w = choose(len(rows), len(rest), fed, s, window, d.acceptance, at, overheads=overheads)
             for r in rows:
                 if p == 0 and r.can_start_ar_block():

@@ -221,8 +221,8 @@ def choose(
     does, a token per forward. `other_rows` rows feeding `other_fed` tokens share the plan
     and verification forwards (an AR row commits a token in each). Other widths than the
     settings' own (slot, window) must promise `margin` times their rate, and drafting
-    `margin` times the rate of AR blocks. `overheads`: seconds a step costs per row outside
-    its forwards (`StepOverhead`) when rows draft, and in AR blocks."""
+    `margin` times the rate of AR blocks. `overheads`: seconds the step costs outside its
+    forwards (`StepOverhead`, at this batch's rows) when rows draft, and in AR blocks."""
     rates = {}
     windows = [*candidates(window), 0] if window else [0]
     for p in candidates(slot):
@@ -237,7 +237,7 @@ def choose(
     if rates[best] <= margin * rates[(slot, window)]:
         best = (slot, window)
     everyone = rows + other_rows  # an AR block's step: two forwards, two tokens a row
-    ar = 2 * everyone / max(2 * cost(rows + other_fed, everyone) + overheads[1] * everyone, 1e-12)
+    ar = 2 * everyone / max(2 * cost(rows + other_fed, everyone) + overheads[1], 1e-12)
     return best if rates[best] > margin * ar else (0, 0)
 
 
@@ -256,7 +256,7 @@ def block_rate(
     global verification each feed p tokens a row; their first token is the AR prediction
     (first-token check), then the drafts pass as measured and the first failure is
     corrected; infilling rounds commit the same way from w drafts (window 0: one token, one
-    forward, as AR decoding). The block is one step, which costs `overhead` a row besides."""
+    forward, as AR decoding). The block is one step, which costs `overhead` seconds besides."""
     everyone = rows + other_rows
     seconds = 2 * cost(rows * p + other_fed, everyone)
     passed, whole = acceptance.plan.expected(p - 1)
@@ -269,28 +269,44 @@ def block_rate(
     # forks' copies the estimate also leaves out, turned half the blocks at a batch of 16 to
     # drafting, which measured slower than AR blocks there
     infill = cost(rows, rows) if w == 0 else cost(rows * (1 + w), rows) + cost(rows * w, rows)
-    seconds += rounds * infill + overhead * everyone  # one step a block
+    seconds += rounds * infill + overhead  # one step a block
     return (rows * slot + 2 * other_rows) / max(seconds, 1e-12)
 
 
 class StepOverhead:
-    """Seconds a step spends per row outside its forwards: the decoder's bookkeeping, the
-    requests' text, and the driver's own work between steps (a server's streaming). A block
-    decoded as AR takes a step per two tokens where drafting takes one step, so this is
-    what drafting saves beside forwards. The median of the latest steps' per-row figures."""
+    """Seconds a step spends outside its forwards: the decoder's bookkeeping, the requests'
+    text, and the driver's own work between steps (a server's streaming). A block decoded
+    as AR takes a step per two tokens where drafting takes one step, so this is what
+    drafting saves beside forwards. Some of it comes once a step, some once a row, so it is
+    fitted as e + f * rows (non-negative least squares) over the median seconds of the
+    latest steps at each batch size seen: steps measured at one batch size alone give a
+    cost per step, not per row, so that the bookkeeping of a step with one row is not
+    priced again for every row of a large batch."""
 
     def __init__(self, keep: int = 64) -> None:
-        self.per_row: deque[float] = deque(maxlen=keep)
+        self.steps: deque[tuple[int, float]] = deque(maxlen=keep)  # (rows, seconds)
+        self._coef: tuple[float, ...] | None = None
 
     def add(self, rows: int, seconds: float) -> None:
         if rows > 0 and seconds >= 0:
-            self.per_row.append(seconds / rows)
+            self.steps.append((rows, seconds))
+            self._coef = None
 
-    @property
-    def seconds(self) -> float:
-        """0 until 8 steps are measured: hopeful, as for acceptance, so that a few slow
-        first steps cannot keep a kind of step from ever being tried again."""
-        return statistics.median(self.per_row) if len(self.per_row) >= 8 else 0.0
+    def seconds(self, rows: int) -> float:
+        """A step's seconds with this many rows. 0 until 8 steps are measured: hopeful, as
+        for acceptance, so that a few slow first steps cannot keep a kind of step from
+        ever being tried again."""
+        if len(self.steps) < 8:
+            return 0.0
+        if self._coef is None:  # refitted once per new step at most
+            by_rows: dict[int, list[float]] = {}
+            for r, sec in self.steps:
+                by_rows.setdefault(r, []).append(sec)
+            # medians per batch size: a step held up by a neighbour moves them little
+            points = [((1.0, float(r)), statistics.median(secs)) for r, secs in by_rows.items()]
+            self._coef = nonnegative_least_squares([x for x, _ in points], [y for _, y in points])
+        e, f = self._coef
+        return e + f * rows
 
 
 class Drafting:
