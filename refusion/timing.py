@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -36,3 +36,10 @@ def calibrate(fn: Callable[[], Any], device: torch.device, sample_ms: float) -> 
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def median_ratio(pairs: Iterable[tuple[float, float]]) -> float:
+    """The median over rounds of b / a, each (a, b) measured in one round: on a machine
+    whose speed drifts, a ratio of runs moments apart, not of medians that may come from
+    different minutes."""
+    return statistics.median(b / a for a, b in pairs)

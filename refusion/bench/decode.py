@@ -31,7 +31,7 @@ from ..cli.flags import (
 from ..decode import DecodeConfig, EngineConfig, generate
 from ..decode.forward import Forward
 from ..errors import ConfigError
-from ..timing import sync, time_ms
+from ..timing import median_ratio, sync, time_ms
 
 DEFAULT_PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -510,12 +510,11 @@ def turn(methods: list[str], i: int) -> list[str]:
 
 
 def paired_vs_ar(runs: dict[str, list[dict[str, Any]]], m: str) -> dict[str, float]:
-    """{"vs_ar": the median over rounds of method m's tokens/s over AR's in the same round},
-    or {} when AR was not run: a ratio of runs moments apart, not of medians that may come
-    from different minutes of a drifting machine."""
+    """{"vs_ar": the median over rounds of method m's tokens/s over AR's in the same round
+    (`median_ratio`)}, or {} when AR was not run."""
     if "ar" not in runs:
         return {}
-    return {"vs_ar": statistics.median(r["tps"] / a["tps"] for r, a in zip(runs[m], runs["ar"]))}
+    return {"vs_ar": median_ratio((a["tps"], r["tps"]) for r, a in zip(runs[m], runs["ar"]))}
 
 
 def medians(runs: list[dict[str, Any]]) -> dict[str, float]:

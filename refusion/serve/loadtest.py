@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from ..model.sizing import process_memory_kib
+from ..timing import median_ratio
 
 PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -224,7 +225,7 @@ def paired_ratio(pairs: list[tuple[dict, dict]]) -> float | None:
     None when a first phase made no tokens."""
     if any(not a["tokens_per_s"] for a, _ in pairs):
         return None
-    return round(statistics.median(b["tokens_per_s"] / a["tokens_per_s"] for a, b in pairs), 2)
+    return round(median_ratio((a["tokens_per_s"], b["tokens_per_s"]) for a, b in pairs), 2)
 
 
 def main(argv: list[str] | None = None) -> int:
