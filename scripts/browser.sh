@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Headless Chromium for the playground's browser tests (tests/test_playground.py): Debian's
+# Headless Chromium for the playground's browser tests (tests/serve/test_playground.py): Debian's
 # `chromium` and `chromium-driver`, installed when missing and this runs as root or with
 # password-less sudo. Otherwise it says so, and those tests skip with the reason.
 set -euo pipefail

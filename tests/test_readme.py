@@ -12,7 +12,7 @@ from pathlib import Path
 import refusion
 from refusion.cli.dispatch import VERBS, build_parser, main
 from refusion.decode import EngineConfig
-from refusion.decode.recommended import recommended_of
+from refusion.settings.recommended import recommended_of
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -138,7 +138,7 @@ def test_the_source_tree_names_every_package_and_only_files_that_exist():
     named = set(re.findall(r"\b([a-z_]+\.py)\b", tree))
     existing = {
         p.name
-        for p in [*package.rglob("*.py"), *(ROOT / "tests").glob("*.py"), *(ROOT / "scripts").glob("*.py")]
+        for p in [*package.rglob("*.py"), *(ROOT / "tests").rglob("*.py"), *(ROOT / "scripts").glob("*.py")]
     }
     unknown = sorted(named - existing)
     assert not unknown, f"the README's source tree names files that do not exist: {unknown}"

@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace):
-    from ..model.config import ModelConfig
+    from ..settings.model import ModelConfig
 
     shape = dict(SHAPES[args.shape])
     if args.layers:
@@ -180,8 +180,8 @@ def _probe_rank(directory: str, tensor_parallel_size: int, tokens: int) -> dict:
     import torch
 
     from ..decode.api import generate
-    from ..decode.config import DecodeConfig
     from ..io import load
+    from ..settings.decode import DecodeConfig
 
     torch.ones(8, 8, dtype=torch.bfloat16) @ torch.ones(
         8, 8, dtype=torch.bfloat16

@@ -38,9 +38,9 @@ from ..cli.flags import (
 )
 from ..decode import DecodeConfig, EngineConfig, generate
 from ..decode.forward import compiled_step
-from ..model.config import ModelConfig
 from ..model.prompts import encode_prompt, mask_id_of
 from ..model.transformer import Transformer
+from ..settings.model import ModelConfig
 from ..timing import calibrate, median, time_ms
 from .decode import (
     agreement,

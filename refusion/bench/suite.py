@@ -37,8 +37,8 @@ from ..cli.flags import (
     load_from_args,
 )
 from ..decode import DecodeConfig, EngineConfig, generate
-from ..decode.recommended import Recommended, recommended_of
 from ..errors import CheckpointError, ConfigError, MissingExtraError
+from ..settings.recommended import Recommended, recommended_of
 from ..timing import sync
 from .aup import aup
 

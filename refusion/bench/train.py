@@ -111,7 +111,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _model(args: argparse.Namespace, device: torch.device) -> Transformer:
     if args.init_config is not None:
-        from ..model.config import ModelConfig
+        from ..settings.model import ModelConfig
 
         config = ModelConfig.from_json(args.init_config)
         if config.mask_token_id is None:

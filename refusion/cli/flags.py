@@ -9,8 +9,9 @@ import argparse
 import dataclasses
 from typing import Any
 
-from ..decode.config import PRESETS, DecodeConfig, EngineConfig, check_value, field_kind
 from ..errors import ConfigError
+from ..settings.decode import PRESETS, DecodeConfig, EngineConfig
+from ..settings.fields import check_value, field_kind
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -136,7 +137,7 @@ def decode_config_from_args(
     decode_config.json; else on the defaults), then every flag the user gave on top.
     Called before loading a model, it checks the flags."""
     if base is None and model is not None:
-        from ..decode.recommended import recommended_of
+        from ..settings.recommended import recommended_of
 
         base = recommended_of(model).decode_config()
     base = base or DecodeConfig(method=getattr(args, "_default_method", "refusion"))

@@ -3,7 +3,7 @@ baselines (docs/algorithm.md#baselines) over one continuous batch, and `generate
 drivers. Every request carries its own `DecodeConfig`; the engine's resources are an
 `EngineConfig`.
 
-Names are imported when first used: the configs (`decode.config`) need no torch, so the
+Names are imported when first used: the configs (in `refusion.settings`) need no torch, so the
 CLI can build its flags from them without loading it.
 """
 
@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 from ..lazy import lazy_attributes
 
 _WHERE = {
-    "DecodeConfig": "config",
-    "EngineConfig": "config",
-    "METHODS": "config",
-    "PRESETS": "config",
+    "DecodeConfig": ".settings.decode",
+    "EngineConfig": ".settings.decode",
+    "METHODS": ".settings.decode",
+    "PRESETS": ".settings.decode",
     "Engine": "engine",
     "RequestOutput": "request",
     "DecodeStats": "request",
@@ -43,8 +43,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from ..settings.decode import METHODS, PRESETS, DecodeConfig, EngineConfig
     from .api import generate, stream
-    from .config import METHODS, PRESETS, DecodeConfig, EngineConfig
     from .engine import Engine
     from .request import DecodeStats, RequestOutput, TraceEvent
     from .text import StopText, TextDeltas

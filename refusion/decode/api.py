@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 from ..errors import ConfigError
 from ..model.prompts import Prompt, encode_prompt
 from ..model.transformer import Transformer
-from .config import DecodeConfig, EngineConfig
+from ..settings.decode import DecodeConfig, EngineConfig
 from .engine import Engine
 from .fit import fit_to_room
 from .request import RequestOutput

@@ -32,12 +32,12 @@ from ..errors import ConfigError, MissingMaskTokenError
 from ..model.prompts import Prompt, encode_prompt, eos_ids_of, mask_id_of
 from ..model.sizing import cache_bytes, entry_bytes, request_need, row_capacity
 from ..model.transformer import Transformer
+from ..settings.decode import DecodeConfig, EngineConfig
+from ..settings.recommended import recommended_of
 from .ar import ARRow, Feed
-from .config import DecodeConfig, EngineConfig
 from .fit import fit_to_room
 from .forward import Forward, compiled_step, make_room
 from .mdm import MDMRow
-from .recommended import recommended_of
 from .refusion import Infill, ReFusionRow
 from .request import Request, RequestOutput
 from .sampling import Sampler

@@ -12,7 +12,7 @@ server can point at it; no torch here.
 from __future__ import annotations
 
 from ..errors import ContextLengthError
-from .config import DecodeConfig
+from ..settings.decode import DecodeConfig
 
 
 class NoRoomError(ContextLengthError):

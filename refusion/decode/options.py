@@ -49,7 +49,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .config import DecodeConfig
+from ..settings.decode import DecodeConfig
 from .sampling import token_probs
 
 

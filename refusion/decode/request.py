@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import DecodeConfig
+from ..settings.decode import DecodeConfig
 from .sampling import Sampler
 from .text import StopText, TextDeltas
 

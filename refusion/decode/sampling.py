@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import DecodeConfig
+from ..settings.decode import DecodeConfig
 
 
 def token_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

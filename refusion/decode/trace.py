@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .config import DecodeConfig
+from ..settings.decode import DecodeConfig
 from .request import RequestOutput, TraceEvent
 
 STATIC = Path(__file__).with_name("static")  # the drawing module, shipped as package data

@@ -28,7 +28,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 
-from .config import DecodeConfig
+from ..settings.decode import DecodeConfig
 
 
 def equals_greedy_ar(cfg: DecodeConfig) -> bool:

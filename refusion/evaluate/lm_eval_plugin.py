@@ -140,8 +140,8 @@ class ReFusionLM(LM):
         model_args' fields, then the task's generation kwargs (temperature, until as stop
         strings unless the paper protocol cuts afterwards), and the generation length (see
         the module's docstring)."""
-        from ..decode.config import DecodeConfig
-        from ..decode.recommended import recommended_of
+        from ..settings.decode import DecodeConfig
+        from ..settings.recommended import recommended_of
 
         d = dict(self._decode)
         preset = d.pop("preset", None)
@@ -279,7 +279,7 @@ def _until(gen_kwargs: dict) -> tuple[str, ...]:
 def _split_model_args(args: dict[str, Any], batch_size: int):
     """model_args into DecodeConfig fields (and `preset`) and an EngineConfig; a name that
     is neither is an error that lists the names accepted."""
-    from ..decode.config import DecodeConfig, EngineConfig
+    from ..settings.decode import DecodeConfig, EngineConfig
 
     decode_names = {f.name for f in dataclasses.fields(DecodeConfig)} | {"preset"}
     engine_names = {f.name for f in dataclasses.fields(EngineConfig)} - {"device"}

@@ -26,10 +26,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ..decode.config import shown
 from ..errors import ConfigError
 from ..files import JSONProblem, lone_surrogate, open_regular, parse_json
 from ..sandbox import Limits, isolation
+from ..settings.fields import shown
 from .benchmarks import Benchmark, CodeBenchmark, Sample, Scored
 from .completion import Completion, as_completion
 from .errors import PredictionsError, ResumeMismatchError

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
-from ..model.config import DTYPE_NAMES, ModelConfig
+from ..settings.model import DTYPE_NAMES, ModelConfig
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, first_line
-from ..model.config import ModelConfig
 from ..model.transformer import Transformer, stored_shapes
+from ..settings.model import ModelConfig
 from .dtypes import config_dtype
 from .gguf_header import check_gguf_header
 from .metadata import settle_vocabulary

@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from ..decode.recommended import Recommended
 from ..errors import ConfigError
-from ..model.config import ModelConfig
 from ..model.tensor_parallel import local_config, make_row_parallel, slice_of
 from ..model.transformer import Transformer, stored_shapes
 from ..parallel.launch import tensor_shard
+from ..settings.model import ModelConfig
+from ..settings.recommended import Recommended
 from .dtypes import check_device, config_dtype, parse_dtype
 from .gguf import gguf_metadata, load_gguf
 from .metadata import read_metadata

@@ -13,8 +13,8 @@ from typing import Any
 
 from ..errors import CheckpointError, ConfigError, first_line
 from ..files import check_regular, read_json
-from ..model.config import ModelConfig
 from ..model.prompts import chat_text, mask_id_of
+from ..settings.model import ModelConfig
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # every file of a tokenizer that transformers may open, JSON or not

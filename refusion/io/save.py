@@ -14,9 +14,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from ..decode.recommended import recommended_of
 from ..errors import CheckpointError
 from ..model.transformer import Transformer
+from ..settings.recommended import recommended_of
 from .quantize import QUANT_KEY, WEIGHTS_FILE
 from .resolve import PathLike
 from .staging import follow_umask, make_staging, move_into_place, remove_stale_staging

@@ -16,12 +16,12 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..decode.config import shown
 from ..errors import CheckpointError
 from ..files import check_regular, open_regular, parse_json, read_json
-from ..model.config import FIX_CONFIG, ModelConfig
 from ..model.sizing import stored_parameters
 from ..model.transformer import Transformer, rope_inv_freq, stored_shapes
+from ..settings.fields import shown
+from ..settings.model import FIX_CONFIG, ModelConfig
 
 # tensors some checkpoints carry that the model recomputes
 _IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)

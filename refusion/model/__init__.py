@@ -2,7 +2,7 @@
 KV cache with its named operations, the tensor-parallel split, the sizing rule (what a
 request needs and what fits) and the tokenizer conventions (chat template, EOS, MASK).
 
-Names are imported when first used: `model.config` needs no torch, so the CLI can read a
+Names are imported when first used: `ModelConfig` (in `settings`) needs no torch, so the CLI can read a
 config without loading it.
 """
 
@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 from ..lazy import lazy_attributes
 
-_WHERE = {"ModelConfig": "config", "Transformer": "transformer", "KVCache": "kv_cache"}
+_WHERE = {"ModelConfig": ".settings.model", "Transformer": "transformer", "KVCache": "kv_cache"}
 __all__ = ["KVCache", "ModelConfig", "Transformer"]
 
 if TYPE_CHECKING:
-    from .config import ModelConfig
+    from ..settings.model import ModelConfig
     from .kv_cache import KVCache
     from .transformer import Transformer
 

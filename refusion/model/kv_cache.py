@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ContextLengthError
-from .config import ModelConfig
+from ..settings.model import ModelConfig
 
 
 def storage_mask(query_cols: torch.Tensor, end: int) -> torch.Tensor:

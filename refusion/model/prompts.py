@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ConfigError, first_line
-from .config import ModelConfig
+from ..settings.model import ModelConfig
 
 MASK_TOKEN = "<|mask|>"
 Prompt = str | Sequence[int]

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..decode.config import DecodeConfig
+from ..settings.decode import DecodeConfig
 
 if TYPE_CHECKING:
     import torch
 
-    from .config import ModelConfig
+    from ..settings.model import ModelConfig
 
 ID_BYTES = 16  # an entry's token and position ids, int64 each
 

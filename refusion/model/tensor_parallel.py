@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
-from .config import ModelConfig
+from ..settings.model import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .config import ModelConfig
+from ..settings.model import ModelConfig
 from .kv_cache import KVCache, storage_mask
 
 

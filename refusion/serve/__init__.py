@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..decode.config import DecodeConfig
+from ..settings.decode import DecodeConfig
 
 __all__ = ["create_app", "serve"]
 

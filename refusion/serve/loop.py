@@ -32,8 +32,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..decode.config import DecodeConfig
 from ..decode.trace import event_dicts
+from ..settings.decode import DecodeConfig
 from .metrics import Metrics
 
 log = logging.getLogger("refusion.serve")

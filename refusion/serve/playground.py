@@ -21,9 +21,10 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException
 
-from ..decode.config import PRESETS, DecodeConfig, field_kind
-from ..decode.recommended import recommended_of
 from ..decode.trace import STATIC as DRAWING
+from ..settings.decode import PRESETS, DecodeConfig
+from ..settings.fields import field_kind
+from ..settings.recommended import recommended_of
 from .protocol import DECODE_FIELDS
 
 PAGE_DIR = Path(__file__).with_name("static")

@@ -25,16 +25,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..decode.config import (
-    PRESETS,
-    DecodeConfig,
-    FieldError,
-    check_scalar,
-    check_value,
-    shown,
-)
 from ..decode.fit import NoRoomError, fit_to_room
 from ..errors import ConfigError
+from ..settings.decode import PRESETS, DecodeConfig
+from ..settings.fields import FieldError, check_scalar, check_value, shown
 
 
 class APIError(Exception):

@@ -2,7 +2,7 @@
 same code. `train(TrainConfig(...))` is the entry point; `refusion train` is a thin
 wrapper over it.
 
-The parts: `config.py` (TrainConfig, no torch), `engine.py` (the Accelerator for the
+The parts: `refusion.settings.train` (TrainConfig, no torch), `engine.py` (the Accelerator for the
 launch config's DDP / FSDP / DeepSpeed, also on CPU processes), `setup.py` (model, LoRA, optimizer,
 schedule, micro-batch inputs), `data.py` (datasets, stream, micro-batches), `run.py` (one
 optimizer step, the held-out evaluation), `checkpoints.py`, `lock.py` (one trainer per
@@ -40,13 +40,13 @@ from typing import TYPE_CHECKING
 from ..lazy import lazy_attributes
 
 _WHERE = {
-    "TrainConfig": "config",
-    "config_fields": "config",
-    "DTYPE_NAMES": "config",
-    "OBJECTIVES": "config",
-    "PRECISIONS": "config",
-    "LORA_TARGETS": "config",
-    "AR_REDUCTIONS": "config",
+    "TrainConfig": ".settings.train",
+    "config_fields": ".settings.train",
+    "DTYPE_NAMES": ".settings.train",
+    "OBJECTIVES": ".settings.train",
+    "PRECISIONS": ".settings.train",
+    "LORA_TARGETS": ".settings.train",
+    "AR_REDUCTIONS": ".settings.train",
     "train": "loop",
     "TrainResult": "loop",
     "list_checkpoints": "checkpoints",
@@ -83,8 +83,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .checkpoints import list_checkpoints
-    from .config import (
+    from ..settings.train import (
         AR_REDUCTIONS,
         DTYPE_NAMES,
         LORA_TARGETS,
@@ -93,6 +92,7 @@ if TYPE_CHECKING:
         TrainConfig,
         config_fields,
     )
+    from .checkpoints import list_checkpoints
     from .loop import TrainResult, train
     from .setup import (
         DTYPES,

@@ -14,11 +14,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..decode.recommended import Recommended
 from ..errors import ConfigError
-from ..model.config import ModelConfig
 from ..model.transformer import Transformer
-from .config import TrainConfig, flag_name
+from ..settings.model import ModelConfig
+from ..settings.recommended import Recommended
+from ..settings.train import TrainConfig, flag_name
 from .log import RunLog
 from .setup import clean_model, merged_state_dict
 

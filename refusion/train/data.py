@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from ..model.config import ModelConfig
-from .config import TrainConfig
+from ..settings.model import ModelConfig
+from ..settings.train import TrainConfig
 from .dataset import IndexStream, TokenizedDataset, collate, load_dataset, split_eval
 from .log import RunLog
 

@@ -29,7 +29,7 @@ import torch
 from ..errors import DataError
 from ..files import JSONProblem, lone_surrogate, open_regular, parse_json
 from ..model.prompts import chat_text
-from .config import DATA_FIX
+from ..settings.train import DATA_FIX
 
 _CHUNK = 512  # records tokenised per tokenizer call
 _MAX_SHOWN = 5  # bad records quoted in the summary

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from ..model.transformer import Transformer
+from ..settings.train import TrainConfig
 from .checkpoints import jsonable, list_checkpoints
-from .config import TrainConfig
 from .run import Run
 
 

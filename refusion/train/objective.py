@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from .config import AR_REDUCTIONS, ObjectiveConfig
+from ..settings.train import AR_REDUCTIONS, ObjectiveConfig
 
 IGNORE = -100  # label of a token that carries no loss
 _DEFAULT_CFG = ObjectiveConfig()  # frozen: one shared instance serves as the default

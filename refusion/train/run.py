@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from ..decode.recommended import recommended_of
 from ..errors import ConfigError
+from ..settings.recommended import recommended_of
+from ..settings.train import TrainConfig
 from .checkpoints import Checkpoints, drop_tied_copies, list_checkpoints, resume_changes
-from .config import TrainConfig
 from .data import RunData
 from .engine import configure_deepspeed, make_accelerator
 from .lock import OutLock

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, MissingMaskTokenError
-from ..model.config import ModelConfig
 from ..model.transformer import Transformer, rope_inv_freq
-from .config import DTYPE_NAMES, TrainConfig
+from ..settings.model import ModelConfig
+from ..settings.train import DTYPE_NAMES, TrainConfig
 from .objective import (
     LossTargets,
     ObjectiveConfig,

@@ -13,10 +13,10 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
-from ...decode.config import DecodeConfig
 from ...decode.fit import NoRoomError, fit_to_room, fits
 from ...errors import ContextLengthError, ReFusionError
 from ...model.prompts import chat_ids
+from ...settings.decode import DecodeConfig
 from ..flags import (
     add_decode_arguments,
     add_model_arguments,
@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ...decode.follow import engine_for
-    from ...decode.recommended import recommended_of
+    from ...settings.recommended import recommended_of
 
     args.model = args.model or args.model_pos
     decode_config_from_args(args)  # bad flags fail before the model loads

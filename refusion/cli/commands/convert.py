@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ...model.config import DTYPE_NAMES
+from ...settings.model import DTYPE_NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -52,11 +52,11 @@ def run(args: argparse.Namespace) -> int:
 def _memory(args: argparse.Namespace, info: dict[str, Any]) -> list[dict[str, Any]]:
     """The plan for AR requests and for ReFusion requests with the checkpoint's settings,
     by the rule the engine admits and allocates with (`model.sizing`)."""
-    from ...decode.config import DecodeConfig
     from ...errors import ConfigError
     from ...io import DTYPES, load_metadata
     from ...model.sizing import memory_plan
     from ...parallel import check_divisible
+    from ...settings.decode import DecodeConfig
 
     if args.batch_size < 1 or args.context < 1 or args.split < 1:
         raise ConfigError("--batch-size, --context and --tensor-parallel-size take positive numbers")

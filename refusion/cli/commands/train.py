@@ -13,7 +13,7 @@ import inspect
 import os
 import re
 
-from ...train.config import (
+from ...settings.train import (
     AR_REDUCTIONS,
     DTYPE_NAMES,
     OBJECTIVES,

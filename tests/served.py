@@ -1,0 +1,78 @@
+"""A `refusion serve` process for the tests that need a real one (shutdown, replicas,
+tensor-parallel and quantized servers), and the polling helper they wait with."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Process:
+    """`refusion serve` in a subprocess, stderr collected in a thread."""
+
+    def __init__(self, model: Path, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [
+            sys.executable,
+            "-u",
+            "-m",
+            "refusion.cli",
+            "serve",
+            str(model),
+            "--port",
+            str(self.port),
+            *args,
+        ]
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=dict(os.environ, PYTHONWARNINGS="ignore"),
+        )
+        self.lines: list[tuple[float, str]] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+        wait_for(self._healthy, timeout=120, what="the server process to answer /health")
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def _healthy(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError("the server exited: " + "\n".join(x for _, x in self.lines))
+        try:
+            return httpx.get(self.url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def log_after(self, t0: float) -> list[str]:
+        return [x for t, x in self.lines if t >= t0]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
