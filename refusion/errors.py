@@ -17,6 +17,20 @@ class ConfigError(ReFusionError, ValueError):
     """A configuration value is out of range or inconsistent."""
 
 
+class PromptError(ConfigError):
+    """A prompt the model cannot take: empty, or with token ids outside its vocabulary.
+    `code` names which, so that a server can answer in its own terms."""
+
+    def __init__(self, message: str, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ChatTemplateError(ConfigError):
+    """A checkpoint's chat template failed on a conversation (its own `raise_exception`, or
+    an error in the template)."""
+
+
 class ContextLengthError(ConfigError):
     """A request needs more positions than the model or the cache allows."""
 

@@ -1,5 +1,6 @@
-"""A `refusion serve` process for the tests that need a real one (shutdown, replicas,
-tensor-parallel and quantized servers), and the polling helper they wait with."""
+"""Helpers of the server's tests: a `refusion serve` process for the tests that need a real
+one (shutdown, replicas, tensor-parallel and quantized servers), the polling helper they
+wait with, and the server's fitting of one prompt by its length alone."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+
+from refusion.decode.admit import Admission
+from refusion.settings.decode import DecodeConfig
+from refusion.settings.model import ModelConfig
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
@@ -76,3 +81,24 @@ class Process:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+def fit_length(
+    cfg: DecodeConfig, prompt_len: int, max_tokens: int | None, context: int, param: str
+) -> DecodeConfig:
+    """The config the server decodes a `prompt_len`-token prompt with (`protocol.admit`:
+    the engine's admission, its errors as 400s) on a model of `context` positions."""
+    from refusion.serve.protocol import admit
+
+    config = ModelConfig(
+        vocab_size=64,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        max_position_embeddings=context,
+        mask_token_id=3,
+        eos_token_id=2,
+    )
+    return admit(Admission(config, None, cfg), [1] * prompt_len, cfg, max_tokens, param).cfg

@@ -6,18 +6,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from ..errors import ConfigError
-from ..model.prompts import Prompt, encode_prompt
+from ..model.prompts import Prompt
 from ..model.transformer import Transformer
 from ..settings.decode import DecodeConfig, EngineConfig
+from ..settings.recommended import recommended_of
+from .admit import Admission, PreparedRequest
 from .engine import Engine
-from .fit import fit_to_room
 from .request import RequestOutput
 
 
 def generate(
     model: Transformer,
     tokenizer,
-    prompts: Prompt | Sequence[Prompt],
+    prompts: Prompt | PreparedRequest | Sequence[Prompt | PreparedRequest],
     cfg: DecodeConfig | Sequence[DecodeConfig] | None = None,
     *,
     engine_config: EngineConfig | None = None,
@@ -27,10 +28,11 @@ def generate(
 ) -> list[RequestOutput]:
     """Decode every prompt, with one config for all or one per prompt (None: what the
     checkpoint recommends, its decode_config.json); outputs come back in the order given.
-    Every prompt is checked before any compute. `on_output(i, out)` sees prompt i's output
-    each time its final left-to-right prefix grows (its text then streams; without it,
-    text is decoded once per prompt, at the end)."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+    Prompts may come prepared (`prepare`: then without configs). Every prompt is checked
+    before any compute. `on_output(i, out)` sees prompt i's output each time its final
+    left-to-right prefix grows (its text then streams; without it, text is decoded once
+    per prompt, at the end)."""
+    if isinstance(prompts, (str, PreparedRequest)) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
     if not prompts:
         raise ConfigError("no prompts given")
@@ -40,9 +42,12 @@ def generate(
             f"{len(cfgs)} configs for {len(prompts)} prompts: give one config, or one per prompt"
         )
     engine = Engine(model, tokenizer, engine_config)
-    ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
-    for i in sorted(range(len(ids)), key=lambda i: len(ids[i])):  # similar lengths batch together
-        engine.add_request(ids[i], cfgs[i], request_id=str(i), trace=trace, stream=on_output is not None)
+    ready = [
+        p if isinstance(p, PreparedRequest) else engine.prepare(p, c, chat=chat)
+        for p, c in zip(prompts, cfgs)
+    ]
+    for i in sorted(range(len(ready)), key=lambda i: len(ready[i].ids)):  # similar lengths batch together
+        engine.add_request(ready[i], request_id=str(i), trace=trace, stream=on_output is not None)
     outputs: list[RequestOutput | None] = [None] * len(prompts)
     while engine.has_unfinished():
         for out in engine.step():
@@ -54,35 +59,30 @@ def generate(
     return outputs  # type: ignore[return-value]
 
 
-def fit_to_context(
-    model: Transformer, tokenizer, prompts: Sequence[Prompt], cfg: DecodeConfig, *, chat: bool = True
-) -> tuple[list[list[int]], list[DecodeConfig], list[int]]:
-    """The prompts as token ids, each with `cfg`'s gen_length lowered to what the model's
-    context leaves after it (`fit_to_room`), and the lengths of those it lowered. For
-    lengths the user did not ask for by number (a preset's 512, a checkpoint's
-    recommendation); drivers say in one line that they lowered them (`lowered_note`).
-    Raises NoRoomError (a ContextLengthError) for a prompt that leaves no room."""
-    context = model.config.max_position_embeddings
-    ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
-    cfgs = [fit_to_room(cfg, len(i), context) for i in ids]
-    return ids, cfgs, [c.gen_length for c in cfgs if c.gen_length < cfg.gen_length]
+def _prepared(engine: Engine, prompt, cfg: DecodeConfig | None, chat: bool) -> PreparedRequest:
+    if isinstance(prompt, PreparedRequest):
+        if cfg is not None:
+            raise ConfigError("prepared prompts carry their own configs: pass cfg=None with them")
+        return prompt
+    return engine.prepare(prompt, cfg, chat=chat)
 
 
-def lowered_note(
-    cfg: DecodeConfig, lowered: Sequence[int], total: int, context: int, preset: str | None
-) -> str | None:
-    """The one line that says a gen_length was lowered to fit the context (None if none
-    was); `lowered` holds the lengths it was lowered to, `preset` the one that set it."""
-    if not lowered:
-        return None
-    source = f"preset {preset}" if preset else "the checkpoint's recommendation or the default"
-    to = f"{min(lowered)}" if min(lowered) == max(lowered) else f"{min(lowered)}-{max(lowered)}"
-    return (
-        f"note: gen_length {cfg.gen_length} ({source}) lowered to {to} "
-        f"to fit the model's context of {context} "
-        f"positions after the prompt, for {len(lowered)} of {total} prompt{'s' if total > 1 else ''}; "
-        "--gen-length N sets it (and errors if it does not fit)"
-    )
+def prepare(
+    model: Transformer,
+    tokenizer,
+    prompts: Sequence[Prompt],
+    cfg: DecodeConfig | None = None,
+    *,
+    chat: bool = True,
+    lower: bool = True,
+) -> list[PreparedRequest]:
+    """Each prompt checked and fitted once (`Admission.prepare`), to pass to `generate`
+    as it is: with `lower`, cfg's gen_length (a preset's, a checkpoint's recommendation:
+    not asked for by number) is lowered to what the model's context leaves after each
+    prompt, and `admit.lowered_note` says so in one line. Raises NoRoomError (a
+    ContextLengthError) for a prompt that leaves no room."""
+    admission = Admission(model.config, tokenizer, recommended_of(model).decode_config())
+    return [admission.prepare(p, cfg, chat=chat, lower=lower) for p in prompts]
 
 
 def stream(

@@ -24,24 +24,27 @@ import functools
 import itertools
 import time
 from collections import deque
-from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import ConfigError, MissingMaskTokenError
-from ..model.prompts import Prompt, encode_prompt, eos_ids_of, mask_id_of
+from ..errors import ConfigError
+from ..model.prompts import Prompt
 from ..model.sizing import cache_bytes, entry_bytes, request_need, row_capacity
 from ..model.transformer import Transformer
 from ..settings.decode import DecodeConfig, EngineConfig
 from ..settings.recommended import recommended_of
+from .admit import Admission, Messages, PreparedRequest
 from .ar import ARRow, Feed
-from .fit import fit_to_room
 from .forward import Forward, compiled_step, make_room
 from .mdm import MDMRow
 from .refusion import Infill, ReFusionRow
 from .request import Request, RequestOutput
 from .sampling import Sampler
 from .widths import choose, drafting_of, widths_keep_output
+
+if TYPE_CHECKING:
+    from .follow import Followers
 
 CachedRow = ARRow | ReFusionRow
 
@@ -57,10 +60,11 @@ class Engine:
             model = model.to(config.device)
         self.model, self.tokenizer = model, tokenizer
         _check_parallel(model, config)
-        self.eos_ids = eos_ids_of(model.config, tokenizer)
-        self.mask_id = mask_id_of(model.config, tokenizer)
         # a request without a config gets what the checkpoint recommends (its decode_config.json)
-        self.default_config = recommended_of(model).decode_config()
+        self.admission = Admission(model.config, tokenizer, recommended_of(model).decode_config())
+        self.eos_ids, self.mask_id = self.admission.eos_ids, self.admission.mask_id
+        # on rank 0 of a split model, what is added and aborted reaches the other ranks (follow.py)
+        self.followers: Followers | None = None
         pad_id = self.mask_id if self.mask_id is not None else next(iter(self.eos_ids), 0)
         self.fwd = Forward(model, pad_id, compiled_step() if config.compile else None)
         self._entry_bytes = entry_bytes(model.config, model.dtype)  # a rank's config: its share of the heads
@@ -98,9 +102,21 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.requests or self.finished_outputs)
 
+    @property
+    def default_config(self) -> DecodeConfig:
+        """What a request without a config decodes with: the checkpoint's recommendation."""
+        return self.admission.default
+
+    def prepare(
+        self, prompt: Prompt | Messages, cfg: DecodeConfig | None = None, **fit: Any
+    ) -> PreparedRequest:
+        """A request checked and fitted once (`Admission.prepare`: its keywords), to add
+        as it is."""
+        return self.admission.prepare(prompt, cfg, **fit)
+
     def add_request(
         self,
-        prompt: Prompt,
+        prompt: Prompt | Messages | PreparedRequest,
         cfg: DecodeConfig | None = None,
         *,
         request_id: str | None = None,
@@ -108,45 +124,46 @@ class Engine:
         trace: bool | str = False,
         stream: bool = True,
     ) -> str:
-        """Queue a request; it joins the batch at the next step. A text prompt goes through
-        the chat template (unless chat=False); token ids are taken as they are. `trace`
-        records its commits in its outputs (True), or its commits and what each step did
-        besides ("steps": the plan's drafts, corrections, rejected drafts). With
-        stream=False it is reported once, when finished (its text decoded then, not at every step).
-        Raises (ConfigError, ContextLengthError, MissingMaskTokenError) before any compute."""
-        cfg = cfg or self.default_config
-        ids = encode_prompt(self.tokenizer, prompt, chat)
-        self.check(ids, cfg)
+        """Queue a request; it joins the batch at the next step. A prepared request is
+        taken as it is; anything else is prepared first (`prepare`: a text prompt goes
+        through the chat template unless chat=False, token ids are taken as they are, and
+        gen_length must fit as given). `trace` records its commits in its outputs (True),
+        or its commits and what each step did besides ("steps": the plan's drafts,
+        corrections, rejected drafts). With stream=False it is reported once, when
+        finished (its text decoded then, not at every step). Raises (ConfigError,
+        ContextLengthError, MissingMaskTokenError) before any compute."""
+        if isinstance(prompt, PreparedRequest):
+            if cfg is not None:
+                raise ConfigError("a prepared request carries its own config: add it without one")
+            prepared = prompt
+        else:
+            prepared = self.prepare(prompt, cfg, chat=chat)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ConfigError(f"request id {rid!r} is already in use")
-        eos = set(cfg.stop_token_ids) if cfg.stop_token_ids is not None else self.eos_ids
-        req = Request(rid, ids, cfg, eos, Sampler(cfg, self.model.device), self.tokenizer, trace, stream)
+        if self.followers is not None:
+            self.followers.add(prepared, rid, trace, stream)
+        c = prepared.cfg
+        req = Request(
+            rid,
+            list(prepared.ids),
+            c,
+            prepared.eos_ids,
+            Sampler(c, self.model.device),
+            self.tokenizer,
+            trace,
+            stream,
+        )
         self.requests[rid] = req
         self.waiting.append(req)
         return rid
-
-    def check(self, ids: Sequence[int], cfg: DecodeConfig) -> None:
-        """Raise what `add_request` raises for a token-id prompt, before any compute."""
-        c = self.model.config
-        if len(ids) == 0:
-            raise ConfigError("a prompt is empty: give at least one token")
-        if any(not 0 <= t < c.vocab_size for t in ids):
-            raise ConfigError(f"prompt token ids must be in [0, {c.vocab_size})")
-        if cfg.stop and self.tokenizer is None:
-            raise ConfigError("stop strings need a tokenizer (to read the text); pass stop_token_ids instead")
-        if cfg.method in ("refusion", "mdm") and self.mask_id is None:
-            raise MissingMaskTokenError(
-                f"method {cfg.method!r} needs a MASK token and this model has none: "
-                "run `refusion convert BASE OUT` (then train), or use method='ar'"
-            )
-        # gen_length as given (a driver lowers a length it may lower before): NoRoomError says what fits
-        fit_to_room(cfg, len(ids), c.max_position_embeddings, cfg.gen_length)
 
     @torch.inference_mode()
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its row; the next `step` reports it as finished
         ("cancelled", with the tokens it had). False if it is unknown or already done."""
+        if self.followers is not None:
+            self.followers.abort(request_id)
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
@@ -164,6 +181,8 @@ class Engine:
         """Admit waiting requests, run one step of every group, and report each request
         whose final prefix grew or that finished. Runs under inference mode whatever the
         caller's thread (a server's engine loop): no autograd state is kept."""
+        if self.followers is not None:
+            self.followers.step()
         outputs, self.finished_outputs = self.finished_outputs, []
         start, forward_seconds = time.perf_counter(), self.fwd.seconds
         try:
@@ -203,6 +222,8 @@ class Engine:
     def abort_running(self) -> list[str]:
         """Drop every running request and the cache (after a step failed half-way, its
         state is not to be trusted); waiting requests stay. Returns the dropped ids."""
+        if self.followers is not None:
+            self.followers.abort_running()
         ids = [rid for rid, r in self.requests.items() if r.started]
         for rid in ids:
             self.requests.pop(rid)

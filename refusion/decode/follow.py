@@ -2,8 +2,8 @@
 
 `chat` and `serve` take their requests from a terminal or a socket, which only the
 process that owns them sees. That process is rank 0 of the tensor-parallel group: its
-engine (`LeaderEngine`) sends what it was asked since the last step (requests added,
-aborted) to the other ranks with each step, and they apply the same to their engines,
+engine's `Followers` send what it was asked since the last step (prepared requests
+added, aborts) to the other ranks with each step, and they apply the same to their engines,
 then step with it. The engines therefore stay identical, and every forward's
 all-reduces meet.
 """
@@ -21,39 +21,27 @@ from ..parallel.launch import WAIT, backend_for, launched, own_device, start_ran
 STOP = "stop"
 
 
-class LeaderEngine:
-    """An Engine whose every request and abort reaches the following ranks at its next
-    step; everything else is the engine's own."""
+class Followers:
+    """Rank 0's link to the other ranks of its tensor-parallel group: what its engine was
+    asked since the last step (prepared requests added, aborts) goes to them with each
+    step (`Engine.followers`)."""
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
+    def __init__(self) -> None:
         self._ops: list[tuple] = []
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
+    def add(self, prepared: Any, request_id: str, trace: bool | str, stream: bool) -> None:
+        self._ops.append(("add", prepared, request_id))
 
-    def add_request(self, prompt, cfg=None, *, request_id=None, **options) -> str:
-        rid = self.engine.add_request(prompt, cfg, request_id=request_id, **options)
-        chat = options.get("chat", True)
-        self._ops.append(("add", prompt, cfg, rid, chat))
-        return rid
-
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str) -> None:
         self._ops.append(("abort", request_id))
-        return self.engine.abort(request_id)
 
-    def abort_running(self) -> list[str]:
+    def abort_running(self) -> None:
         self._ops.append(("abort_running",))
-        return self.engine.abort_running()
 
-    def step(self):
+    def step(self) -> None:
+        """Send what was asked since the last step; the ranks apply it, then step too."""
         ops, self._ops = self._ops, []
         dist.broadcast_object_list([ops], src=0)
-        return self.engine.step()
-
-    def close(self) -> None:
-        """Let the following ranks go: they leave their loop and exit."""
-        _stop_followers()
 
 
 _stopped = [False]
@@ -66,12 +54,12 @@ def _stop_followers() -> None:
 
 
 def engine_for(model: Any, tokenizer: Any, config: Any = None):
-    """The engine a verb drives: an Engine, or on rank 0 of a split model its leader."""
+    """The engine a verb drives; on rank 0 of a split model, one that leads its followers."""
     from .engine import Engine
 
     engine = Engine(model, tokenizer, config)
     if getattr(model, "tensor_parallel", None) is not None and launched() and dist.get_rank() == 0:
-        return LeaderEngine(engine)
+        engine.followers = Followers()
     return engine
 
 
@@ -96,8 +84,8 @@ def follow(args: Any, make_engine: Callable[[Any], Any]) -> int:
 def _apply(engine: Any, op: tuple) -> None:
     kind = op[0]
     if kind == "add":
-        _, prompt, cfg, rid, chat = op
-        engine.add_request(prompt, cfg, request_id=rid, chat=chat, stream=False)
+        _, prepared, rid = op
+        engine.add_request(prepared, request_id=rid, stream=False)
     elif kind == "abort":
         engine.abort(op[1])
     elif kind == "abort_running":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,7 +130,7 @@ class Request:
         request_id: str,
         prompt: list[int],
         cfg: DecodeConfig,
-        eos_ids: set[int],
+        eos_ids: AbstractSet[int],
         sampler: Sampler,
         tokenizer: Any,
         trace: bool | str,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import ConfigError, first_line
+from ..errors import ChatTemplateError, ConfigError, PromptError, first_line
 from ..settings.model import ModelConfig
 
 MASK_TOKEN = "<|mask|>"
@@ -35,7 +35,7 @@ def chat_text(
                 **template_options,
             )
         except _template_errors() as e:
-            raise ConfigError(
+            raise ChatTemplateError(
                 f"the chat template fails ({type(e).__name__}: {first_line(e)}); fix chat_template.jinja "
                 "(or tokenizer_config.json's chat_template), or pass --no-chat to prompt without it"
             ) from None
@@ -89,7 +89,7 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, chat: bool = True) -> list[int
     if tokenizer is None:
         raise ConfigError("text prompts need a tokenizer; pass token ids to decode without one")
     if not (prompt.strip() if chat else prompt):  # without the template, whitespace is text to continue
-        raise ConfigError("the prompt is empty: give some text to continue")
+        raise PromptError("the prompt is empty: give some text to continue", "empty_prompt")
     if chat and getattr(tokenizer, "chat_template", None):
         return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
     return tokenize(tokenizer, prompt)

@@ -1,8 +1,8 @@
 """The FastAPI application: OpenAI routes over one engine loop.
 
 A completion request's body is read (refused as soon as it passes `MAX_BODY`), then parsed,
-validated (`protocol.parse_request`), tokenised, fitted to the context
-(`protocol.fit_length`) and checked by the engine on one of a few request threads, never
+validated (`protocol.parse_request`), and each prompt prepared once by the engine's
+admission (tokenised, checked, fitted to the context: `protocol.admit`) on one of a few request threads, never
 on the event loop, so a huge prompt delays only itself and not /health or other clients;
 every check runs before any compute, so a bad request fails alone. It is queued as one
 `Job` per prompt, each with its own `DecodeConfig`. The engine loop pushes each job's
@@ -36,6 +36,7 @@ from fastapi.responses import (
 from starlette.exceptions import HTTPException
 
 from ..decode import DecodeConfig, Engine, EngineConfig
+from ..decode.admit import PreparedRequest
 from ..decode.follow import engine_for
 from ..errors import (
     CompileError,
@@ -43,16 +44,15 @@ from ..errors import (
     MissingMaskTokenError,
     ReFusionError,
 )
-from ..model.prompts import chat_ids, encode_prompt
 from .loop import EngineLoop, Job, QueueFull, ShuttingDown
 from .metrics import Metrics
 from .playground import add_playground_routes, is_public
 from .protocol import (
     APIError,
     CompletionRequest,
+    admit,
     bad,
     chunk_body,
-    fit_length,
     new_id,
     parse_request,
     request_config,
@@ -72,9 +72,6 @@ MAX_DEPTH = (
 # threads that parse and tokenise requests: a few at once (the tokenizer releases the GIL), the
 # rest wait their turn without holding up the event loop
 REQUEST_THREADS = 4
-# text longer than context x the vocabulary's longest token, times this, is refused untokenised (the
-# slack covers normalisers that shorten text before it is split)
-TEXT_SLACK = 2
 
 
 def create_app(
@@ -256,9 +253,7 @@ class _Server:
             engine_loop,
         )
         self.context = engine.model.config.max_position_embeddings
-        self.vocab = engine.model.config.vocab_size
         self.created = int(time.time())
-        self.longest_token = _longest_token(self.tokenizer)
         self.work = concurrent.futures.ThreadPoolExecutor(
             REQUEST_THREADS, thread_name_prefix="refusion-request"
         )
@@ -288,44 +283,40 @@ class _Server:
         fails alone."""
         raw = await read_body(request)
         loop = asyncio.get_running_loop()
-        req, prompts, configs = await loop.run_in_executor(self.work, self.prepare, raw, kind)
+        req, prepared = await loop.run_in_executor(self.work, self.prepare, raw, kind)
         events: asyncio.Queue = asyncio.Queue()
-        jobs = self.make_jobs(prompts, configs, events, req.include_slots)
+        jobs = self.make_jobs(prepared, events, req.include_slots)
         self.submit(jobs)
         flow = _Flow(
-            request, req, jobs, events, self.name, sum(len(p) for p in prompts), watch=not req.stream
+            request, req, jobs, events, self.name, sum(len(p.ids) for p in prepared), watch=not req.stream
         )
         return await _respond(flow)
 
-    def prepare(self, raw: bytes, kind: str) -> tuple[CompletionRequest, list[list[int]], list[DecodeConfig]]:
-        """The request in `raw` checked, its prompts tokenised and each one's settings
-        fitted to the context and checked by the engine (a request thread: all of this
-        is CPU work, a prompt's tokenisation the most)."""
+    def prepare(self, raw: bytes, kind: str) -> tuple[CompletionRequest, list[PreparedRequest]]:
+        """The request in `raw` checked, and each of its prompts prepared once by the
+        engine's admission: tokenised, checked and fitted to the context (a request thread:
+        all of this is CPU work, a prompt's tokenisation the most)."""
         req = parse_request(_parse_json(raw), kind)
         self.check_model(req.model)
         base = request_config(self.cfg, req)
-        prompts = self.encode(req)
-        param = "messages" if req.kind == "chat" else "prompt"
-        configs = []
-        for ids in prompts:
-            cfg = fit_length(base, len(ids), req.max_tokens, self.context, param)
-            try:
-                self.engine.check(ids, cfg)
-            except ReFusionError as e:
-                raise library_error(e) from None
-            configs.append(cfg)
-        return req, prompts, configs
+        if req.kind == "chat":
+            template = getattr(self.tokenizer, "chat_template", None)
+            prompts, param = [_for_template(req.messages, template)], "messages"
+        else:
+            prompts, param = list(req.prompts), "prompt"
+        try:
+            return req, [admit(self.engine.admission, p, base, req.max_tokens, param) for p in prompts]
+        except ReFusionError as e:
+            raise library_error(e) from None
 
-    def make_jobs(
-        self, prompts: list[list[int]], configs: list[DecodeConfig], events: asyncio.Queue, slots: bool
-    ) -> list[Job]:
+    def make_jobs(self, prepared: list[PreparedRequest], events: asyncio.Queue, slots: bool) -> list[Job]:
         """One job per prompt; each pushes its events, tagged with its choice's index,
         into `events` (with `slots`, each step's slot events too)."""
         loop = asyncio.get_running_loop()
         jobs = []
-        for i, (ids, cfg) in enumerate(zip(prompts, configs)):
+        for i, p in enumerate(prepared):
             notify = lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev))  # noqa: E731
-            jobs.append(Job(ids, cfg, notify, slots=slots))
+            jobs.append(Job(p, notify, slots=slots))
         return jobs
 
     def submit(self, jobs: list[Job]) -> None:
@@ -343,55 +334,6 @@ class _Server:
             ) from None
         except ShuttingDown as e:
             raise library_error(e) from None
-
-    def encode(self, req: CompletionRequest) -> list[list[int]]:
-        tok = self.tokenizer
-        if req.kind == "chat":
-            self.check_text_length([m["content"] for m in req.messages], "messages")
-            try:
-                prompts = [chat_ids(tok, _for_template(req.messages, getattr(tok, "chat_template", None)))]
-            except Exception as e:  # the template itself rejects the conversation
-                raise bad(f"the chat template rejected the messages: {e}", "messages") from None
-        else:
-            prompts = []
-            for p in req.prompts:
-                if isinstance(p, str):
-                    self.check_text_length([p], "prompt")
-                elif any(not 0 <= t < self.vocab for t in p):
-                    raise bad(f"prompt token ids must be in [0, {self.vocab})", "prompt")
-                prompts.append(encode_prompt(tok, p, chat=False) if p != "" else [])
-        if any(not p for p in prompts):
-            raise bad(
-                "the prompt is empty after tokenisation: give at least one token",
-                "messages" if req.kind == "chat" else "prompt",
-                "empty_prompt",
-            )
-        return prompts
-
-    def check_text_length(self, texts: list[str], param: str) -> None:
-        """Refuse, before tokenising it, text that cannot fit the context: no token spells
-        more than `longest_token` characters, so text over context x that many (and
-        `TEXT_SLACK`) has more tokens than fit. Tokenising 15 MB would take a request
-        thread seconds of CPU only to say the same."""
-        size = sum(len(t) for t in texts)
-        limit = self.context * self.longest_token * TEXT_SLACK
-        if self.longest_token and size > limit:
-            raise bad(
-                f"the {param} text is {size} characters long, over the {limit} that could fit the "
-                f"context of {self.context} tokens (no token of this tokenizer spells more than "
-                f"{self.longest_token} characters); shorten it",
-                param,
-                "context_length_exceeded",
-            )
-
-
-def _longest_token(tokenizer: Any) -> int:
-    """The most characters one token of the vocabulary spells (0, no bound, for a
-    tokenizer that does not list its vocabulary)."""
-    try:
-        return max((len(t) for t in tokenizer.get_vocab()), default=0)
-    except (AttributeError, NotImplementedError):
-        return 0
 
 
 async def _respond(flow: _Flow) -> Response:

@@ -32,8 +32,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..decode.admit import PreparedRequest
 from ..decode.trace import event_dicts
-from ..settings.decode import DecodeConfig
 from .metrics import Metrics
 
 log = logging.getLogger("refusion.serve")
@@ -70,10 +70,10 @@ class Job:
     _ids = itertools.count()
 
     def __init__(
-        self, ids: list[int], cfg: DecodeConfig, notify: Callable[[Event], None], slots: bool = False
+        self, prepared: PreparedRequest, notify: Callable[[Event], None], slots: bool = False
     ) -> None:
         self.id = f"job-{next(Job._ids)}"
-        self.ids, self.cfg, self.notify = ids, cfg, notify
+        self.prepared, self.notify = prepared, notify
         self.slots = slots  # send the decoder's slot events of each step (its trace of the steps)
         self.events_sent = 0
         self.cancelled = threading.Event()  # the client went away (or the server is stopping)
@@ -183,7 +183,7 @@ class EngineLoop:
                 raise QueueFull(self._retry_after())
             for job in jobs:
                 job.metrics = self.metrics
-                self.metrics.prompt_tokens.inc(len(job.ids))
+                self.metrics.prompt_tokens.inc(len(job.prepared.ids))
                 self._inbox.append(job)
             self.metrics.queue_length.set(self.queue_length)
             self._cv.notify_all()
@@ -267,7 +267,7 @@ class EngineLoop:
             try:
                 # a job that streams slot events has its request trace its steps
                 traced = {"trace": "steps"} if job.slots else {}
-                self.engine.add_request(job.ids, job.cfg, request_id=job.id, **traced)
+                self.engine.add_request(job.prepared, request_id=job.id, **traced)
             except Exception as e:  # the request's own fault (a ReFusionError) or not: it fails alone
                 job.fail(e)
                 continue

@@ -3,8 +3,9 @@
 Validation is written out by hand (not pydantic) so that every rejection names its field
 the way OpenAI does: `{"error": {"message", "type", "param", "code"}}` with a 4xx status.
 The decoding fields (temperature, top_p, seed, stop, ReFusion's knobs) are checked by
-DecodeConfig's own check, whose FieldError becomes the 400 (`as_request_error`), and a
-request is fitted to the context by the decode layer's `fit_to_room`.
+DecodeConfig's own check, whose FieldError becomes the 400 (`as_request_error`), and each
+prompt is prepared (tokenised, checked, fitted to the context) by the decode layer's
+`Admission`, whose errors become 400s here (`admit`).
 Fields that OpenAI defines and that would change the answer in a way we cannot honour
 (logprobs, tools, n > 1, penalties, ...) are refused; harmless ones (`user`, `metadata`,
 ...) are accepted and ignored; anything else is an unrecognised argument, as at OpenAI.
@@ -25,8 +26,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..decode.fit import NoRoomError, fit_to_room
-from ..errors import ConfigError
+from ..decode.admit import Admission, PreparedRequest
+from ..decode.fit import NoRoomError
+from ..errors import ChatTemplateError, ConfigError, PromptError
 from ..settings.decode import PRESETS, DecodeConfig
 from ..settings.fields import FieldError, check_scalar, check_value, shown
 
@@ -100,7 +102,7 @@ def _own_value(name: str, kind: str, value: Any, **bounds: Any) -> Any:
 
 
 # request field -> the DecodeConfig field it sets under its own name (method, slot_size, .., stop_token_ids);
-# max_tokens sets gen_length once fitted to the prompt (`fit_length`), and stop sets stop
+# max_tokens sets gen_length once fitted to the prompt (`admit`), and stop sets stop
 DECODE_FIELDS = {f.name: f for f in dataclasses.fields(DecodeConfig) if f.metadata.get("http", True)}
 _STOP = next(f for f in dataclasses.fields(DecodeConfig) if f.name == "stop")
 # accepted and ignored
@@ -367,23 +369,28 @@ def _content(c: Any, where: str) -> str:
 def request_config(base: DecodeConfig, req: CompletionRequest) -> DecodeConfig:
     """The server's DecodeConfig with the request's preset (its slot settings only: the
     server's sampling settings stay) and knobs on top, and the request's stop strings
-    (gen_length is set later, per prompt, by `fit_length`)."""
+    (gen_length is set later, per prompt, by `admit`)."""
     with as_request_error():
         cfg = DecodeConfig.preset(req.preset, base) if req.preset else base
         return cfg.replace(**req.overrides, stop=tuple(req.stop) or cfg.stop)
 
 
-def fit_length(
-    cfg: DecodeConfig, prompt_len: int, max_tokens: int | None, context: int, param: str
-) -> DecodeConfig:
-    """The config with gen_length set for one prompt (`fit_to_room`: max_tokens must fit
-    as it is; omitted, the server's gen_length is capped to what fits), or a 400 whose
-    `param` is the setting its advice changes (`param`, the prompt's field, when only a
-    shorter prompt would do)."""
+def admit(
+    admission: Admission, prompt: Any, cfg: DecodeConfig, max_tokens: int | None, param: str
+) -> PreparedRequest:
+    """One prompt prepared by the engine's admission (max_tokens must fit as it is;
+    omitted, the server's gen_length is lowered to what fits), or a 400 whose `param` is
+    the setting its advice changes (`param`, the prompt's field, when only the prompt can)."""
     try:
-        return fit_to_room(cfg, prompt_len, context, max_tokens, name="max_tokens")
+        return admission.prepare(
+            prompt, cfg, chat=False, length=max_tokens, lower=True, length_name="max_tokens"
+        )
     except NoRoomError as e:
         raise bad(str(e), e.setting or param, "context_length_exceeded") from None
+    except PromptError as e:
+        raise bad(str(e), param, e.code) from None
+    except ChatTemplateError as e:
+        raise bad(f"the chat template rejected the messages: {e}", param) from None
 
 
 # ------------------------------------------------------------------ response bodies

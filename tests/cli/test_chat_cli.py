@@ -36,9 +36,9 @@ def engine(bundled):
     eng.prompts = []
     add = eng.add_request
 
-    def recording(ids, cfg=None, **kw):
-        eng.prompts.append(list(ids))
-        return add(ids, cfg, **kw)
+    def recording(prepared, cfg=None, **kw):
+        eng.prompts.append(list(prepared.ids))
+        return add(prepared, cfg, **kw)
 
     eng.add_request = recording
     return eng
@@ -65,7 +65,7 @@ def script(lines: Iterable[str | BaseException]) -> Callable[[str], str]:
 def run_chat(engine, bundled, lines, **kw):
     out, err = io.StringIO(), io.StringIO()
     cfg = kw.pop("cfg", None) or cfg_of(bundled)
-    turns = chat_loop(engine, bundled[1], cfg, read=script(lines), write=out, err=err, **kw)
+    turns = chat_loop(engine, cfg, read=script(lines), write=out, err=err, **kw)
     return turns, out.getvalue(), err.getvalue()
 
 
@@ -198,9 +198,9 @@ def recorded(monkeypatch):
     prompts: list[list[int]] = []
     add = Engine.add_request
 
-    def recording(self, ids, cfg=None, **kw):
-        prompts.append(list(ids))
-        return add(self, ids, cfg, **kw)
+    def recording(self, prepared, cfg=None, **kw):
+        prompts.append(list(prepared.ids))
+        return add(self, prepared, cfg, **kw)
 
     monkeypatch.setattr(Engine, "add_request", recording)
     return prompts

@@ -125,13 +125,13 @@ def test_many_prompts_through_few_places_keep_their_order(tiny):
     assert [o.token_ids for o in outs] == [generate(tiny, None, [p], cfg)[0].token_ids for p in prompts]
 
 
-def test_check_raises_what_add_request_would(tiny):
+def test_prepare_raises_what_add_request_would(tiny):
     cfg = golden_config(CASES[0])
     engine = Engine(tiny)
-    engine.check(CASES[0]["prompt_ids"], cfg)
+    engine.prepare(CASES[0]["prompt_ids"], cfg)
     too_long = [1] * tiny.config.max_position_embeddings
     with pytest.raises(ContextLengthError):
-        engine.check(too_long, cfg)
+        engine.prepare(too_long, cfg)
     with pytest.raises(ContextLengthError):
         engine.add_request(too_long, cfg)
     with pytest.raises(ContextLengthError):

@@ -19,14 +19,14 @@ httpx = pytest.importorskip("httpx")
 import test_serve  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from served import Process, wait_for  # noqa: E402
+from served import Process, fit_length, wait_for  # noqa: E402
 from test_serve import MODEL, GatedEngine, LiveServer, in_thread, live  # noqa: E402
 
-from refusion.decode import DecodeConfig, EngineConfig  # noqa: E402
-from refusion.serve import app as serve_app  # noqa: E402
+from refusion.decode import DecodeConfig, EngineConfig, admit  # noqa: E402
+from refusion.decode.admit import Admission  # noqa: E402
 from refusion.serve import create_app  # noqa: E402
 from refusion.serve.app import _for_template  # noqa: E402
-from refusion.serve.protocol import APIError, fit_length, parse_request  # noqa: E402
+from refusion.serve.protocol import APIError, parse_request  # noqa: E402
 
 # test_serve's fixtures, shared here (one converted tiny model; one live server per module, in this
 # process and as a front over two replicas)
@@ -163,7 +163,7 @@ def test_a_huge_prompt_is_tokenised_without_holding_up_health_or_other_clients(l
     """A 2 MB prompt takes seconds to tokenise (only to be refused as too long; the
     length check that would refuse it untokenised is loosened here): /health and a small
     request answer meanwhile, because the tokenisation is not on the event loop."""
-    monkeypatch.setattr(serve_app, "TEXT_SLACK", 10**6)
+    monkeypatch.setattr(admit, "TEXT_SLACK", 10**6)
     huge = {"prompt": "Hello there, how are you? " * 80_000, "max_tokens": 4}
     with live(loaded) as s:
         t0 = time.monotonic()
@@ -211,7 +211,8 @@ def test_text_too_long_to_fit_is_refused_without_tokenising_it(loaded):
     """No token spells more than the vocabulary's longest entry, so text longer than the
     context times that cannot fit: a 15 MB prompt is a 400 at once, not after seconds
     of tokenisation; text within the bound is tokenised and measured in tokens."""
-    limit = 512 * serve_app._longest_token(loaded[1]) * serve_app.TEXT_SLACK  # the tiny models: 512 positions
+    longest = Admission(loaded[0].config, loaded[1], DecodeConfig()).longest_token
+    limit = 512 * longest * admit.TEXT_SLACK  # the tiny models: 512 positions
     with live(loaded) as s:
         t0 = time.monotonic()
         err = openai_error(post(s, "/v1/completions", {"prompt": "Hello there. " * 1_150_000}), 400)

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from served import fit_length
 
 from refusion.decode import (
     DecodeConfig,
@@ -18,6 +19,7 @@ from refusion.decode import (
     RequestOutput,
     StopText,
 )
+from refusion.decode.admit import PreparedRequest
 from refusion.decode.fit import NoRoomError, fit_to_room
 from refusion.errors import ConfigError
 from refusion.serve.loop import EngineLoop, Job, QueueFull, ShuttingDown
@@ -27,7 +29,6 @@ from refusion.serve.protocol import (
     APIError,
     CompletionRequest,
     as_request_error,
-    fit_length,
     parse_request,
     request_config,
 )
@@ -316,7 +317,8 @@ class ScriptedEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests or self.finished_outputs)
 
-    def add_request(self, ids, cfg, request_id):
+    def add_request(self, prepared, request_id):
+        ids = prepared.ids
         if ids[0] not in self.script:
             raise ConfigError("unknown prompt")
         self.requests[request_id] = SimpleNamespace(toks=self.script[ids[0]], n=0, started=0)
@@ -365,7 +367,8 @@ class ScriptedEngine:
 
 def job(first: int) -> tuple[Job, list]:
     events: list = []
-    return Job([first], DecodeConfig(), events.append), events
+    cfg = DecodeConfig()
+    return Job(PreparedRequest((first,), cfg, frozenset(), cfg.gen_length), events.append), events
 
 
 def text_of(events) -> str:

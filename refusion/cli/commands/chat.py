@@ -11,11 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from ...decode.fit import NoRoomError, fit_to_room, fits
+from ...decode.fit import NoRoomError
 from ...errors import ContextLengthError, ReFusionError
-from ...model.prompts import chat_ids
 from ...settings.decode import DecodeConfig
 from ..flags import (
     add_decode_arguments,
@@ -27,6 +26,7 @@ from ..flags import (
 
 if TYPE_CHECKING:
     from ...decode import Engine, RequestOutput
+    from ...decode.admit import PreparedRequest
 
 Message = dict[str, str]
 Turn = tuple[str, str]  # (user, assistant)
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     print("refusion chat: an empty line or Ctrl-D ends the session; Ctrl-C stops a reply.", file=sys.stderr)
     if sys.stdin.isatty():
         enable_line_editing()
-    chat_loop(engine, tokenizer, cfg, keep_history=keep, system=args.system, stats=args.stats)
+    chat_loop(engine, cfg, keep_history=keep, system=args.system, stats=args.stats)
     return 0
 
 
@@ -103,7 +103,6 @@ def enable_line_editing() -> None:
 # ---------------------------------------------------------------------- the loop
 def chat_loop(
     engine: Engine,
-    tokenizer: Any,
     cfg: DecodeConfig,
     *,
     keep_history: bool = True,
@@ -131,9 +130,7 @@ def chat_loop(
         if not user.strip():
             break
         try:
-            kept = answer(
-                engine, tokenizer, cfg, system, turns if keep_history else [], user, stats, write, err
-            )
+            kept = answer(engine, cfg, system, turns if keep_history else [], user, stats, write, err)
         except ReFusionError as e:
             print(f"error: {e}", file=err)
             continue
@@ -144,7 +141,6 @@ def chat_loop(
 
 def answer(
     engine: Engine,
-    tokenizer: Any,
     cfg: DecodeConfig,
     system: str | None,
     turns: list[Turn],
@@ -157,20 +153,22 @@ def answer(
     with this one added. A cancelled reply returns `turns` unchanged (nothing dropped,
     nothing added); errors propagate with the conversation untouched."""
     context = engine.model.config.max_position_embeddings
-    ids, fitted, dropped = fit_prompt(tokenizer, cfg, context, system, turns, user)
+    prepared, dropped = fit_prompt(engine, cfg, system, turns, user)
     if dropped:
         print(
             f"[dropped {dropped} earlier turn{'s' if dropped > 1 else ''} to fit the model's context "
             f"of {context} positions]",
             file=err,
         )
-    out = stream_reply(engine, ids, fitted, write)
+    out = stream_reply(engine, prepared, write)
     if out is None:
         print("[reply cancelled]", file=err)
         return turns
     if stats:
         s = out.stats
-        print(f"[{fitted.method}] tokens={s.tokens} nfe={s.nfe} tpf={s.tpf:.2f} tps={s.tps:.1f}", file=err)
+        print(
+            f"[{prepared.cfg.method}] tokens={s.tokens} nfe={s.nfe} tpf={s.tpf:.2f} tps={s.tps:.1f}", file=err
+        )
     return turns[dropped:] + [(user, out.text)]
 
 
@@ -183,27 +181,29 @@ def messages_of(system: str | None, turns: list[Turn], user: str) -> list[Messag
 
 
 def fit_prompt(
-    tokenizer: Any, cfg: DecodeConfig, context: int, system: str | None, turns: list[Turn], user: str
-) -> tuple[list[int], DecodeConfig, int]:
-    """The prompt ids, the config fitted to the room they leave, and how many of the oldest
-    turns were dropped to make room. Earlier turns go before the reply is shortened: a
-    full-length answer to the new message matters more than the oldest context. Raises
+    engine: Engine, cfg: DecodeConfig, system: str | None, turns: list[Turn], user: str
+) -> tuple[PreparedRequest, int]:
+    """The conversation prepared (`Engine.prepare`), and how many of the oldest turns were
+    dropped to make room. Earlier turns go before the reply is shortened: a full-length
+    answer to the new message matters more than the oldest context. Raises
     ContextLengthError ("message too long", with what would fit) when even the new
     message alone leaves less than one decoding unit."""
     for dropped in range(len(turns) + 1):
-        ids = chat_ids(tokenizer, messages_of(system, turns[dropped:], user))
-        if fits(cfg, len(ids), context):
-            return ids, cfg, dropped
+        messages = messages_of(system, turns[dropped:], user)
+        try:
+            return engine.prepare(messages, cfg), dropped
+        except NoRoomError:
+            continue
     try:
-        return ids, fit_to_room(cfg, len(ids), context), len(turns)
+        return engine.prepare(messages, cfg, lower=True), len(turns)
     except NoRoomError as e:
         raise ContextLengthError(f"message too long: {e}") from None
 
 
-def stream_reply(engine: Engine, ids: list[int], cfg: DecodeConfig, write: TextIO) -> RequestOutput | None:
+def stream_reply(engine: Engine, prepared: PreparedRequest, write: TextIO) -> RequestOutput | None:
     """Stream one reply to `write`; its final RequestOutput, or None when Ctrl-C cancelled
     it. Any failure during the steps leaves the engine empty and ready for the next turn."""
-    rid = engine.add_request(ids, cfg)
+    rid = engine.add_request(prepared)
     out = None
     try:
         while engine.has_unfinished():

@@ -170,6 +170,7 @@ def _evaluate_model(args: argparse.Namespace, bench, common: dict) -> dict:
     preset on top of the checkpoint's recommendation; a gen_length not given by number is
     lowered to what the context leaves after each prompt (said once, at the end)."""
     from ...decode import api
+    from ...decode.admit import lowered_note
     from ...evaluate import evaluate
     from ...evaluate.benchmarks import Chat
     from ...evaluate.paper import finish_output
@@ -189,19 +190,15 @@ def _evaluate_model(args: argparse.Namespace, bench, common: dict) -> dict:
     cfg = decode_config_from_args(args, model=model)
     if bench.protocol == "paper":
         cfg = cfg.replace(stop=())  # the authors generate in full and cut at the task's stops afterwards
-    lowered: list[int] = []  # the lengths lowered to
-    seen = [0]
+    prepared_all: list = []  # every prompt as prepared, for the one note on lowered lengths
 
     def generate(queries: list):
         chats = [q if isinstance(q, Chat) else None for q in queries]
         prompts = [c.ids(tokenizer) if c else q for c, q in zip(chats, queries)]
-        if args.gen_length is not None:
-            outs = api.generate(model, tokenizer, prompts, cfg, engine_config=engine_cfg)
-        else:
-            ids, cfgs, fitted = api.fit_to_context(model, tokenizer, prompts, cfg)
-            lowered.extend(fitted)
-            seen[0] += len(prompts)
-            outs = api.generate(model, tokenizer, ids, cfgs, engine_config=engine_cfg)
+        # a length asked for by number must fit as it is; a preset's or the checkpoint's is lowered
+        prepared = api.prepare(model, tokenizer, prompts, cfg, lower=args.gen_length is None)
+        prepared_all.extend(prepared)
+        outs = api.generate(model, tokenizer, prepared, engine_config=engine_cfg)
         return [finish_output(o, c, tokenizer) if c else o for o, c in zip(outs, chats)]
 
     out = args.out or f"runs/eval/{_run_name(bench)}-{cfg.method}"
@@ -215,11 +212,9 @@ def _evaluate_model(args: argparse.Namespace, bench, common: dict) -> dict:
         replicas=_replicas(model),
         **common,
     )
-    if lowered:
-        print(
-            api.lowered_note(cfg, lowered, seen[0], model.config.max_position_embeddings, args.preset),
-            file=sys.stderr,
-        )
+    note = lowered_note(prepared_all, model.config.max_position_embeddings, args.preset)
+    if note:
+        print(note, file=sys.stderr)
     return summary
 
 

@@ -123,8 +123,8 @@ def run(args: argparse.Namespace) -> int:
     engine_cfg = engine_config_from_args(args)
     model, tokenizer = _load(args)
     cfg = decode_config_from_args(args, model=model)
-    ids, cfgs = _fitted(args, model, tokenizer, prompts, cfg)
-    decode = _decoder(args, model, tokenizer, ids, cfgs, engine_cfg)
+    prepared = _prepared(args, model, tokenizer, prompts, cfg)
+    decode = _decoder(args, model, tokenizer, prepared, engine_cfg)
     if args.stats:
         _warm_up(decode, engine_cfg)
     outs = decode(_streamer(args, len(prompts)))
@@ -141,21 +141,21 @@ def _examples(args: argparse.Namespace) -> int:
     return print_examples(args)
 
 
-def _fitted(args: argparse.Namespace, model, tokenizer, prompts: list[str], cfg) -> tuple[list, Any]:
-    """The prompts and config(s) to decode: a length not asked for by number is lowered to
-    fit the context, and said so."""
-    from ...decode.api import fit_to_context, lowered_note
+def _prepared(args: argparse.Namespace, model, tokenizer, prompts: list[str], cfg) -> list:
+    """The prompts prepared once, each with its config: a length not asked for by number
+    is lowered to fit the context, and said so."""
+    from ...decode.admit import lowered_note
+    from ...decode.api import prepare
 
-    if args.gen_length is not None:
-        return prompts, cfg
-    ids, cfgs, lowered = fit_to_context(model, tokenizer, prompts, cfg, chat=not args.no_chat)
-    note = lowered_note(cfg, lowered, len(prompts), model.config.max_position_embeddings, args.preset)
+    lower = args.gen_length is None  # a length asked for by number must fit as it is
+    prepared = prepare(model, tokenizer, prompts, cfg, chat=not args.no_chat, lower=lower)
+    note = lowered_note(prepared, model.config.max_position_embeddings, args.preset)
     if note:
         print(note, file=sys.stderr)
-    return ids, cfgs
+    return prepared
 
 
-def _decoder(args: argparse.Namespace, model, tokenizer, ids, cfgs, engine_cfg) -> Callable[..., list]:
+def _decoder(args: argparse.Namespace, model, tokenizer, prepared: list, engine_cfg) -> Callable[..., list]:
     """A decode of the prompts that can be repeated (--stats times the second one)."""
     from ...decode import generate
 
@@ -163,10 +163,8 @@ def _decoder(args: argparse.Namespace, model, tokenizer, ids, cfgs, engine_cfg) 
         return generate(
             model,
             tokenizer,
-            ids,
-            cfgs,
+            prepared,
             engine_config=engine_cfg,
-            chat=not args.no_chat,
             trace="steps" if args.trace is not None else False,
             on_output=callback,
         )
