@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 
 from .request import Request
-
-Feed = tuple[list[int], list[int], tuple[int, int]]  # tokens, positions, logits wanted for entries [a, b)
+from .rows import Feed
 
 
 class ARRow:
@@ -27,11 +26,36 @@ class ARRow:
 
     stops_early = True  # finished once its output is final (EOS or gen_length)
 
+    # both forwards of a step give it a token; it has no infilling
+    def plan_feed(self) -> Feed:
+        return self.feed()
+
+    def take_plan(self, logits: torch.Tensor, feed: Feed) -> int:
+        return self.take(logits)
+
+    def verify_feed(self) -> Feed | None:
+        return None if self.done else self.feed()
+
+    def take_verify(self, logits: torch.Tensor, feed: Feed) -> int:
+        return self.take(logits)
+
+    def infills(self) -> bool:
+        return False
+
+    def end_step(self) -> None:
+        pass
+
+    drafting = adaptive = False  # it drafts nothing: no draft widths
+    verifies = False  # it takes a token in a verification forward when a ReFusion row runs one
+
+    def fed_per_forward(self) -> int:
+        return 1
+
     def feed(self) -> Feed:
         """A joining row feeds its prompt at 0..P-1; a running row its last token at P+done-1."""
         n = len(self.pending)
         start = self.prompt_len + self.n_done - n if self.n_done else 0
-        return self.pending, list(range(start, start + n)), (n - 1, n)
+        return Feed(self.pending, list(range(start, start + n)), (n - 1, n))
 
     def take(self, logits: torch.Tensor) -> int:
         """One token from the logits (1, V) of the last entry fed; returns the entries kept."""

@@ -9,44 +9,46 @@ each with its own `DecodeConfig`, and call `step()` until nothing is left:
         for out in engine.step():   # RequestOutput: final left-to-right prefix, text, finished, ...
             ...
 
-Requests of any mix of settings share a batch. AR and ReFusion rows live in one KV cache
-and share its forwards: one step runs the plan forward (ReFusion rows feed MASKs, AR rows
-take a token), the verification forward (AR rows take another token), then infilling
-for the ReFusion rows that need it. MDM rows, which reuse no KV, run as their own group:
-one forward per step over their whole contexts. A request added between steps joins at
-the next step (its prompt is prefilled in that step's first forward); a finished or
-aborted row frees its place at once.
+Requests of any mix of settings share a batch. A step is schedule -> execute -> update:
+the scheduler admits waiting requests (`scheduler.py`); the rows of the KV cache run the
+plan forward (ReFusion rows feed MASKs, AR rows take a token), the verification forward
+(AR rows take another token), then infilling for the ReFusion rows that need it, every
+row answering the same phase interface (`rows.Row`); rows of methods that reuse no KV
+(MDM) run as their own group, one forward per step over their whole contexts; then each
+request reports what grew. A request added between steps joins at the next step (its
+prompt is prefilled in that step's first forward); a finished or aborted row frees its
+place at once.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import time
-from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import ConfigError
+from ..model.kv_cache import KVCache
 from ..model.prompts import Prompt
-from ..model.sizing import cache_bytes, entry_bytes, request_need, row_capacity
+from ..model.sizing import entry_bytes
 from ..model.transformer import Transformer
 from ..settings.decode import DecodeConfig, EngineConfig
 from ..settings.recommended import recommended_of
 from .admit import Admission, Messages, PreparedRequest
-from .ar import ARRow, Feed
-from .forward import Forward, compiled_step, make_room
-from .mdm import MDMRow
-from .refusion import Infill, ReFusionRow
+from .forward import Forward, compiled_step
+from .methods import method_of
+from .refusion import Infill
 from .request import Request, RequestOutput
+from .rows import Feed, Row
 from .sampling import Sampler
-from .widths import choose, drafting_of, widths_keep_output
+from .scheduler import Scheduler
+from .width_policy import WidthPolicy
+from .widths import drafting_of
 
 if TYPE_CHECKING:
     from .follow import Followers
-
-CachedRow = ARRow | ReFusionRow
 
 
 class Engine:
@@ -67,20 +69,15 @@ class Engine:
         self.followers: Followers | None = None
         pad_id = self.mask_id if self.mask_id is not None else next(iter(self.eos_ids), 0)
         self.fwd = Forward(model, pad_id, compiled_step() if config.compile else None)
-        self._entry_bytes = entry_bytes(model.config, model.dtype)  # a rank's config: its share of the heads
         self.infill = Infill(self.fwd, self.mask_id)
         # draft widths that follow the batch (docs/algorithm.md#adaptive-widths); on a split model
         # each rank would time its own forwards and choose apart, so widths stay fixed there
-        self.adaptive = config.adaptive_drafts and config.tensor_parallel_size == 1
-        self.drafting = drafting_of(model)
-        self._last_step_end = 0.0  # when the last step ended, while requests remained
-        self._drafted = False  # whether a row drafted in the last step (else: AR blocks and AR rows)
-        self._not_step = 0.0  # seconds of this step that are no step's own work (a calibration)
-        self.waiting: deque[Request] = deque()
+        self.widths = WidthPolicy(
+            drafting_of(model), config.adaptive_drafts and config.tensor_parallel_size == 1
+        )
+        # a rank's config: its share of the heads
+        self.scheduler = Scheduler(model, config, entry_bytes(model.config, model.dtype), self._new_row)
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
-        self.rows: list[CachedRow] = []  # AR and ReFusion rows, one per row of `cache`
-        self.mdm: list[MDMRow] = []
-        self.cache = None
         self.finished_outputs: list[RequestOutput] = []  # aborted requests, reported by the next step
         self.rows_last_step = 0  # rows that took part in the last step (all groups)
         self._ids = itertools.count()
@@ -93,11 +90,20 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return len(self.rows) + len(self.mdm)
+        return self.scheduler.running
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.scheduler.waiting)
+
+    @property
+    def rows(self) -> list[Row]:
+        """The rows of the KV cache, one per row of `cache`."""
+        return self.scheduler.rows
+
+    @property
+    def cache(self) -> KVCache | None:
+        return self.scheduler.cache
 
     def has_unfinished(self) -> bool:
         return bool(self.requests or self.finished_outputs)
@@ -144,18 +150,10 @@ class Engine:
         if self.followers is not None:
             self.followers.add(prepared, rid, trace, stream)
         c = prepared.cfg
-        req = Request(
-            rid,
-            list(prepared.ids),
-            c,
-            prepared.eos_ids,
-            Sampler(c, self.model.device),
-            self.tokenizer,
-            trace,
-            stream,
-        )
+        sampler = Sampler(c, self.model.device)
+        req = Request(rid, list(prepared.ids), c, prepared.eos_ids, sampler, self.tokenizer, trace, stream)
         self.requests[rid] = req
-        self.waiting.append(req)
+        self.scheduler.waiting.append(req)
         return rid
 
     @torch.inference_mode()
@@ -167,57 +165,14 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
-        if req in self.waiting:
-            self.waiting.remove(req)
-        for row in self.rows + self.mdm:
+        if req in self.scheduler.waiting:
+            self.scheduler.waiting.remove(req)
+        for row in self.scheduler.every_row():
             if row.req is req:
                 row.done = True
-        self._retire()
+        self.scheduler.retire()
         self.finished_outputs.append(req.cancel())
         return True
-
-    @torch.inference_mode()
-    def step(self) -> list[RequestOutput]:
-        """Admit waiting requests, run one step of every group, and report each request
-        whose final prefix grew or that finished. Runs under inference mode whatever the
-        caller's thread (a server's engine loop): no autograd state is kept."""
-        if self.followers is not None:
-            self.followers.step()
-        outputs, self.finished_outputs = self.finished_outputs, []
-        start, forward_seconds = time.perf_counter(), self.fwd.seconds
-        try:
-            self._admit()
-            self.rows_last_step = self.num_running
-            if self.rows:
-                self._step_cached()
-            if self.mdm:
-                self._step_mdm()
-        except BaseException:  # the aborted requests' outputs are still owed to the caller
-            self.finished_outputs = outputs + self.finished_outputs
-            raise
-        for row in self.rows + self.mdm:
-            out = row.req.advance(row.done, row.stops_early)
-            if out is not None:
-                outputs.append(out)
-                if out.finished:
-                    row.done = True
-                    self.requests.pop(row.req.id, None)
-        self._retire()
-        self._time_step(start, forward_seconds)
-        return outputs
-
-    def _time_step(self, start: float, forward_seconds: float) -> None:
-        """The step's time outside its forwards, and the driver's since the last step (at
-        most the step's own length: a longer gap is a driver waiting for work), per row, for
-        the draft widths (`widths.StepOverhead`), counted apart for steps where a row drafted
-        (infilling's bookkeeping) and steps of AR blocks and AR rows only."""
-        end = time.perf_counter()
-        if self.adaptive and self.rows_last_step:
-            gap = min(start - self._last_step_end, end - start) if self._last_step_end else 0.0
-            outside = end - start - (self.fwd.seconds - forward_seconds) - self._not_step + gap
-            kind = self.drafting.overhead if self._drafted else self.drafting.ar_overhead
-            kind.add(self.rows_last_step, outside)
-        self._last_step_end, self._not_step = (end if self.has_unfinished() else 0.0), 0.0
 
     def abort_running(self) -> list[str]:
         """Drop every running request and the cache (after a step failed half-way, its
@@ -227,177 +182,122 @@ class Engine:
         ids = [rid for rid, r in self.requests.items() if r.started]
         for rid in ids:
             self.requests.pop(rid)
-        self.rows, self.mdm, self.cache, self.infill.scratch = [], [], None, None
+        self.scheduler.drop_running()
+        self.infill.scratch = None
         return ids
 
-    # ------------------------------------------------------------------ scheduling
-    def _admit(self) -> None:
-        """Waiting requests in order, while the batch has room and the KV memory budget
-        holds them; one that does not fit waits at the head (none overtakes it). A
-        request alone in the engine always starts."""
-        new: list[CachedRow] = []
-        while self.waiting and self.num_running + len(new) < self.config.max_batch_size:
-            req = self.waiting[0]
-            if (self.num_running or new) and not self._fits(req, new):
-                break
-            self.waiting.popleft()
-            req.start()
-            if req.cfg.method == "mdm":
-                self.mdm.append(MDMRow(req, self.mask_id))
-            else:
-                new.append(self._row(req))
-        if new:
-            try:
-                self._make_room(new)
-            except BaseException:  # (out of memory, say): the requests wait again, nothing is lost
-                for row in reversed(new):
-                    row.req.started = 0.0
-                    self.waiting.appendleft(row.req)
-                raise
-            self.rows += new
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Schedule (admit waiting requests), execute (one step of every row), update
+        (report each request whose final prefix grew or that finished, and retire the
+        finished rows). Runs under inference mode whatever the caller's thread (a
+        server's engine loop): no autograd state is kept."""
+        if self.followers is not None:
+            self.followers.step()
+        outputs, self.finished_outputs = self.finished_outputs, []
+        start, forward_seconds = time.perf_counter(), self.fwd.seconds
+        try:
+            self.scheduler.admit()
+            self.rows_last_step = self.num_running
+            drafted = self._execute()
+        except BaseException:  # the aborted requests' outputs are still owed to the caller
+            self.finished_outputs = outputs + self.finished_outputs
+            raise
+        outputs += self._update()
+        self.widths.timed(
+            start, self.fwd.seconds - forward_seconds, self.rows_last_step, drafted, self.has_unfinished()
+        )
+        return outputs
 
-    def _row(self, req: Request) -> CachedRow:
-        if req.cfg.method != "refusion":
-            return ARRow(req)
-        row = ReFusionRow(req)
-        if self.adaptive and widths_keep_output(req.cfg):
-            row.acceptance = self.drafting.acceptance
+    def _new_row(self, req: Request) -> Row:
+        row = method_of(req.cfg).row(req, self.mask_id)
+        if self.widths.follows(req.cfg):
+            row.acceptance = self.widths.drafting.acceptance
         return row
 
-    def _make_room(self, new: list[CachedRow]) -> None:
-        """Cache rows for `new`, each as long as the sizing rule says every step of the
-        running and new rows needs (`row_capacity`), with storage reserved for the rows
-        that can be in flight (running and waiting, up to max_batch_size) within the budget."""
-        needs = [request_need(r.req.cfg, len(r.req.prompt)) for r in self.rows + new]
-        capacity = row_capacity(needs, joining=bool(self.rows))
-        waiting = sum(q.cfg.method != "mdm" for q in self.waiting)
-        budget_rows = int(self.config.memory_budget_gb * 2**30 // max(capacity * self._entry_bytes, 1))
-        rows = len(self.rows) + len(new)
-        reserve = max(rows, min(self.config.max_batch_size, rows + waiting, budget_rows))
-        self.cache = make_room(self.model, self.cache, len(new), capacity, reserve)
+    def _execute(self) -> bool:
+        """One step of every row: the KV cache's rows, and the group of rows without a
+        cache in one forward of their own. Returns whether a row drafted (the step's
+        timing is counted by kind)."""
+        drafted = False
+        if self.scheduler.rows:
+            drafted = self._step_cached()
+        if self.scheduler.group:
+            self._step_group()
+        return drafted
 
-    def _fits(self, req: Request, new: list[CachedRow]) -> bool:
-        """Would the cache rows of every running request, of the ones admitted this step and
-        of `req` fit the memory budget, sized by the one rule (`cache_bytes`)?"""
-        reqs = [r.req for r in self.rows + self.mdm + new] + [req]
-        needs = [request_need(q.cfg, len(q.prompt)) for q in reqs]
-        return (
-            cache_bytes(needs, self._entry_bytes, joining=bool(self.rows))
-            <= self.config.memory_budget_gb * 2**30
-        )
-
-    def _retire(self) -> None:
-        """Finished rows leave; their cache storage stays for rows that join."""
-        keep = [b for b, r in enumerate(self.rows) if not r.done]
-        if len(keep) < len(self.rows):
-            self.rows = [self.rows[b] for b in self.cache.retain(keep)]
-        self.mdm = [r for r in self.mdm if not r.done]
-
-    # ------------------------------------------------------------------ one step
-    def _step_cached(self) -> None:
-        """ReFusion's round (docs/algorithm.md#one-step) for every ReFusion row, with the AR rows taking a
-        token in each forward of the main cache."""
-        self._choose_widths()
-        self._drafted = any(isinstance(r, ReFusionRow) and not r.ar_block for r in self.rows)
+    def _step_cached(self) -> bool:
+        """ReFusion's round (docs/algorithm.md#one-step) over the KV cache's rows: the
+        draft widths chosen, the plan forward, the verification forward, infilling; AR
+        rows take a token in each forward. Returns whether a row drafted."""
+        rows = self.scheduler.rows
+        self.widths.choose(rows, self.cache.lengths, self.fwd.time_shapes, self.config.max_batch_size)
+        drafted = any(r.drafting for r in rows)
         self._plan()
-        refusion = [r for r in self.rows if isinstance(r, ReFusionRow)]
-        if not refusion:
-            return
+        if not any(r.verifies for r in rows):  # AR rows alone: one forward, one token a row
+            return drafted
         self._verify()
         self._infill()
-        for r in refusion:
-            r.next_block_if_complete()
-
-    def _choose_widths(self) -> None:
-        """Each group of rows with adaptive widths at the start of a block (same slot size
-        and widest window) gets the plan width and infilling window that commit the most
-        tokens per second with the batch as it is (`widths.choose`); the forward cost is
-        timed at first use and every five minutes after. A row inside an AR block does not
-        choose: it runs to the block's end, a token in each plan and verification forward,
-        and waits through the drafting rows' infilling, so it is priced as such a rider."""
-        groups: dict[tuple[int, int], list[ReFusionRow]] = {}
-        cached: dict[int, int] = {}  # id(row) -> entries in its cache row
-        for b, r in enumerate(self.rows):
-            if isinstance(r, ReFusionRow) and r.acceptance is not None and not r.ar_block:
-                groups.setdefault((r.s, r.req.cfg.infill_window or r.s), []).append(r)
-                cached[id(r)] = self.cache.lengths[b]
-        if not groups:
-            return
-        cost = self.drafting.cost
-        if cost.stale():
-            t0 = time.perf_counter()
-            cost.calibrate(self.fwd.time_shapes, self.config.max_batch_size)
-            self._not_step += time.perf_counter() - t0  # a one-off: not the step's own work
-        for (s, window), rows in groups.items():
-            member = {id(r) for r in rows}
-            rest = [r for r in self.rows if id(r) not in member]
-            fed = sum(r.s if isinstance(r, ReFusionRow) and not r.ar_block else 1 for r in rest)
-            # the rows' mean cache length: attention's share of a forward's cost
-            context = sum(cached[id(r)] for r in rows) // len(rows)
-            at = functools.partial(cost, context=context)
-            d = self.drafting
-            overheads = (d.overhead.seconds(len(self.rows)), d.ar_overhead.seconds(len(self.rows)))
-            p, w = choose(len(rows), len(rest), fed, s, window, d.acceptance, at, overheads=overheads)
-            for r in rows:
-                if p == 0 and r.can_start_ar_block():
-                    r.start_ar_block()  # counted in its request's stats (ar_blocks), as drafting steps are
-                else:
-                    r.set_widths(max(p, 1), w)
+        for r in rows:
+            r.end_step()
+        return drafted
 
     def _plan(self) -> None:
         """Steps 1-2: MASKs for every undecoded slot of each ReFusion row's block (its
         prompt first, on its first step), then the slots to verify; AR rows take a token."""
-        rows, mask = self.rows, self.mask_id
-        feeds = [r.plan_feed(mask) if isinstance(r, ReFusionRow) else r.feed() for r in rows]
-        logits = self._run(feeds)
-        self.cache.advance(
-            [
-                0 if f is None else r.take_plan(lg, len(f[0])) if isinstance(r, ReFusionRow) else r.take(lg)
-                for r, f, lg in zip(rows, feeds, logits)
-            ]
-        )
+        self._phase([r.plan_feed() for r in self.rows], lambda r, lg, f: r.take_plan(lg, f))
 
     def _verify(self) -> None:
         """Step 3: global verification of the selected drafts, fast-path commits; AR rows
         that are not done take another token."""
-        rows = self.rows
-        feeds = [
-            r.verify_feed() if isinstance(r, ReFusionRow) else None if r.done else r.feed() for r in rows
-        ]
-        logits = self._run(feeds)
-        self.cache.advance(
-            [
-                0 if f is None else r.take_verify(lg, f[0]) if isinstance(r, ReFusionRow) else r.take(lg)
-                for r, f, lg in zip(rows, feeds, logits)
-            ]
-        )
+        self._phase([r.verify_feed() for r in self.rows], lambda r, lg, f: r.take_verify(lg, f))
 
     def _infill(self) -> None:
         """Step 4 for the ReFusion rows whose selection did not pass whole."""
-        need = [
-            (r, b) for b, r in enumerate(self.rows) if isinstance(r, ReFusionRow) and r.to_infill is not None
-        ]
+        need = [(r, b) for b, r in enumerate(self.rows) if r.infills()]
         if need:
             self.infill([r for r, _ in need], [b for _, b in need], self.cache)
 
-    def _run(self, feeds: list[Feed | None]) -> list[torch.Tensor]:
-        """One forward of the main cache; a row with no feed takes no part."""
-        tokens = [f[0] if f else [] for f in feeds]
-        positions = [f[1] if f else [] for f in feeds]
-        want = [f[2] if f else (0, 0) for f in feeds]
-        return self.fwd.run([r.req for r in self.rows], tokens, positions, self.cache, want)
-
-    def _step_mdm(self) -> None:
-        feeds = [r.feed() for r in self.mdm]
+    def _phase(self, feeds: list[Feed | None], take: Callable[[Row, torch.Tensor, Feed], int]) -> None:
+        """One forward of the KV cache over every row's feed (a row with none takes no
+        part); each row takes its logits and says which of its entries stay."""
+        rows = self.scheduler.rows
+        none = Feed([], [], (0, 0))
         logits = self.fwd.run(
-            [r.req for r in self.mdm],
-            [f[0] for f in feeds],
-            [f[1] for f in feeds],
-            None,
-            [f[2] for f in feeds],
+            [r.req for r in rows],
+            [(f or none).tokens for f in feeds],
+            [(f or none).positions for f in feeds],
+            self.cache,
+            [(f or none).logits for f in feeds],
         )
-        for r, lg in zip(self.mdm, logits):
+        self.cache.advance([0 if f is None else take(r, lg, f) for r, f, lg in zip(rows, feeds, logits)])
+
+    def _step_group(self) -> None:
+        group = self.scheduler.group
+        feeds = [r.feed() for r in group]
+        logits = self.fwd.run(
+            [r.req for r in group],
+            [f.tokens for f in feeds],
+            [f.positions for f in feeds],
+            None,
+            [f.logits for f in feeds],
+        )
+        for r, lg in zip(group, logits):
             r.take(lg)
+
+    def _update(self) -> list[RequestOutput]:
+        """Each row's request reports what grew or that it finished; finished rows leave."""
+        outputs = []
+        for row in self.scheduler.every_row():
+            out = row.req.advance(row.done, row.stops_early)
+            if out is not None:
+                outputs.append(out)
+                if out.finished:
+                    row.done = True
+                    self.requests.pop(row.req.id, None)
+        self.scheduler.retire()
+        return outputs
 
 
 def _split(model: Transformer) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from ..errors import ContextLengthError
 from ..settings.decode import DecodeConfig
+from .methods import method_of
 
 
 class NoRoomError(ContextLengthError):
@@ -97,29 +98,14 @@ def _no_room(cfg: DecodeConfig, prompt_len: int, context: int, length: int | Non
 
 
 def _unit_text(cfg: DecodeConfig) -> str:
-    if cfg.method == "mdm":
-        return f"mdm decodes in whole blocks of mdm_block_length {cfg.mdm_block_length} positions"
-    if cfg.method == "ar":
-        return "ar decodes one position at a time"
-    return (
-        f"{cfg.method} decodes in whole units of slot_size {cfg.slot_size} "
-        f"x serial_blocks {cfg.serial_blocks} = {cfg.unit} positions"
-    )
+    return method_of(cfg).unit_text(cfg)
 
 
 def _smaller_unit(cfg: DecodeConfig, slack: int) -> dict[str, int]:
     """The settings that make the unit at most `slack` (>= 1) positions, the first being
     the one to name. Any length n fits in a room r with any unit u <= r - n + 1: n
-    rounded up to whole units is at most n + u - 1. ReFusion keeps its blocks if it can,
-    then its slot size, else takes one block of smaller slots."""
-    if cfg.method == "mdm":
-        return {"mdm_block_length": slack}
-    size, blocks = cfg.slot_size, cfg.serial_blocks
-    if slack // blocks >= 1:
-        return {"slot_size": slack // blocks}
-    if slack // size >= 1:
-        return {"serial_blocks": slack // size}
-    return {"slot_size": slack, "serial_blocks": 1}
+    rounded up to whole units is at most n + u - 1."""
+    return method_of(cfg).smaller_unit(cfg, slack)
 
 
 def _said(changes: dict[str, int], bound: str = "") -> str:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .ar import Feed
 from .request import Request
+from .rows import Feed
 from .sampling import token_probs
 
 
@@ -43,7 +43,7 @@ class MDMRow:
     def feed(self) -> Feed:
         seq = self.req.prompt + self.gen[: (self.block + 1) * self.blk]
         P, lo = len(self.req.prompt), self.block * self.blk
-        return seq, list(range(len(seq))), (P + lo, P + lo + self.blk)
+        return Feed(seq, list(range(len(seq))), (P + lo, P + lo + self.blk))
 
     def take(self, logits: torch.Tensor) -> None:
         """Fix positions of the block from its logits (blk, V); move on when it is complete."""

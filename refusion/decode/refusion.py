@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.kv_cache import KVCache
-from .ar import Feed
 from .forward import Forward
 from .options import PaperRule, rule_for
 from .request import Request
+from .rows import Feed
 from .sampling import token_probs
 from .widths import Acceptance, equals_greedy_ar
 
@@ -99,7 +99,9 @@ class ReFusionRow:
     # (docs/algorithm.md#adaptive-widths): MASKs the plan drafts per slot (0: the whole slot),
     # and where the row's verify passes are counted
     width: int = 0
-    mask_id: int = 0  # the plan's MASK: the undrafted rest of a slot under a narrower plan
+    mask_id: int = (
+        0  # the model's MASK: what the plan feeds, and the undrafted rest of a slot under a narrower plan
+    )
     acceptance: Acceptance | None = None
     # the current block decoded as AR decoding would, a token per forward (`ar_feed`), when
     # that commits more tokens per second than drafting; `ar_next`: its next offset
@@ -116,6 +118,7 @@ class ReFusionRow:
         self.pending = list(self.req.prompt)
 
     stops_early = True  # finished once its output is final (EOS or gen_length), whatever slots are left
+    verifies = True  # every step runs its global verification forward
 
     def set_widths(self, plan: int, window: int) -> None:
         """This step's plan width (MASKs per slot) and infilling window (0: one AR token per
@@ -145,7 +148,7 @@ class ReFusionRow:
         if not self.undecoded:
             return None
         n = len(self.pending)
-        return self.pending, list(range(self.pending_at, self.pending_at + n)), (n - 1, n)
+        return Feed(self.pending, list(range(self.pending_at, self.pending_at + n)), (n - 1, n))
 
     def take_ar(self, logits: torch.Tensor) -> int:
         """A token from the logits (1, V) at the last pending one; returns the entries kept."""
@@ -174,6 +177,23 @@ class ReFusionRow:
         """An EOS was accepted in `slot`: slots at later positions will never be decoded."""
         self.undecoded = [j for j in self.undecoded if j < slot]
         self.ends_after_block = True
+
+    def infills(self) -> bool:
+        return self.to_infill is not None
+
+    @property
+    def drafting(self) -> bool:
+        return not self.ar_block
+
+    @property
+    def adaptive(self) -> bool:
+        return self.acceptance is not None and not self.ar_block
+
+    def fed_per_forward(self) -> int:
+        return 1 if self.ar_block else self.s
+
+    def end_step(self) -> None:
+        self.next_block_if_complete()
 
     def next_block_if_complete(self) -> None:
         if self.undecoded:
@@ -215,7 +235,7 @@ class ReFusionRow:
         return out
 
     # ------------------------------------------------------------------ step 1: plan
-    def plan_feed(self, mask_id: int) -> Feed:
+    def plan_feed(self) -> Feed:
         """MASK for every undecoded slot of the block, after the pending tokens (the prompt
         on the first step, the last token of an AR block); in an AR block, its next token."""
         if self.ar_block:
@@ -223,19 +243,19 @@ class ReFusionRow:
         P, s, w = len(self.req.prompt), self.s, self.width or self.s
         head, at = self.pending, self.pending_at
         mask_pos = [P + j * s + i for j in self.undecoded for i in range(w)]
-        self.mask_id, self.pending = mask_id, []
+        self.pending = []
         stats = self.req.stats
         stats.draft_steps += 1
         stats.plan_width_sum += w
         stats.window_sum += self.rule.window
         start = len(head) - self.rule.plan_head(bool(head), self.undecoded[0])
-        return (
-            head + [mask_id] * len(mask_pos),
+        return Feed(
+            head + [self.mask_id] * len(mask_pos),
             list(range(at, at + len(head))) + mask_pos,
             (start, len(head) + len(mask_pos)),
         )
 
-    def take_plan(self, logits: torch.Tensor, n_fed: int) -> int:
+    def take_plan(self, logits: torch.Tensor, feed: Feed) -> int:
         """Draft every masked position and select the slots to verify (step 2); returns
         the entries kept: the prompt stays, the MASK entries go. In an AR block: its token."""
         if self.ar_block:
@@ -259,7 +279,7 @@ class ReFusionRow:
         checked = self.rule.check_selected(self)
         if before is not None:
             self._trace_first_tokens(before, checked)
-        return n_fed - logits.shape[0]
+        return len(feed.tokens) - logits.shape[0]
 
     def _trace_first_tokens(self, before: list[int], checked: list[int]) -> None:
         """When tracing: how the plan step left each selected slot's first token (checked
@@ -302,14 +322,15 @@ class ReFusionRow:
         positions = [P + self.undecoded[j] * s + i for j in sel for i in range(s)][: len(toks)]
         # the logits that score the fed tokens (each token's predict the next), and any the rule reads
         # past them
-        return toks, positions, (0, len(toks) - 1 + self.rule.global_next)
+        return Feed(toks, positions, (0, len(toks) - 1 + self.rule.global_next))
 
-    def take_verify(self, logits: torch.Tensor, toks: list[int]) -> int:
+    def take_verify(self, logits: torch.Tensor, feed: Feed) -> int:
         """Global verification: commit the longest passing prefix if it ends in EOS or
         covers whole slots (fast path), else leave the slots to infill; returns the
         entries kept. In an AR block: its token."""
         if self.ar_block:
             return self.take_ar(logits)
+        toks = feed.tokens
         s, sel = self.s, self.selected
         slots = [self.undecoded[j] for j in sel]
         passing = self._passing(logits, toks, slots)  # (n_sel * s,)

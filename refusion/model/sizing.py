@@ -1,6 +1,7 @@
 """Memory: how much a model needs per device (its weights, a rank's share under tensor
 parallelism), how much a process holds, and the one rule for the KV cache: what a request
-needs of it (`request_need`), how long every row of one cache must be (`row_capacity`),
+needs of it (`CacheNeed`, by its method: `decode.methods`), how long every row of one
+cache must be (`row_capacity`),
 and what that costs (`cache_bytes`). The engine admits requests and allocates its cache
 by this rule and `refusion info` reports it, so they agree on what fits. Imports no torch
 until a function needs it (the load test reads a server's memory with it)."""
@@ -12,8 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..settings.decode import DecodeConfig
-
 if TYPE_CHECKING:
     import torch
 
@@ -24,7 +23,7 @@ ID_BYTES = 16  # an entry's token and position ids, int64 each
 
 @dataclass(frozen=True)
 class CacheNeed:
-    """What one request asks of the KV cache (see `request_need`)."""
+    """What one request asks of the KV cache (each method says, `decode.methods.Method.cache_need`)."""
 
     prompt: int  # entries its prompt takes
     growth: int  # entries its decoding adds past the prompt, at most
@@ -32,19 +31,6 @@ class CacheNeed:
         int  # entries one forward writes past the row's committed end, beyond its growth (a block of MASKs)
     )
     rows: int = 1  # cache rows it holds at once (ReFusion: its row and a fork per slot of a block; MDM: none)
-
-
-def request_need(cfg: DecodeConfig, prompt_len: int) -> CacheNeed:
-    """The cache a request of these settings and prompt needs. A ReFusion row grows by its
-    region, feeds a block of MASKs past its committed end, and forks a row per slot of a
-    block while it infills (the forks hold the committed row and at most a slot more);
-    an AR row grows by gen_length, one token a forward; MDM reuses no cache."""
-    if cfg.method == "mdm":
-        return CacheNeed(prompt_len, 0, 0, rows=0)
-    if cfg.method == "refusion":
-        width = cfg.slots_per_block * cfg.slot_size
-        return CacheNeed(prompt_len, cfg.region_length, width, rows=1 + cfg.slots_per_block)
-    return CacheNeed(prompt_len, cfg.gen_length, 0)
 
 
 def row_capacity(needs: Sequence[CacheNeed], joining: bool = False) -> int:
@@ -134,17 +120,17 @@ def memory_plan(
     dtype: torch.dtype,
     batch_size: int,
     context: int,
-    cfg: DecodeConfig,
+    alone: CacheNeed,
     tensor_parallel_size: int = 1,
 ) -> dict[str, Any]:
     """Per device: the weights, and the KV cache the engine allocates for batch_size
     requests admitted together, each of `context` positions (prompt and generation, the
-    generation as long as cfg's region where the context allows), by the engine's rule
-    (`request_need`, `row_capacity`); and their sum, in bytes."""
+    generation as long as a request's growth where the context allows; `alone`: what one
+    request of the settings asks with no prompt, `decode.methods.Method.cache_need`), by
+    the engine's rule (`row_capacity`); and their sum, in bytes."""
     from .tensor_parallel import local_config
 
     local = local_config(config, tensor_parallel_size) if tensor_parallel_size > 1 else config
-    alone = request_need(cfg, 0)
     growth = min(alone.growth, context)
     need = CacheNeed(context - growth, growth, alone.width, alone.rows)
     needs = [need] * batch_size

@@ -16,7 +16,7 @@ import torch
 from golden_data import CASES, load_tiny
 
 import refusion
-import refusion.decode.engine as engine_module
+import refusion.decode.width_policy as engine_module
 from refusion.decode import DecodeConfig, Engine, EngineConfig, generate
 from refusion.decode.refusion import ReFusionRow
 from refusion.decode.widths import (

@@ -10,8 +10,9 @@ import torch
 from golden_data import CASES, golden_config, load_tiny
 
 from refusion.decode import DecodeConfig, Engine, EngineConfig, generate
+from refusion.decode.methods import method_of
 from refusion.errors import ContextLengthError
-from refusion.model.sizing import cache_bytes, entry_bytes, request_need
+from refusion.model.sizing import cache_bytes, entry_bytes
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +143,7 @@ def test_prepare_raises_what_add_request_would(tiny):
 def budget_for(tiny, cfg: DecodeConfig, rows: int, longest: int) -> float:
     """The memory budget (GiB) that holds `rows` requests of cfg with prompts up to
     `longest` joining a running batch, by the engine's sizing rule."""
-    needs = [request_need(cfg, longest)] * rows
+    needs = [method_of(cfg).cache_need(cfg, longest)] * rows
     return cache_bytes(needs, entry_bytes(tiny.config, tiny.dtype), joining=True) / 2**30
 
 

@@ -180,9 +180,9 @@ def test_no_verify_feed_runs_past_an_eos_it_could_commit(tiny, monkeypatch):
     verify_feed, draft, verify = ReFusionRow.verify_feed, Infill._draft, Infill._verify
 
     def recorded(row):
-        toks, pos, want = verify_feed(row)
-        feeds.append((toks, row.req.eos_ids, len(row.selected), row.s))
-        return toks, pos, want
+        feed = verify_feed(row)
+        feeds.append((feed.tokens, row.req.eos_ids, len(row.selected), row.s))
+        return feed
 
     def drafted(infill, forks, fcache):
         draft(infill, forks, fcache)

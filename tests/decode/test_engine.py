@@ -234,11 +234,11 @@ def test_a_request_with_other_settings_joining_late_fits_the_cache(tiny):
 def test_the_cache_reserves_no_more_rows_than_the_budget_holds(tiny):
     """16 requests queued, a budget for 2: the cache's storage is for 2 rows, not 16."""
     cfg = DecodeConfig(method="ar", gen_length=16, stop_token_ids=())
-    from refusion.model.sizing import cache_bytes, entry_bytes, request_need
+    from refusion.decode.methods import method_of
+    from refusion.model.sizing import cache_bytes, entry_bytes
 
-    budget = (
-        cache_bytes([request_need(cfg, 10)] * 2, entry_bytes(tiny.config, tiny.dtype), joining=True) / 2**30
-    )
+    need = method_of(cfg).cache_need(cfg, 10)
+    budget = cache_bytes([need] * 2, entry_bytes(tiny.config, tiny.dtype), joining=True) / 2**30
     engine = Engine(tiny, None, EngineConfig(max_batch_size=16, memory_budget_gb=budget))
     for i in range(16):
         engine.add_request(CASES[i]["prompt_ids"][:10] + [1] * (10 - len(CASES[i]["prompt_ids"][:10])), cfg)
@@ -261,7 +261,7 @@ def test_a_failed_step_loses_no_request(tiny, monkeypatch):
         calls.append(1)
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr("refusion.decode.engine.make_room", no_memory)
+    monkeypatch.setattr("refusion.decode.scheduler.make_room", no_memory)
     with pytest.raises(RuntimeError, match="out of memory"):
         engine.step()
     assert calls and engine.num_waiting == 1 and engine.num_running == 0

@@ -193,13 +193,15 @@ def test_info_sizes_what_the_ranks_hold(make_hf_dir, capsys):
 
     from refusion.cli.dispatch import main
     from refusion.decode import DecodeConfig
+    from refusion.decode.methods import method_of
     from refusion.io import load_metadata
     from refusion.model.sizing import memory_plan
 
     path = make_hf_dir("llama3")  # one KV head: replicated over the two ranks
     config, _ = load_metadata(path)
     weights, kv = spawn(2, _shard_bytes, str(path))
-    plan = memory_plan(config, torch.float32, 3, 40, DecodeConfig(method="ar"), tensor_parallel_size=2)
+    ar = DecodeConfig(method="ar")
+    plan = memory_plan(config, torch.float32, 3, 40, method_of(ar).cache_need(ar, 0), tensor_parallel_size=2)
     assert (plan["weights_bytes"], plan["kv_cache_bytes"]) == (weights, kv)
     capsys.readouterr()  # what writing the checkpoint printed
     assert (

@@ -195,10 +195,12 @@ def _evaluate_model(args: argparse.Namespace, bench, common: dict) -> dict:
     def generate(queries: list):
         chats = [q if isinstance(q, Chat) else None for q in queries]
         prompts = [c.ids(tokenizer) if c else q for c, q in zip(chats, queries)]
-        # a length asked for by number must fit as it is; a preset's or the checkpoint's is lowered
-        prepared = api.prepare(model, tokenizer, prompts, cfg, lower=args.gen_length is None)
-        prepared_all.extend(prepared)
-        outs = api.generate(model, tokenizer, prepared, engine_config=engine_cfg)
+        if args.gen_length is not None:  # a length asked for by number must fit as it is
+            outs = api.generate(model, tokenizer, prompts, cfg, engine_config=engine_cfg)
+        else:  # a preset's or the checkpoint's is lowered to fit, and said so
+            prepared = api.prepare(model, tokenizer, prompts, cfg)
+            prepared_all.extend(prepared)
+            outs = api.generate(model, tokenizer, prepared, engine_config=engine_cfg)
         return [finish_output(o, c, tokenizer) if c else o for o, c in zip(outs, chats)]
 
     out = args.out or f"runs/eval/{_run_name(bench)}-{cfg.method}"
@@ -212,9 +214,10 @@ def _evaluate_model(args: argparse.Namespace, bench, common: dict) -> dict:
         replicas=_replicas(model),
         **common,
     )
-    note = lowered_note(prepared_all, model.config.max_position_embeddings, args.preset)
-    if note:
-        print(note, file=sys.stderr)
+    if prepared_all:
+        note = lowered_note(prepared_all, model.config.max_position_embeddings, args.preset)
+        if note:
+            print(note, file=sys.stderr)
     return summary
 
 

@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
 def _memory(args: argparse.Namespace, info: dict[str, Any]) -> list[dict[str, Any]]:
     """The plan for AR requests and for ReFusion requests with the checkpoint's settings,
     by the rule the engine admits and allocates with (`model.sizing`)."""
+    from ...decode.methods import method_of
     from ...errors import ConfigError
     from ...io import DTYPES, load_metadata
     from ...model.sizing import memory_plan
@@ -69,7 +70,8 @@ def _memory(args: argparse.Namespace, info: dict[str, Any]) -> list[dict[str, An
     plans = []
     ar, refusion = cfg.replace(method="ar"), cfg.replace(method="refusion")
     for label, c in (("ar", ar), (f"refusion ({refusion.slots_per_block} slots per block)", refusion)):
-        plan = memory_plan(config, DTYPES[name], args.batch_size, args.context, c, args.split)
+        need = method_of(c).cache_need(c, 0)
+        plan = memory_plan(config, DTYPES[name], args.batch_size, args.context, need, args.split)
         if info.get("quantization"):  # the weights as stored, not as the config's dtype would hold them
             plan["weights_bytes"] = sum(info["weight_bytes"].values())
             plan["total_bytes"] = plan["weights_bytes"] + plan["kv_cache_bytes"]

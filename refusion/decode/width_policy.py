@@ -1,0 +1,86 @@
+"""The draft widths an engine sets each step (docs/algorithm.md#adaptive-widths): the policy
+object the engine asks before its forwards, and tells how long each step took.
+
+Only rows whose output cannot depend on the widths take part (`widths.widths_keep_output`);
+the others draft at their settings' widths. On a model split over processes each rank
+would time its own forwards and choose apart, so an engine there keeps widths fixed.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..settings.decode import DecodeConfig
+from .widths import Drafting, choose, widths_keep_output
+
+
+class WidthPolicy:
+    """Chooses the plan width and infilling window of the rows at the start of a block,
+    from the forward cost and draft acceptance measured on this model (`Drafting`), and
+    measures each step's own time outside its forwards (`widths.StepOverhead`)."""
+
+    def __init__(self, drafting: Drafting, adaptive: bool) -> None:
+        self.drafting, self.adaptive = drafting, adaptive
+        self._last_step_end = 0.0  # when the last step ended, while requests remained
+        self._not_step = 0.0  # seconds of this step that are no step's own work (a calibration)
+
+    def follows(self, cfg: DecodeConfig) -> bool:
+        """Whether a row of these settings drafts at the widths this policy chooses."""
+        return self.adaptive and widths_keep_output(cfg)
+
+    def choose(self, rows: Sequence[Any], lengths: Sequence[int], time_shapes: Callable, batch: int) -> None:
+        """Each group of rows with adaptive widths at the start of a block (same slot size
+        and widest window) gets the plan width and infilling window that commit the most
+        tokens per second with the batch as it is (`widths.choose`); the forward cost is
+        timed at first use and every five minutes after. A row inside an AR block does not
+        choose: it runs to the block's end, a token in each plan and verification forward,
+        and waits through the drafting rows' infilling, so it is priced as such a rider.
+        `lengths[b]`: entries in row b's cache; `batch`: the engine's max_batch_size."""
+        groups: dict[tuple[int, int], list[Any]] = {}
+        cached: dict[int, int] = {}  # id(row) -> entries in its cache row
+        for b, r in enumerate(rows):
+            if r.adaptive:
+                groups.setdefault((r.s, r.req.cfg.infill_window or r.s), []).append(r)
+                cached[id(r)] = lengths[b]
+        if not groups:
+            return
+        cost = self.drafting.cost
+        if cost.stale():
+            t0 = time.perf_counter()
+            cost.calibrate(time_shapes, batch)
+            self._not_step += time.perf_counter() - t0  # a one-off: not the step's own work
+        for (s, window), group in groups.items():
+            self._choose_group(rows, group, s, window, cached)
+
+    def _choose_group(self, rows: Sequence[Any], group: list[Any], s: int, window: int, cached: dict) -> None:
+        member = {id(r) for r in group}
+        rest = [r for r in rows if id(r) not in member]
+        fed = sum(r.fed_per_forward() for r in rest)
+        # the rows' mean cache length: attention's share of a forward's cost
+        context = sum(cached[id(r)] for r in group) // len(group)
+        at = functools.partial(self.drafting.cost, context=context)
+        d = self.drafting
+        overheads = (d.overhead.seconds(len(rows)), d.ar_overhead.seconds(len(rows)))
+        p, w = choose(len(group), len(rest), fed, s, window, d.acceptance, at, overheads=overheads)
+        for r in group:
+            if p == 0 and r.can_start_ar_block():
+                r.start_ar_block()  # counted in its request's stats (ar_blocks), as drafting steps are
+            else:
+                r.set_widths(max(p, 1), w)
+
+    def timed(self, start: float, forward_seconds: float, rows: int, drafted: bool, more: bool) -> None:
+        """A step that began at `start` spent `forward_seconds` in forwards with `rows` rows
+        (`drafted`: a row drafted in it); its time outside them, and the driver's since the
+        last step (at most the step's own length: a longer gap is a driver waiting for
+        work), is counted per kind of step (infilling's bookkeeping, or AR blocks and AR
+        rows only). `more`: requests remain."""
+        end = time.perf_counter()
+        if self.adaptive and rows:
+            gap = min(start - self._last_step_end, end - start) if self._last_step_end else 0.0
+            outside = end - start - forward_seconds - self._not_step + gap
+            kind = self.drafting.overhead if drafted else self.drafting.ar_overhead
+            kind.add(rows, outside)
+        self._last_step_end, self._not_step = (end if more else 0.0), 0.0
