@@ -31,7 +31,8 @@ from ..cli.flags import (
 from ..decode import DecodeConfig, EngineConfig, generate
 from ..decode.request import RequestOutput, TraceEvent
 from ..errors import ConfigError
-from .suite import SUITE_DEFAULTS, score_item, select_items
+from .suite import SUITE_DEFAULTS, select_items
+from .suite_measure import score_item
 
 # The first differing token's category: the code path that committed it, read in this order
 # (docs/algorithm.md#provenance).

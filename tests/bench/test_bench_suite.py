@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from refusion.bench import suite
+from refusion.bench import suite, suite_report
 from refusion.bench.aup import aup, aup_weight
 from refusion.cli.dispatch import main
 from refusion.io import BUNDLED_DIR
@@ -69,7 +69,7 @@ def test_aup_rejects_empty_and_non_positive_tpf() -> None:
 
 def test_frontier_keeps_only_undominated_points() -> None:
     pts = [(1, 50), (2, 60), (3, 55), (4, 40), (2.5, 30)]
-    assert suite.frontier(pts) == [(2, 60), (3, 55), (4, 40)]
+    assert suite_report.frontier(pts) == [(2, 60), (3, 55), (4, 40)]
 
 
 # ---------------------------------------------------------------------------- one small run
