@@ -27,6 +27,7 @@ from tqdm import tqdm
 from ..cli.flags import add_decode_arguments, decode_config_from_args
 from ..decode import DecodeConfig
 from ..errors import CheckpointError, ConfigError
+from .results import add_results_argument, writes_results
 from .suite import SUITE_DEFAULTS, select_items
 from .suite_measure import decode_one, summarise
 from .suite_report import pyplot
@@ -54,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="JSON path (default: RUN/curve.json)")
     parser.add_argument("--plot", default=None, help="PNG path (default: RUN/curve.png)")
     add_decode_arguments(parser, engine=False)
+    add_results_argument(parser, "learning-curve.md")
 
 
 def checkpoints(run: Path, every: int) -> list[tuple[int, Path]]:
@@ -154,6 +156,7 @@ def decode_all(path: str | Path, items, cfg, device: str, dtype: str | None, des
     return summarise(records)
 
 
+@writes_results
 def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run)
     if args.every < 1:

@@ -42,6 +42,7 @@ from .decode_report import (
     print_widths,
 )
 from .flops import linear_flops, matmul_peak
+from .results import add_results_argument, writes_results
 
 DEFAULT_PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -92,6 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", dest="json_out", default=None, help="also write the figures to this JSON file"
     )
+    add_results_argument(parser, "speed.md")
 
 
 def method_config(base: DecodeConfig, engine: EngineConfig, name: str) -> tuple[DecodeConfig, EngineConfig]:
@@ -226,6 +228,7 @@ def draft_widths(outs) -> dict[str, float]:
     }
 
 
+@writes_results
 def run(args: argparse.Namespace) -> int:
     """On a split model every rank measures alongside (their forwards meet in each
     all-reduce); the first prints and writes the figures."""

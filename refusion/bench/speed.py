@@ -37,6 +37,7 @@ from ..model.transformer import Transformer
 from ..settings.model import ModelConfig
 from .decode import bench_prompts, quantized_models
 from .floors import MachineProbe
+from .results import add_results_argument, writes_results
 from .speed_quantized import quantized_section
 from .speed_report import print_report, targets
 from .speed_sections import ar_section, forward_section, refusion_section
@@ -128,6 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "AR decode interleaved with the unquantized model's, and each one's peak memory in a fresh process",
     )
     g.add_argument("--json", dest="json_out", default=None, help="also write every figure to this JSON file")
+    add_results_argument(parser, "speed.md")
 
 
 def random_model(
@@ -196,6 +198,7 @@ def suite_prompt_ids(tokenizer: Any, n: int) -> list[list[int]]:
     return [encode_prompt(tokenizer, p) for p in bench_prompts(n)]
 
 
+@writes_results
 def run(args: argparse.Namespace) -> int:
     spec = args.model or args.model_pos
     model, tokenizer = load_model(spec, args.device, args.dtype, args.allow_nonfinite_weights)

@@ -38,6 +38,7 @@ from ..cli.flags import (
 from ..decode import DecodeConfig, EngineConfig
 from ..errors import CheckpointError, ConfigError
 from ..settings.recommended import Recommended, recommended_of
+from .results import add_results_argument, writes_results
 from .suite_measure import Run, measure, sweep_points, table_rows
 from .suite_report import plot_sweep, print_sweep, print_table, pyplot
 
@@ -89,6 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--sweep-mdm-threshold", default="0.9,0.7", help="MDM: confidence thresholds (Fast-dLLM style)"
     )
+    add_results_argument(parser, "suite.md")
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -242,6 +244,7 @@ def sweep_runs(base: DecodeConfig, args: argparse.Namespace, with_ar: bool) -> l
 
 
 # ---------------------------------------------------------------------------- the command
+@writes_results
 def run(args: argparse.Namespace) -> int:
     from ..parallel import is_main
 
