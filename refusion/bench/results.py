@@ -118,9 +118,10 @@ def machine() -> str:
 
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    threads = torch.get_num_threads()
     return (
-        f"{cpu_model()}, {usable} of {os.cpu_count()} cores usable; {gpu}; torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads); Python {platform.python_version()}, "
+        f"{cpu_model()}, {usable} of {os.cpu_count()} logical CPUs usable; {gpu}; torch {torch.__version__} "
+        f"with {threads} thread{'s' * (threads != 1)}; Python {platform.python_version()}, "
         f"{platform.system()} {platform.release()}"
     )
 
