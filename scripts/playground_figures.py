@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The playground's screenshots in docs/figures/ (shown in the README), made again:
+"""The playground's screenshots in docs/figures/ (shown in docs/playground.md and the README), made again:
 
     .venv/bin/python scripts/playground_figures.py
 

@@ -18,14 +18,19 @@ import dataclasses
 import json
 import re
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from ..cli.flags import add_decode_arguments, decode_config_from_args
+from ..decode import DecodeConfig
 from ..errors import CheckpointError, ConfigError
-from .suite import SUITE_DEFAULTS, decode_one, pyplot, select_items, summarise
+from .results import add_results_argument, writes_results
+from .suite import SUITE_DEFAULTS, select_items
+from .suite_measure import decode_one, summarise
+from .suite_report import pyplot
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="JSON path (default: RUN/curve.json)")
     parser.add_argument("--plot", default=None, help="PNG path (default: RUN/curve.png)")
     add_decode_arguments(parser, engine=False)
+    add_results_argument(parser, "learning-curve.md")
 
 
 def checkpoints(run: Path, every: int) -> list[tuple[int, Path]]:
@@ -150,15 +156,15 @@ def decode_all(path: str | Path, items, cfg, device: str, dtype: str | None, des
     return summarise(records)
 
 
+@writes_results
 def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run)
     if args.every < 1:
         raise ConfigError(f"--every takes a positive number of steps, got {args.every}")
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be a positive integer, got {args.limit}")
-    cfg = decode_config_from_args(
-        args, base=SUITE_DEFAULTS
-    )  # bench suite's settings; --method: another decoding's curve
+    # bench suite's settings; --method: another decoding's curve
+    cfg = decode_config_from_args(args, base=SUITE_DEFAULTS)
     items = select_items(args.limit, args.families)
     points = checkpoints(run_dir, args.every)
     base = base_model(run_dir, args.base)
@@ -182,9 +188,30 @@ def run(args: argparse.Namespace) -> int:
             "model": str(base),
             **decode_all(base, items, cfg.replace(method="ar"), args.device, args.dtype, "base, AR"),
         }
-    rows = {
-        p["step"]: p for p in known.values() if "step" in p
-    }  # earlier points, whose checkpoints may be pruned since
+    partial = {**settings, "ar_reference": reference, "losses": []}
+    rows = decode_points(
+        points, known, items, cfg, args, lambda rows: _write(out, partial | {"points": rows})
+    )
+    curve = {**settings, "ar_reference": reference, "points": rows, "losses": losses(run_dir)}
+    print_curve(curve)
+    plot_curve(curve, plot)
+    _write(out, curve)
+    print(f"figure: {plot}\nfigures: {out}")
+    return 0
+
+
+def decode_points(
+    points: list[tuple[int, Path | str]],
+    known: dict[Any, dict[str, Any]],
+    items: Sequence,
+    cfg: DecodeConfig,
+    args: argparse.Namespace,
+    save: Callable[[list[dict[str, Any]]], None],
+) -> list[dict[str, Any]]:
+    """Each checkpoint's figures, in step order: an earlier run's point where its checkpoint
+    is unchanged (and kept where it has been pruned since), else decoded now; `save` gets
+    the points so far after each one, so a curve stopped part-way keeps what it decoded."""
+    rows = {p["step"]: p for p in known.values() if "step" in p}
     for step, path in tqdm(points, desc="checkpoints", unit="ckpt", file=sys.stderr):
         row = known.get((step, str(path)))
         if row is None or row.get("fingerprint") != _fingerprint(path):
@@ -199,21 +226,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"note: step {step} skipped: {e}", file=sys.stderr)
                 continue
         rows[step] = row
-        _write(
-            out,
-            {**settings, "ar_reference": reference, "points": [rows[k] for k in sorted(rows)], "losses": []},
-        )
-    curve = {
-        **settings,
-        "ar_reference": reference,
-        "points": [rows[k] for k in sorted(rows)],
-        "losses": losses(run_dir),
-    }
-    print_curve(curve)
-    plot_curve(curve, plot)
-    _write(out, curve)
-    print(f"figure: {plot}\nfigures: {out}")
-    return 0
+        save([rows[k] for k in sorted(rows)])
+    return [rows[k] for k in sorted(rows)]
 
 
 def _write(out: Path, curve: dict[str, Any]) -> None:

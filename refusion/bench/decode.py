@@ -29,9 +29,20 @@ from ..cli.flags import (
     load_from_args,
 )
 from ..decode import DecodeConfig, EngineConfig, generate
-from ..decode.forward import Forward
 from ..errors import ConfigError
-from ..timing import median_ratio, sync, time_ms
+from ..timing import median_ratio, sync
+from .decode_report import (
+    print_agreement,
+    print_ceilings,
+    print_demand,
+    print_forward_lead,
+    print_sweep,
+    print_table,
+    print_weights,
+    print_widths,
+)
+from .flops import linear_flops, matmul_peak
+from .results import add_results_argument, writes_results
 
 DEFAULT_PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -82,6 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", dest="json_out", default=None, help="also write the figures to this JSON file"
     )
+    add_results_argument(parser, "speed.md")
 
 
 def method_config(base: DecodeConfig, engine: EngineConfig, name: str) -> tuple[DecodeConfig, EngineConfig]:
@@ -216,63 +228,7 @@ def draft_widths(outs) -> dict[str, float]:
     }
 
 
-def linear_flops(model, fed: int, logit_rows: int) -> float:
-    """FLOPs of the linear layers for `fed` tokens through the body and `logit_rows` through
-    the vocabulary projection (attention left out: small next to them at these lengths)."""
-    return sum(
-        2.0 * o * i * (body * fed + head * logit_rows)
-        for (o, i), (body, head) in linear_shapes(model).items()
-    )
-
-
-def linear_rate(model, out_f: int, in_f: int, rows: int, inner: int) -> float:
-    """GFLOP/s of a (rows x in_f) by (in_f -> out_f) matmul in the model's dtype and device,
-    best of 5 samples of `inner` calls."""
-
-    x = torch.randn(rows, in_f, device=model.device, dtype=model.dtype)
-    w = torch.randn(out_f, in_f, device=model.device, dtype=model.dtype)
-    best_ms = min(time_ms(lambda: torch.nn.functional.linear(x, w), model.device, inner) for _ in range(5))
-    return 2.0 * rows * in_f * out_f / best_ms / 1e6
-
-
-def matmul_peak(model, rows: int = 512) -> float:
-    """GFLOP/s of one matmul of the model's own shapes (rows x hidden by hidden x
-    intermediate), best of a few: what a batch's linear layers could reach at most."""
-    c = model.config
-    return linear_rate(model, c.intermediate_size, c.hidden_size, rows, 10)
-
-
-def linear_shapes(model) -> dict[tuple[int, int], tuple[int, int]]:
-    """(out, in) of each distinct linear shape -> (layers of that shape in the body, in the
-    vocabulary projection): the weights one fed token, or one logit row, goes through."""
-    shapes: dict[tuple[int, int], tuple[int, int]] = {}
-    for m in model.model.modules():
-        if isinstance(m, torch.nn.Linear):
-            body, head = shapes.get(tuple(m.weight.shape), (0, 0))
-            shapes[tuple(m.weight.shape)] = (body + 1, head)
-    body, head = shapes.get(tuple(model.lm_head.weight.shape), (0, 0))
-    shapes[tuple(model.lm_head.weight.shape)] = (body, head + 1)
-    return shapes
-
-
-def shape_rates(model, rows: int = 512) -> dict[tuple[int, int], float]:
-    """GFLOP/s of each linear shape with `rows` input rows, best of a few (an upper bound
-    on what a batch's forwards get from that shape)."""
-    return {(out_f, in_f): linear_rate(model, out_f, in_f, rows, 5) for out_f, in_f in linear_shapes(model)}
-
-
-def ceiling_tps(
-    model, rates: dict[tuple[int, int], float], tokens: float, fed: float, logit_rows: float
-) -> float:
-    """Tokens/s if every linear layer ran at its shape's best rate and nothing else (attention,
-    norms, sampling, bookkeeping) took any time: what no batch size can beat on this machine
-    for this many fed tokens and logit rows per committed token."""
-    seconds = 0.0
-    for (out_f, in_f), (body, head) in linear_shapes(model).items():
-        seconds += 2.0 * out_f * in_f * (body * fed + head * logit_rows) / (rates[(out_f, in_f)] * 1e9)
-    return tokens / seconds if seconds > 0 else float("inf")
-
-
+@writes_results
 def run(args: argparse.Namespace) -> int:
     """On a split model every rank measures alongside (their forwards meet in each
     all-reduce); the first prints and writes the figures."""
@@ -297,180 +253,59 @@ def _run(args: argparse.Namespace, report: bool) -> int:
     methods += [f"{m}@{q}" for q in models if q is not None for m in methods]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     warm_up(models, tokenizer, base, engine, methods, sizes)
+    rows = one_row_rounds(models, tokenizer, prompts, base, engine, methods, args.rounds)
+    table = {m: {**medians(rs), **paired_vs_ar(rows, m)} for m, rs in rows.items()}
+    threads = f", {torch.get_num_threads()} CPU threads" if model.device.type == "cpu" else ""
+    print_table(table, len(prompts), base.gen_length, args.rounds, threads, model.device.type == "cuda")
+    figures: dict[str, Any] = {
+        "config": dataclasses.asdict(base),
+        "engine": dataclasses.asdict(engine),
+        "prompts": len(prompts),
+        "table": table,
+        "forward_lead": print_forward_lead(
+            model, {m: r for m, r in table.items() if runs_eagerly(base, engine, m)}
+        ),
+        "agreement": print_agreement(rows),
+        "weight_bytes": print_weights(models),
+    }
+    n_sweep = args.sweep_prompts or 4 * max(sizes)
+    full, n_sweep = batch_sweep(models, tokenizer, base, engine, methods, sizes, n_sweep, args.rounds)
+    figures |= {"sweep_prompts": n_sweep, "sweep_detail": full}
+    figures["sweep"] = print_sweep(full, methods, sizes, n_sweep, args.rounds)
+    figures["matmul_peak_gflops"] = print_demand(full, methods, sizes)
+    print_widths(full, methods, sizes)
+    figures["ceiling"] = print_ceilings(model, full, methods, sizes)
+    if args.json_out and report:
+        with open(args.json_out, "w") as f:
+            json.dump(figures, f, indent=2)
+    return 0
+
+
+def one_row_rounds(
+    models: dict[str | None, Any],
+    tokenizer,
+    prompts: list[str],
+    base: DecodeConfig,
+    engine: EngineConfig,
+    methods: list[str],
+    rounds: int,
+) -> dict[str, list[dict[str, Any]]]:
+    """The first table's runs: every method on the prompts at batch size 1, round by round,
+    the methods' order turning each round (`turn`)."""
     rows: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
-    for i in range(args.rounds):
+    for i in range(rounds):
         for m in turn(methods, i):
             cfg, ecfg = method_config(base, engine, m)
             rows[m].append(
                 timed(model_of(models, m), tokenizer, prompts, cfg, ecfg.replace(max_batch_size=1))
             )
-    table = {m: {**medians(rs), **paired_vs_ar(rows, m)} for m, rs in rows.items()}
-    threads = f", {torch.get_num_threads()} CPU threads" if model.device.type == "cpu" else ""
-    print(
-        f"{len(prompts)} prompts, batch size 1, gen_length {base.gen_length}, "
-        f"median of {args.rounds} interleaved rounds{threads}; vs AR: the median of each round's ratio"
-    )
-    gpu = model.device.type == "cuda"
-    print(
-        f"{'method':20} {'tokens':>7} {'NFE':>6} {'TPF':>6} {'tok/s':>8} {'vs AR':>6} {'overhead':>9}"
-        + (f" {'peak MB':>8}" if gpu else "")
-    )
-    for m, r in table.items():
-        ratio = f"{r['vs_ar']:.2f}x" if "vs_ar" in r else "-"
-        print(
-            f"{m:20} {r['tokens']:7.0f} {r['nfe']:6.0f} {r['tpf']:6.2f} {r['tps']:8.1f} "
-            f"{ratio:>6} {r['overhead']:8.1%}" + (f" {r['peak_mb']:8.0f}" if gpu else "")
-        )
-    print(
-        "overhead: share of decode time spent outside forward passes (decoder logic, sampling, bookkeeping)"
-    )
-    lead = print_forward_lead(model, {m: r for m, r in table.items() if runs_eagerly(base, engine, m)})
-    agreed = print_agreement(rows)
-    weights = print_weights(models)
-    full, n_sweep = batch_sweep(
-        models, tokenizer, base, engine, methods, sizes, args.sweep_prompts or 4 * max(sizes), args.rounds
-    )
-    sweep = {m: {b: r["tps"] for b, r in per.items()} for m, per in full.items()}
-    print(
-        f"\nbatch-size sweep: {n_sweep} prompts, at most b rows in flight (refilled as rows finish), "
-        f"tokens/s of the whole set, median of {args.rounds} interleaved rounds"
-    )
-    print(f"{'method':20} " + " ".join(f"{'b=' + str(b):>9}" for b in sizes) + f" {'max/b1':>7}")
-    for m in methods:
-        print(
-            f"{m:20} "
-            + " ".join(f"{sweep[m][b]:9.1f}" for b in sizes)
-            + f" {max(sweep[m].values()) / sweep[m][sizes[0]]:6.2f}x"
-        )
-    if "ar" in methods:
-        for m in methods:
-            if m != "ar":
-                print(f"{m + ' / ar':20} " + " ".join(f"{full[m][b]['vs_ar']:8.2f}x" for b in sizes))
-        print(
-            "ratios: the median of each round's ratio; at each batch size the methods run one after "
-            "the other, their order turning round by round"
-        )
-    peak = statistics.median(r["peak_gflops"] for per in full.values() for r in per.values())
-    print(
-        "\nwhat the sweep asks of the machine: tokens fed per token committed, "
-        "and the linear layers' GFLOP/s; "
-        f"a matmul of the model's shapes reaches {peak:.1f} GFLOP/s in this run"
-    )
-    for m in methods:
-        print(f"{m:20} fed/token " + " ".join(f"{full[m][b]['fed_per_token']:9.2f}" for b in sizes))
-        print(f"{'':20} GFLOP/s   " + " ".join(f"{full[m][b]['gflops']:9.1f}" for b in sizes))
-    print_widths(full, methods, sizes)
-    ceilings = print_ceilings(model, full, methods, sizes)
-    if args.json_out and report:
-        with open(args.json_out, "w") as f:
-            json.dump(
-                {
-                    "config": dataclasses.asdict(base),
-                    "engine": dataclasses.asdict(engine),
-                    "prompts": len(prompts),
-                    "table": table,
-                    "sweep_prompts": n_sweep,
-                    "sweep": sweep,
-                    "sweep_detail": full,
-                    "matmul_peak_gflops": peak,
-                    "ceiling": ceilings,
-                    "forward_lead": lead,
-                    "weight_bytes": weights,
-                    "agreement": agreed,
-                },
-                f,
-                indent=2,
-            )
-    return 0
+    return rows
 
 
 def runs_eagerly(base: DecodeConfig, engine: EngineConfig, name: str) -> bool:
     """Whether a method runs the loaded model's own eager forward (not compiled, not a
     quantized copy): the forward `print_forward_lead` times."""
     return "@" not in name and not method_config(base, engine, name)[1].compile
-
-
-def print_forward_lead(model, table: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """Why a method leads AR by what it does at batch size 1: a forward's seconds grow with
-    the tokens it feeds (timed here at one row, on the loaded model, eagerly), and a method
-    that feeds F tokens per forward (prompts included) at TPF T spends t(F) / T a token, so
-    forward cost alone predicts its lead over AR decoding (or over one-token forwards where
-    AR is not run); the decoder's own overhead comes on top. Printed, with the
-    forward-cost curve it is read from, for the methods in `table`: those that run this
-    forward (`runs_eagerly`)."""
-    fed = {m: r["fed_per_token"] * r["tpf"] for m, r in table.items()}
-    sizes = sorted({1, 8, 32, 64, *(max(1, round(f)) for f in fed.values())})
-    fwd = Forward(model=model, pad_id=0)
-    seconds = dict(zip(sizes, fwd.time_shapes([(1, n, 64) for n in sizes], repeats=10)))
-    print(
-        "\nforward cost at one row (64 cached entries): "
-        + ", ".join(f"{n} token{'s' * (n > 1)} {seconds[n] * 1e3:.2f} ms" for n in (1, 8, 32, 64))
-    )
-    per_token = {m: seconds[max(1, round(fed[m]))] / r["tpf"] for m, r in table.items()}  # s a token
-    unit = per_token.get("ar", seconds[1])
-    out: dict[str, Any] = {"ms_by_tokens_fed": {n: seconds[n] * 1e3 for n in sizes}, "methods": {}}
-    for m, r in table.items():
-        pred = unit / per_token[m]
-        out["methods"][m] = {"fed_per_forward": fed[m], "predicted_lead": pred}
-        print(f"{m:20} feeds {fed[m]:5.1f} tokens a forward at TPF {r['tpf']:5.2f}: predicted {pred:.2f}x AR")
-    print(
-        "predicted: t(tokens fed a forward) / TPF against AR's, the lead forward cost alone allows at batch "
-        "size 1 (decoder overhead aside): a wider forward is not free on this device"
-    )
-    return out
-
-
-def print_widths(full: dict[str, dict[int, dict[str, float]]], methods: list[str], sizes: list[int]) -> None:
-    """The draft widths each ReFusion method chose per batch size: mean plan width / mean
-    infilling window of the steps that drafted, and the share of blocks decoded as AR."""
-    drafting = [
-        m for m in methods if any(full[m][b]["plan_width"] or full[m][b]["ar_block_share"] for b in sizes)
-    ]
-    if not drafting:
-        return
-    print("\ndraft widths per batch size: plan width / infill window (mean of drafting steps), blocks as AR")
-    for m in drafting:
-        cells = [
-            f"{full[m][b]['plan_width']:.0f}/{full[m][b]['window']:.0f} {full[m][b]['ar_block_share']:4.0%}"
-            for b in sizes
-        ]
-        print(f"{m:20} " + " ".join(f"{c:>12}" for c in cells))
-
-
-def print_ceilings(
-    model, full: dict[str, dict[int, dict[str, float]]], methods: list[str], sizes: list[int]
-) -> dict[str, Any]:
-    """The most any batch size could reach: each method's fed tokens and logit rows per
-    committed token (at the largest batch) through linear layers at their shapes' best
-    measured rates, everything else free. Printed next to the sweep's b=1 and best figures."""
-    rates = shape_rates(model)
-    out: dict[str, Any] = {"shape_gflops": {f"{o}x{i}": r for (o, i), r in rates.items()}}
-    print(
-        "\nceiling: tokens/s if every linear layer ran at its shape's best rate here (512 rows) "
-        "and attention, norms,\n"
-        "sampling and bookkeeping took no time; no batch size can beat it "
-        "for this many tokens fed per token committed"
-    )
-    print(f"{'method':20} {'ceiling':>9} {'/ b=1':>7} {'best b':>7} {'share':>6}")
-    for m in methods:
-        big = full[m][sizes[-1]]
-        ceil = ceiling_tps(model, rates, 1.0, big["fed_per_token"], big["logit_rows_per_token"])
-        best = max(r["tps"] for r in full[m].values())
-        b1 = full[m][sizes[0]]["tps"]
-        out[m] = {"ceiling_tps": ceil, "ceiling_vs_b1": ceil / b1, "best_share_of_ceiling": best / ceil}
-        print(f"{m:20} {ceil:9.1f} {ceil / b1:6.2f}x {best:7.1f} {best / ceil:6.1%}")
-    return out
-
-
-def print_weights(models: dict[str | None, Any]) -> dict[str, dict[str, int]]:
-    """Each model's weight bytes per dtype, printed when quantized copies run beside the
-    loaded model."""
-    from ..io.quantize import describe_bytes, weight_bytes
-
-    out = {q or "loaded": weight_bytes(m) for q, m in models.items()}
-    if len(models) > 1:
-        print("\nweights read per forward: " + "; ".join(f"{k}: {describe_bytes(v)}" for k, v in out.items()))
-    return out
 
 
 def batch_sweep(
@@ -520,29 +355,3 @@ def paired_vs_ar(runs: dict[str, list[dict[str, Any]]], m: str) -> dict[str, flo
 def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
     """Each figure's median over the runs (keys starting with `_` are not figures)."""
     return {k: statistics.median(r[k] for r in runs) for k in runs[0] if not k.startswith("_")}
-
-
-def agreement(ids: list[list[int]], ref: list[list[int]]) -> tuple[float, float]:
-    """Greedy agreement of two decodings of the same prompts: the share of the reference's
-    tokens matched at the same position, and the share of outputs identical in full."""
-    same = sum(sum(a == b for a, b in zip(x, y)) for x, y in zip(ids, ref))
-    total = sum(max(len(x), len(y)) for x, y in zip(ids, ref))
-    return same / max(total, 1), sum(x == y for x, y in zip(ids, ref)) / max(len(ref), 1)
-
-
-def print_agreement(rows: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
-    """How far each quantized method's greedy tokens follow the same method unquantized."""
-    out = {}
-    for m, rs in rows.items():
-        base = m.partition("@")[0]
-        if "@" in m and base in rows:
-            tokens, whole = agreement(rs[-1]["_ids"], rows[base][-1]["_ids"])
-            out[m] = {"tokens": tokens, "outputs": whole}
-    if out:
-        print(
-            "greedy agreement with the same method unquantized: "
-            "tokens at the same position, outputs identical"
-        )
-        for m, a in out.items():
-            print(f"{m:20} {a['tokens']:8.1%} {a['outputs']:8.1%}")
-    return out

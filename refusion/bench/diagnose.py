@@ -31,7 +31,9 @@ from ..cli.flags import (
 from ..decode import DecodeConfig, EngineConfig, generate
 from ..decode.request import RequestOutput, TraceEvent
 from ..errors import ConfigError
-from .suite import SUITE_DEFAULTS, score_item, select_items
+from .results import add_results_argument, writes_results
+from .suite import SUITE_DEFAULTS, select_items
+from .suite_measure import score_item
 
 # The first differing token's category: the code path that committed it, read in this order
 # (docs/algorithm.md#provenance).
@@ -82,6 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", dest="json_out", default=None, help="write the table and every difference here"
     )
+    add_results_argument(parser, "diagnose.md")
 
 
 @dataclass
@@ -241,6 +244,7 @@ def _setting(cfg: DecodeConfig) -> str:
     return text + ("" if cfg.greedy else f", temperature {cfg.temperature:g}")
 
 
+@writes_results
 def run(args: argparse.Namespace) -> int:
     args.model = args.model or args.model_pos
     if args.limit is not None and args.limit < 1:

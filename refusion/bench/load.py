@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .results import add_results_argument, writes_results
+
 SHAPES = {
     # Qwen3-8B's config.json (the released model's shapes)
     "qwen3-8b": dict(
@@ -74,8 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where to write the checkpoint (default: a temporary folder, removed)",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    add_results_argument(parser, "parallel.md")
 
 
+@writes_results
 def run(args: argparse.Namespace) -> int:
     from ..errors import ConfigError
 

@@ -12,6 +12,9 @@ touches all rows alike. Wall time is measured around `generate` only.
 Then a sweep (Figure 1): ReFusion over slot x token thresholds, MDM over tokens per step
 and confidence thresholds, the AR baseline as a point; accuracy against tokens/s and
 against TPF, drawn to a PNG, and each method scored by AUP (`refusion.bench.aup`).
+
+This module is the command and its rows; measuring and the figures are `suite_measure.py`,
+the printed table, the sweep and the plot `suite_report.py`.
 """
 
 from __future__ import annotations
@@ -20,13 +23,9 @@ import argparse
 import dataclasses
 import json
 import sys
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from tqdm import tqdm
 
 from ..cli.flags import (
     add_data_parallel_argument,
@@ -36,40 +35,18 @@ from ..cli.flags import (
     engine_config_from_args,
     load_from_args,
 )
-from ..decode import DecodeConfig, EngineConfig, generate
-from ..errors import CheckpointError, ConfigError, MissingExtraError
+from ..decode import DecodeConfig, EngineConfig
+from ..errors import CheckpointError, ConfigError
 from ..settings.recommended import Recommended, recommended_of
-from ..timing import sync
-from .aup import aup
+from .results import add_results_argument, writes_results
+from .suite_measure import Run, measure, sweep_points, table_rows
+from .suite_report import plot_sweep, print_sweep, print_table, pyplot
 
 DEFAULT_AR_MODEL = "bundled:ar-tiny"  # the bundled model's AR baseline, shipped beside it
 # Settings that suit the bundled model (its answers are short); every one can be overridden by a flag.
 SUITE_DEFAULTS = DecodeConfig(
     method="refusion", gen_length=128, slot_size=8, serial_blocks=4, slot_threshold=0.7, token_threshold=0.3
 )
-
-
-@dataclass
-class Run:
-    """One decoding setting to measure: which weights ("refusion" or "ar"), which config."""
-
-    key: str
-    label: str
-    weights: str
-    cfg: DecodeConfig
-    group: str = ""  # the sweep's method (AUP is computed per group)
-
-
-@dataclass
-class Record:
-    """One item decoded by one run: what it takes to recompute every figure."""
-
-    index: int  # position in the held-out list that was run
-    family: str
-    correct: bool
-    tokens: int
-    nfe: int
-    seconds: float
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,6 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--sweep-mdm-threshold", default="0.9,0.7", help="MDM: confidence thresholds (Fast-dLLM style)"
     )
+    add_results_argument(parser, "suite.md")
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -265,258 +243,8 @@ def sweep_runs(base: DecodeConfig, args: argparse.Namespace, with_ar: bool) -> l
     return runs
 
 
-# ---------------------------------------------------------------------------- measuring
-def decode_one(model, tokenizer, item, index: int, cfg: DecodeConfig, engine: EngineConfig) -> Record:
-    """Decode one item alone (batch size 1); the clock covers `generate`, not the check,
-    which is the evaluator's scorer of the suite (`refusion eval --task suite` scores alike)."""
-    sync(model.device)
-    t0 = time.perf_counter()
-    out = generate(model, tokenizer, [item.prompt], cfg, engine_config=engine)[0]
-    sync(model.device)
-    seconds = time.perf_counter() - t0
-    return Record(
-        index, item.family, score_item(item, index, out.text), out.stats.tokens, out.stats.nfe, seconds
-    )
-
-
-def score_item(item, index: int, text: str) -> bool:
-    """Whether `text` answers the held-out item: the evaluator's scorer of the suite
-    (`refusion eval --task suite` scores alike)."""
-    from ..evaluate.registry import get_benchmark
-
-    suite = get_benchmark("suite")
-    return bool(suite.score_one(suite.sample(item, index), text).correct)
-
-
-def measure(
-    runs: Sequence[Run],
-    items: Sequence,
-    models: dict[str, tuple],
-    chunk: int,
-    desc: str,
-    engine: EngineConfig,
-) -> dict[str, list[Record]] | None:
-    """Every run on every item, interleaved chunk by chunk; rows rotate their order each
-    chunk so none always runs first after a switch of weights. Data-parallel replicas
-    claim chunks from one counter, and the first process gets every record, in item
-    order (the others get None). Collective: every process calls it."""
-    from ..parallel import gather_to_main, is_main, replica_claims
-
-    share = replica_claims(models["refusion"][0])
-    warm_up(runs, items[0], models, engine)
-    records: dict[str, list[Record]] = {r.key: [] for r in runs}
-    n_chunks = -(-len(items) // chunk)
-    total = len(runs) * len(items) // (share[0] if share else 1)
-    with tqdm(
-        total=total, desc=desc, unit="decode", file=sys.stderr, mininterval=1.0, disable=not is_main()
-    ) as bar:
-        for c in _chunk_numbers(n_chunks, share):
-            shift = c % len(runs)
-            for run in [*runs[shift:], *runs[:shift]]:
-                model, tokenizer = models[run.weights]
-                for i in range(c * chunk, min((c + 1) * chunk, len(items))):
-                    records[run.key].append(decode_one(model, tokenizer, items[i], i, run.cfg, engine))
-                    bar.update()
-    parts = gather_to_main(records)
-    return None if parts is None else _merged(parts, runs)
-
-
-def _chunk_numbers(n_chunks: int, share) -> Any:
-    """0 .. n_chunks-1 on its own; with replicas, the chunks this one claims."""
-    if share is None:
-        yield from range(n_chunks)
-        return
-    claim = share[1]
-    while (c := claim()) < n_chunks:
-        yield c
-
-
-def _merged(parts: list[dict[str, list[Record]]], runs: Sequence[Run]) -> dict[str, list[Record]]:
-    """Each run's records from every process, one per item (the first rank's, where a
-    tensor-parallel group repeated it), in item order."""
-    out = {}
-    for run in runs:
-        by_item: dict[int, Record] = {}
-        for part in parts:
-            for r in part[run.key]:
-                by_item.setdefault(r.index, r)
-        out[run.key] = [by_item[i] for i in sorted(by_item)]
-    return out
-
-
-def warm_up(runs: Sequence[Run], item, models: dict[str, tuple], engine: EngineConfig) -> None:
-    """One untimed decode per (weights, method), so first-call costs stay out of the figures."""
-    seen = set()
-    for run in runs:
-        if (run.weights, run.cfg.method) not in seen:
-            seen.add((run.weights, run.cfg.method))
-            model, tokenizer = models[run.weights]
-            generate(model, tokenizer, [item.prompt], run.cfg, engine_config=engine)
-
-
-def summarise(records: Sequence[Record]) -> dict[str, Any]:
-    """A row's figures, from its per-item records only (so JSON readers can recompute them)."""
-    n = len(records)
-    tokens = sum(r.tokens for r in records)
-    nfe = sum(r.nfe for r in records)
-    seconds = sum(r.seconds for r in records)
-    families: dict[str, list[bool]] = {}
-    for r in records:
-        families.setdefault(r.family, []).append(r.correct)
-    return {
-        "items": n,
-        "accuracy": sum(r.correct for r in records) / n,
-        "per_family": {f: sum(v) / len(v) for f, v in families.items()},
-        "tokens": tokens,
-        "nfe": nfe,
-        "nfe_per_item": nfe / n,
-        "tpf": tokens / nfe if nfe else 0.0,
-        "seconds": seconds,
-        "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-    }
-
-
-def table_rows(runs: Sequence[Run], records: dict[str, list[Record]]) -> list[dict[str, Any]]:
-    """One dict per row: figures, the tok/s ratio to the AR baseline row, config, records."""
-    rows = [
-        {
-            "key": r.key,
-            "label": r.label,
-            "weights": r.weights,
-            "method": r.cfg.method,
-            **summarise(records[r.key]),
-            "config": dataclasses.asdict(r.cfg),
-            "records": [dataclasses.asdict(x) for x in records[r.key]],
-        }
-        for r in runs
-    ]
-    ar = next((row for row in rows if row["key"] == "ar_baseline"), None)
-    for row in rows:
-        row["vs_ar"] = row["tokens_per_s"] / ar["tokens_per_s"] if ar and ar["tokens_per_s"] > 0 else None
-    return rows
-
-
-def sweep_points(
-    runs: Sequence[Run], records: dict[str, list[Record]]
-) -> tuple[list[dict[str, Any]], dict[str, float], float]:
-    """(points, AUP per method, y_max): y_max is the best accuracy (%) of any point, as the
-    leaderboard takes it."""
-    points = [
-        {
-            "key": r.key,
-            "method": r.group,
-            "label": r.label,
-            **summarise(records[r.key]),
-            "config": dataclasses.asdict(r.cfg),
-            "records": [dataclasses.asdict(x) for x in records[r.key]],
-        }
-        for r in runs
-    ]
-    y_max = max(100 * p["accuracy"] for p in points)
-    groups: dict[str, list[tuple[float, float]]] = {}
-    for p in points:
-        groups.setdefault(p["method"], []).append((p["tpf"], 100 * p["accuracy"]))
-    return points, {g: aup(pts, y_max) for g, pts in groups.items()}, y_max
-
-
-# ---------------------------------------------------------------------------- output
-def print_table(rows: list[dict[str, Any]], items: Sequence, base: DecodeConfig, device: str) -> None:
-    families = list(dict.fromkeys(it.family for it in items))
-    counts = ", ".join(f"{f} {sum(it.family == f for it in items)}" for f in families)
-    decoding = "greedy" if base.greedy else f"temperature {base.temperature:g}"
-    print(
-        f"held-out suite: {len(items)} items ({counts}); {decoding}, batch size 1, {device}, "
-        "one interleaved run"
-    )
-    print(
-        f"gen_length {base.gen_length}; ReFusion slot_size {base.slot_size}, "
-        f"serial_blocks {base.serial_blocks}, "
-        f"slot_threshold {base.slot_threshold:g}, token_threshold {base.token_threshold:g}; "
-        f"MDM block {base.mdm_block_length}, steps {base.mdm_steps or 'one token each'}"
-        + (f", threshold {base.mdm_threshold:g}" if base.mdm_threshold is not None else "")
-    )
-    fam_heads = "".join(f" {f[:6]:>6}" for f in families)
-    print(
-        f"{'method':34} {'acc%':>6}{fam_heads} {'tok/s':>8} {'vs AR':>6} {'TPF':>5} {'NFE':>7} {'NFE/it':>7}"
-    )
-    for r in rows:
-        fam = "".join(f" {100 * r['per_family'].get(f, 0.0):6.1f}" for f in families)
-        ratio = f"{r['vs_ar']:.2f}x" if r["vs_ar"] is not None else "-"
-        print(
-            f"{r['label']:34} {100 * r['accuracy']:6.1f}{fam} {r['tokens_per_s']:8.1f} {ratio:>6} "
-            f"{r['tpf']:5.2f} {r['nfe']:7d} {r['nfe_per_item']:7.1f}"
-        )
-
-
-def print_sweep(points: list[dict[str, Any]], aups: dict[str, float], n_items: int) -> None:
-    print(f"\nsweep on {n_items} items: accuracy against throughput (AUP over TPF, d3LLM definition)")
-    print(f"{'method':12} {'setting':22} {'acc%':>6} {'tok/s':>8} {'TPF':>5}")
-    for p in points:
-        print(
-            f"{p['method']:12} {p['label']:22} {100 * p['accuracy']:6.1f} "
-            f"{p['tokens_per_s']:8.1f} {p['tpf']:5.2f}"
-        )
-    print("AUP: " + ", ".join(f"{g} {v:.1f}" for g, v in aups.items()))
-
-
-def pyplot():
-    """matplotlib's pyplot on the Agg backend (files only), or a clear error."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise MissingExtraError(
-            "the sweep plot needs matplotlib: pip install 'refusion[plot]', "
-            "or scripts/setup.sh plot in a checkout (or pass --no-sweep)"
-        ) from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def frontier(pts: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The points no other point beats on both axes, left to right (the trade-off curve)."""
-    best, out = float("-inf"), []
-    for x, y in sorted(pts, key=lambda p: (-p[0], -p[1])):
-        if y > best:
-            out.append((x, y))
-            best = y
-    return out[::-1]
-
-
-def plot_sweep(points: list[dict[str, Any]], aups: dict[str, float], path: Path, title: str) -> None:
-    """Figure 1's shape: accuracy against tokens/s (left) and against TPF (right)."""
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for g, color in zip(aups, ("tab:red", "tab:orange", "tab:blue", "tab:gray", "tab:green")):
-        mine = [p for p in points if p["method"] == g]
-        for ax, x in zip(axes, ("tokens_per_s", "tpf")):
-            pts = [(p[x], 100 * p["accuracy"]) for p in mine]
-            marker = "*" if len(pts) == 1 else "o"
-            ax.scatter(
-                *zip(*pts),
-                color=color,
-                marker=marker,
-                s=160 if marker == "*" else 30,
-                label=f"{g} (AUP {aups[g]:.1f})",
-                zorder=3,
-            )
-            if len(pts) > 1:
-                ax.plot(*zip(*frontier(pts)), color=color, alpha=0.6)
-    axes[0].set_xlabel("throughput (tokens / s)")
-    axes[1].set_xlabel("parallelism (tokens per forward)")
-    for ax in axes:
-        ax.set_ylabel("accuracy (%)")
-        ax.grid(alpha=0.3)
-    axes[1].legend(loc="best", fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 # ---------------------------------------------------------------------------- the command
+@writes_results
 def run(args: argparse.Namespace) -> int:
     from ..parallel import is_main
 

@@ -21,6 +21,7 @@ from ..errors import ConfigError
 from ..model.transformer import Transformer
 from ..train import LossModel, init_weights, step_generator, step_inputs
 from ..train.objective import ObjectiveConfig, weighted_loss
+from .results import add_results_argument, writes_results
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,8 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gradient-checkpointing", action="store_true", help="recompute activations in backward"
     )
     parser.add_argument("--seed", type=int, default=0)
+    add_results_argument(parser, "training.md")
 
 
+@writes_results
 def run(args: argparse.Namespace) -> int:
     with torch.enable_grad():  # also when called from a no_grad context
         return _run(args)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from refusion import ModelConfig, Transformer
-from refusion.bench.speed import floor_ms, forward_cost, random_model
+from refusion.bench.floors import floor_ms, forward_cost
+from refusion.bench.speed import random_model
 from refusion.cli.dispatch import main
 
 TINY_RUN = [
@@ -83,7 +84,7 @@ def test_forward_cost_counts_by_hand():
 def test_decode_ceiling_counts_each_shape_at_its_rate():
     # the hand model's shapes: q/o 32x32 (2 per layer), k/v 16x32 (2), gate/up 64x32 (2), down 32x64 (1);
     # lm_head 64x32 on logit rows only. Rates in GFLOP/s per shape.
-    from refusion.bench.decode import ceiling_tps, linear_shapes
+    from refusion.bench.flops import ceiling_tps, linear_shapes
 
     model = _hand_model(tied=True)
     shapes = linear_shapes(model)

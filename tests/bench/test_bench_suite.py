@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from refusion.bench import suite
+from refusion.bench import results, suite, suite_report
 from refusion.bench.aup import aup, aup_weight
 from refusion.cli.dispatch import main
 from refusion.io import BUNDLED_DIR
@@ -69,7 +69,7 @@ def test_aup_rejects_empty_and_non_positive_tpf() -> None:
 
 def test_frontier_keeps_only_undominated_points() -> None:
     pts = [(1, 50), (2, 60), (3, 55), (4, 40), (2.5, 30)]
-    assert suite.frontier(pts) == [(2, 60), (3, 55), (4, 40)]
+    assert suite_report.frontier(pts) == [(2, 60), (3, 55), (4, 40)]
 
 
 # ---------------------------------------------------------------------------- one small run
@@ -96,6 +96,8 @@ def small_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, Path
         "2",
         "--sweep-mdm-threshold",
         "0.9",
+        "--results",
+        str(out / "suite.md"),
     ]
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):  # capsys is function-scoped; this fixture runs once per module
@@ -200,6 +202,22 @@ def test_sweep_png_and_aup_recomputed_from_points(small_run) -> None:
         ]
         assert value == pytest.approx(aup(pts, y_max))
     assert "AUP: ReFusion" in printed
+
+
+def test_the_run_writes_its_page_with_the_printed_table(small_run) -> None:
+    """`--results`: the page says which command wrote it, at which commit, on which
+    machine, when, and holds the table and the sweep as printed."""
+    result, printed, out = small_run
+    page = (out / "suite.md").read_text()
+    command = next(line for line in page.splitlines() if line.startswith("- command: "))
+    assert command.startswith("- command: `") and " refusion bench suite --ar-model " in f" {command[12:]}"
+    assert command.endswith(f"--results {out / 'suite.md'}`")
+    assert "Written by the command below" in page
+    assert f"- commit: `{results.commit()}`" in page and "- machine: " in page and "- date: 20" in page
+    for row in result["table"]:
+        line = next(ln for ln in printed.splitlines() if ln.startswith(row["label"] + " "))
+        assert line in page.splitlines()
+    assert next(ln for ln in printed.splitlines() if ln.startswith("AUP: ")) in page.splitlines()
 
 
 def test_the_checkpoints_own_settings_get_a_row_unless_a_row_has_them() -> None:

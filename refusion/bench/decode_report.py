@@ -1,0 +1,187 @@
+"""What `refusion bench decode` prints after its first table: the batch-size sweep, what
+the sweep asks of the machine, the draft widths chosen, the ceilings, why a method leads
+AR at batch size 1, and how far quantized copies follow the loaded model. Each printer
+returns the figures it printed, for the JSON."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from ..decode.forward import Forward
+from .flops import ceiling_tps, shape_rates
+
+Sweep = dict[str, dict[int, dict[str, float]]]  # method -> batch size -> figures
+
+
+def print_table(
+    table: dict[str, dict[str, Any]], n_prompts: int, gen_length: int, rounds: int, threads: str, gpu: bool
+) -> None:
+    """The first table: every method at batch size 1, medians of interleaved rounds."""
+    print(
+        f"{n_prompts} prompts, batch size 1, gen_length {gen_length}, "
+        f"median of {rounds} interleaved rounds{threads}; vs AR: the median of each round's ratio"
+    )
+    print(
+        f"{'method':20} {'tokens':>7} {'NFE':>6} {'TPF':>6} {'tok/s':>8} {'vs AR':>6} {'overhead':>9}"
+        + (f" {'peak MB':>8}" if gpu else "")
+    )
+    for m, r in table.items():
+        ratio = f"{r['vs_ar']:.2f}x" if "vs_ar" in r else "-"
+        print(
+            f"{m:20} {r['tokens']:7.0f} {r['nfe']:6.0f} {r['tpf']:6.2f} {r['tps']:8.1f} "
+            f"{ratio:>6} {r['overhead']:8.1%}" + (f" {r['peak_mb']:8.0f}" if gpu else "")
+        )
+    print(
+        "overhead: share of decode time spent outside forward passes (decoder logic, sampling, bookkeeping)"
+    )
+
+
+def print_sweep(
+    full: Sweep, methods: list[str], sizes: list[int], n_sweep: int, rounds: int
+) -> dict[str, dict[int, float]]:
+    """The batch-size sweep's tokens/s, and each method's paired ratio to AR; returns the
+    tokens/s by method and batch size."""
+    sweep = {m: {b: r["tps"] for b, r in per.items()} for m, per in full.items()}
+    print(
+        f"\nbatch-size sweep: {n_sweep} prompts, at most b rows in flight (refilled as rows finish), "
+        f"tokens/s of the whole set, median of {rounds} interleaved rounds"
+    )
+    print(f"{'method':20} " + " ".join(f"{'b=' + str(b):>9}" for b in sizes) + f" {'max/b1':>7}")
+    for m in methods:
+        print(
+            f"{m:20} "
+            + " ".join(f"{sweep[m][b]:9.1f}" for b in sizes)
+            + f" {max(sweep[m].values()) / sweep[m][sizes[0]]:6.2f}x"
+        )
+    if "ar" in methods:
+        for m in methods:
+            if m != "ar":
+                print(f"{m + ' / ar':20} " + " ".join(f"{full[m][b]['vs_ar']:8.2f}x" for b in sizes))
+        print(
+            "ratios: the median of each round's ratio; at each batch size the methods run one after "
+            "the other, their order turning round by round"
+        )
+    return sweep
+
+
+def print_demand(full: Sweep, methods: list[str], sizes: list[int]) -> float:
+    """Tokens fed per token committed and the linear layers' GFLOP/s, per method and batch
+    size, beside the matmul rate measured next to the runs; returns that rate (median)."""
+    peak = statistics.median(r["peak_gflops"] for per in full.values() for r in per.values())
+    print(
+        "\nwhat the sweep asks of the machine: tokens fed per token committed, "
+        "and the linear layers' GFLOP/s; "
+        f"a matmul of the model's shapes reaches {peak:.1f} GFLOP/s in this run"
+    )
+    for m in methods:
+        print(f"{m:20} fed/token " + " ".join(f"{full[m][b]['fed_per_token']:9.2f}" for b in sizes))
+        print(f"{'':20} GFLOP/s   " + " ".join(f"{full[m][b]['gflops']:9.1f}" for b in sizes))
+    return peak
+
+
+def print_forward_lead(model, table: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Why a method leads AR by what it does at batch size 1: a forward's seconds grow with
+    the tokens it feeds (timed here at one row, on the loaded model, eagerly), and a method
+    that feeds F tokens per forward (prompts included) at TPF T spends t(F) / T a token, so
+    forward cost alone predicts its lead over AR decoding (or over one-token forwards where
+    AR is not run); the decoder's own overhead comes on top. Printed, with the
+    forward-cost curve it is read from, for the methods in `table`: those that run this
+    forward (`runs_eagerly`)."""
+    fed = {m: r["fed_per_token"] * r["tpf"] for m, r in table.items()}
+    sizes = sorted({1, 8, 32, 64, *(max(1, round(f)) for f in fed.values())})
+    fwd = Forward(model=model, pad_id=0)
+    seconds = dict(zip(sizes, fwd.time_shapes([(1, n, 64) for n in sizes], repeats=10)))
+    print(
+        "\nforward cost at one row (64 cached entries): "
+        + ", ".join(f"{n} token{'s' * (n > 1)} {seconds[n] * 1e3:.2f} ms" for n in (1, 8, 32, 64))
+    )
+    per_token = {m: seconds[max(1, round(fed[m]))] / r["tpf"] for m, r in table.items()}  # s a token
+    unit = per_token.get("ar", seconds[1])
+    out: dict[str, Any] = {"ms_by_tokens_fed": {n: seconds[n] * 1e3 for n in sizes}, "methods": {}}
+    for m, r in table.items():
+        pred = unit / per_token[m]
+        out["methods"][m] = {"fed_per_forward": fed[m], "predicted_lead": pred}
+        print(f"{m:20} feeds {fed[m]:5.1f} tokens a forward at TPF {r['tpf']:5.2f}: predicted {pred:.2f}x AR")
+    print(
+        "predicted: t(tokens fed a forward) / TPF against AR's, the lead forward cost alone allows at batch "
+        "size 1 (decoder overhead aside): a wider forward is not free on this device"
+    )
+    return out
+
+
+def print_widths(full: Sweep, methods: list[str], sizes: list[int]) -> None:
+    """The draft widths each ReFusion method chose per batch size: mean plan width / mean
+    infilling window of the steps that drafted, and the share of blocks decoded as AR."""
+    drafting = [
+        m for m in methods if any(full[m][b]["plan_width"] or full[m][b]["ar_block_share"] for b in sizes)
+    ]
+    if not drafting:
+        return
+    print("\ndraft widths per batch size: plan width / infill window (mean of drafting steps), blocks as AR")
+    for m in drafting:
+        cells = [
+            f"{full[m][b]['plan_width']:.0f}/{full[m][b]['window']:.0f} {full[m][b]['ar_block_share']:4.0%}"
+            for b in sizes
+        ]
+        print(f"{m:20} " + " ".join(f"{c:>12}" for c in cells))
+
+
+def print_ceilings(model, full: Sweep, methods: list[str], sizes: list[int]) -> dict[str, Any]:
+    """The most any batch size could reach: each method's fed tokens and logit rows per
+    committed token (at the largest batch) through linear layers at their shapes' best
+    measured rates, everything else free. Printed next to the sweep's b=1 and best figures."""
+    rates = shape_rates(model)
+    out: dict[str, Any] = {"shape_gflops": {f"{o}x{i}": r for (o, i), r in rates.items()}}
+    print(
+        "\nceiling: tokens/s if every linear layer ran at its shape's best rate here (512 rows) "
+        "and attention, norms,\n"
+        "sampling and bookkeeping took no time; no batch size can beat it "
+        "for this many tokens fed per token committed"
+    )
+    print(f"{'method':20} {'ceiling':>9} {'/ b=1':>7} {'best b':>7} {'share':>6}")
+    for m in methods:
+        big = full[m][sizes[-1]]
+        ceil = ceiling_tps(model, rates, 1.0, big["fed_per_token"], big["logit_rows_per_token"])
+        best = max(r["tps"] for r in full[m].values())
+        b1 = full[m][sizes[0]]["tps"]
+        out[m] = {"ceiling_tps": ceil, "ceiling_vs_b1": ceil / b1, "best_share_of_ceiling": best / ceil}
+        print(f"{m:20} {ceil:9.1f} {ceil / b1:6.2f}x {best:7.1f} {best / ceil:6.1%}")
+    return out
+
+
+def print_weights(models: dict[str | None, Any]) -> dict[str, dict[str, int]]:
+    """Each model's weight bytes per dtype, printed when quantized copies run beside the
+    loaded model."""
+    from ..io.quantize import describe_bytes, weight_bytes
+
+    out = {q or "loaded": weight_bytes(m) for q, m in models.items()}
+    if len(models) > 1:
+        print("\nweights read per forward: " + "; ".join(f"{k}: {describe_bytes(v)}" for k, v in out.items()))
+    return out
+
+
+def agreement(ids: list[list[int]], ref: list[list[int]]) -> tuple[float, float]:
+    """Greedy agreement of two decodings of the same prompts: the share of the reference's
+    tokens matched at the same position, and the share of outputs identical in full."""
+    same = sum(sum(a == b for a, b in zip(x, y)) for x, y in zip(ids, ref))
+    total = sum(max(len(x), len(y)) for x, y in zip(ids, ref))
+    return same / max(total, 1), sum(x == y for x, y in zip(ids, ref)) / max(len(ref), 1)
+
+
+def print_agreement(rows: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """How far each quantized method's greedy tokens follow the same method unquantized."""
+    out = {}
+    for m, rs in rows.items():
+        base = m.partition("@")[0]
+        if "@" in m and base in rows:
+            tokens, whole = agreement(rs[-1]["_ids"], rows[base][-1]["_ids"])
+            out[m] = {"tokens": tokens, "outputs": whole}
+    if out:
+        print(
+            "greedy agreement with the same method unquantized: "
+            "tokens at the same position, outputs identical"
+        )
+        for m, a in out.items():
+            print(f"{m:20} {a['tokens']:8.1%} {a['outputs']:8.1%}")
+    return out
