@@ -19,8 +19,7 @@ from golden_data import CASES, golden_config, load_tiny
 from refusion.bench import diagnose
 from refusion.cli.dispatch import main
 from refusion.decode import generate
-from refusion.decode import refusion as refusion_decoder
-from refusion.decode.refusion import ReFusionRow
+from refusion.decode.refusion.provenance import RowTrace
 from refusion.decode.request import HOW
 
 PASSED = ("verify", "infill")  # their AR probability exceeded the token threshold
@@ -108,9 +107,8 @@ def test_provenance_costs_nothing_untraced(tiny, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("provenance worked out without a trace")
 
-    for name in ("_trace_first_tokens", "_trace_verified", "_exact"):
-        monkeypatch.setattr(ReFusionRow, name, boom)
-    monkeypatch.setattr(refusion_decoder, "_infill_how", boom)
+    for name in ("first_tokens", "verified", "decided", "infilled"):
+        monkeypatch.setattr(RowTrace, name, boom)
     c = CASES[0]
     for options in OPTIONS:
         generate(tiny, None, [c["prompt_ids"]], golden_config(c, **options))

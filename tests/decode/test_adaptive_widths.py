@@ -361,7 +361,7 @@ def test_infilling_verifies_the_plans_own_drafts_first_and_saves_forwards(bundle
     """A lossless row's fork verifies the plan's drafts past its accepted prefix before it
     drafts afresh: the same tokens (those of greedy AR decoding), in fewer forwards; with
     the first round drafting as before, more forwards. Alone and in a batch."""
-    from refusion.decode.refusion import Infill
+    from refusion.decode.refusion import infill
     from refusion.tasks import load_test_items
 
     model, tok = bundled
@@ -376,7 +376,7 @@ def test_infilling_verifies_the_plans_own_drafts_first_and_saves_forwards(bundle
         return [o.token_ids for o in outs], sum(o.stats.nfe for o in outs)
 
     with_first = {b: decode(b) for b in (1, 4)}
-    monkeypatch.setattr(Infill, "_plan_drafts_first", staticmethod(lambda f: False))
+    monkeypatch.setattr(infill, "plan_drafts_first", lambda f: False)
     without = {b: decode(b) for b in (1, 4)}
     for b in (1, 4):
         assert with_first[b][0] == without[b][0] == ar

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from test_decode_refusion import CheckingEngine, decode_alone
 
 from refusion.decode import DecodeConfig, generate
-from refusion.decode.options import BeyondPaper
+from refusion.decode.refusion.options import ARCorrection, FirstTokenCheck
 from refusion.model.transformer import Transformer
 from refusion.settings.model import ModelConfig
 
@@ -36,16 +36,16 @@ def tiny():
 
 
 class Counting:
-    """Counts the tokens the options replaced: in infilling (`BeyondPaper.passing`), after
-    global verification (`BeyondPaper.before_infill`, with ar_correction) and in the plan
-    (`BeyondPaper.check_selected`)."""
+    """Counts the tokens the options replaced: in infilling (`ARCorrection.passing`), after
+    global verification (`ARCorrection.before_infill`) and in the plan
+    (`FirstTokenCheck.check_selected`)."""
 
     def __init__(self, monkeypatch):
         self.corrected = self.first_replaced = self.first_slot = 0
         passing, check, before_infill = (
-            BeyondPaper.passing,
-            BeyondPaper.check_selected,
-            BeyondPaper.before_infill,
+            ARCorrection.passing,
+            FirstTokenCheck.check_selected,
+            ARCorrection.before_infill,
         )
 
         def counted_passing(rule, f, pred, off, scores):
@@ -60,12 +60,12 @@ class Counting:
             return checked
 
         def counted_before_infill(rule, *args):
-            self.first_slot += rule.corrects
+            self.first_slot += 1
             before_infill(rule, *args)
 
-        monkeypatch.setattr(BeyondPaper, "passing", counted_passing)
-        monkeypatch.setattr(BeyondPaper, "before_infill", counted_before_infill)
-        monkeypatch.setattr(BeyondPaper, "check_selected", counted_check)
+        monkeypatch.setattr(ARCorrection, "passing", counted_passing)
+        monkeypatch.setattr(ARCorrection, "before_infill", counted_before_infill)
+        monkeypatch.setattr(FirstTokenCheck, "check_selected", counted_check)
 
 
 @pytest.mark.parametrize(
