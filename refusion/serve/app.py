@@ -38,24 +38,23 @@ from starlette.exceptions import HTTPException
 from ..decode import DecodeConfig, Engine, EngineConfig
 from ..decode.admit import PreparedRequest
 from ..decode.follow import engine_for
-from ..errors import (
-    CompileError,
-    ContextLengthError,
-    MissingMaskTokenError,
-    ReFusionError,
-)
+from ..errors import ReFusionError
 from .loop import EngineLoop, Job, QueueFull, ShuttingDown
 from .metrics import Metrics
 from .playground import add_playground_routes, is_public
-from .protocol import (
-    APIError,
+from .protocol.errors import APIError, bad, library_error
+from .protocol.requests import (
     CompletionRequest,
     admit,
-    bad,
-    chunk_body,
-    new_id,
+    check_model,
     parse_request,
     request_config,
+    request_prompts,
+)
+from .protocol.responses import (
+    chunk_body,
+    model_card,
+    new_id,
     response_body,
     slots_chunk,
     usage,
@@ -216,27 +215,6 @@ def _error_response(metrics: Metrics, e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-def library_error(e: BaseException) -> APIError:
-    """An error from the decode thread as an API error: the library's own errors are the
-    request's fault (400); anything else is ours (500)."""
-    if isinstance(e, ShuttingDown):
-        return APIError(503, str(e), type="server_error", code="shutting_down")
-    if isinstance(
-        e, CompileError
-    ):  # the server's setup (--compile on a machine that cannot), not the request
-        return APIError(500, str(e), type="server_error", code="compile_failed")
-    if isinstance(e, ReFusionError):
-        code = (
-            "context_length_exceeded"
-            if isinstance(e, ContextLengthError)
-            else "missing_mask_token"
-            if isinstance(e, MissingMaskTokenError)
-            else "invalid_config"
-        )
-        return bad(str(e), None, code)
-    return APIError(500, f"decoding failed: {type(e).__name__}", type="server_error", code="internal_error")
-
-
 class _ClientGone(Exception):
     pass
 
@@ -259,22 +237,10 @@ class _Server:
         )
 
     def model_card(self) -> dict[str, Any]:
-        return {
-            "id": self.name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "refusion",
-            "max_model_len": self.context,
-        }
+        return model_card(self.name, self.created, self.context)
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.name:
-            raise APIError(
-                404,
-                f"The model `{name}` does not exist; this server serves `{self.name}`",
-                param="model",
-                code="model_not_found",
-            )
+        check_model(name, self.name)
 
     # ---------------------------------------------------------------- request -> jobs
     async def complete(self, request: Request, kind: str) -> Response:
@@ -298,16 +264,9 @@ class _Server:
         all of this is CPU work, a prompt's tokenisation the most)."""
         req = parse_request(_parse_json(raw), kind)
         self.check_model(req.model)
-        base = request_config(self.cfg, req)
-        if req.kind == "chat":
-            template = getattr(self.tokenizer, "chat_template", None)
-            prompts, param = [_for_template(req.messages, template)], "messages"
-        else:
-            prompts, param = list(req.prompts), "prompt"
-        try:
-            return req, [admit(self.engine.admission, p, base, req.max_tokens, param) for p in prompts]
-        except ReFusionError as e:
-            raise library_error(e) from None
+        cfg = request_config(self.cfg, req)
+        prompts, param = request_prompts(req, self.tokenizer)
+        return req, [admit(self.engine.admission, p, cfg, req.max_tokens, param) for p in prompts]
 
     def make_jobs(self, prepared: list[PreparedRequest], events: asyncio.Queue, slots: bool) -> list[Job]:
         """One job per prompt; each pushes its events, tagged with its choice's index,
@@ -323,16 +282,7 @@ class _Server:
         """Queue the jobs, or a 429 when the queue is full (503 when shutting down)."""
         try:
             self.engine_loop.submit(jobs)
-        except QueueFull as e:
-            raise APIError(
-                429,
-                f"the server is busy ({self.engine_loop.max_queue} requests waiting); "
-                f"retry in {e.retry_after} s",
-                type="rate_limit_error",
-                code="queue_full",
-                headers={"Retry-After": str(e.retry_after)},
-            ) from None
-        except ShuttingDown as e:
+        except (QueueFull, ShuttingDown) as e:
             raise library_error(e) from None
 
 
@@ -354,15 +304,6 @@ async def _respond(flow: _Flow) -> Response:
     except BaseException:
         flow.close()
         raise
-
-
-def _for_template(messages: list[dict[str, Any]], template: Any) -> list[dict[str, Any]]:
-    """The messages with only the fields the chat template reads: role and content always,
-    `name`, `tool_calls` and `tool_call_id` where the template mentions them (one that
-    does not would drop them silently anyway; one that iterates a message's keys would
-    print them)."""
-    text = template if isinstance(template, str) else str(template or "")
-    return [{k: v for k, v in m.items() if k in ("role", "content") or k in text} for m in messages]
 
 
 class _Flow:

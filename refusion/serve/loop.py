@@ -51,9 +51,12 @@ Event = tuple
 
 
 class QueueFull(Exception):
-    def __init__(self, retry_after: int) -> None:
+    """The queue holds `max_queue` completions; `retry_after` estimates the seconds until
+    there is room."""
+
+    def __init__(self, retry_after: int, max_queue: int) -> None:
         super().__init__(f"the queue is full; retry in {retry_after} s")
-        self.retry_after = retry_after
+        self.retry_after, self.max_queue = retry_after, max_queue
 
 
 class ShuttingDown(Exception):
@@ -180,7 +183,7 @@ class EngineLoop:
                 raise ShuttingDown(REFUSED)
             if self.queue_length + len(jobs) > self.max_queue:
                 self.metrics.rejected.inc()
-                raise QueueFull(self._retry_after())
+                raise QueueFull(self._retry_after(), self.max_queue)
             for job in jobs:
                 job.metrics = self.metrics
                 self.metrics.prompt_tokens.inc(len(job.prepared.ids))

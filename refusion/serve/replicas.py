@@ -58,7 +58,7 @@ from fastapi.responses import (
 from ..errors import ConfigError, ReFusionError
 from .loop import REFUSED, ShuttingDown
 from .metrics import Counter, Gauge, Registry
-from .protocol import APIError
+from .protocol.errors import APIError, library_error
 
 log = logging.getLogger("refusion.serve")
 
@@ -489,7 +489,7 @@ def _response_headers(answer: httpx.Response) -> dict[str, str]:
 
 async def _pass_on(request: Request, replicas: ReplicaPool) -> Response:
     """Send the request to the least-loaded replica and its answer back, as it comes."""
-    from .app import authorised, library_error, read_body, unauthorised
+    from .app import authorised, read_body, unauthorised
 
     if not authorised(request.scope, replicas.api_key):  # before reading a body that would be refused
         raise unauthorised()

@@ -38,7 +38,7 @@ import uvicorn
 from fastapi.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .protocol import APIError
+from .protocol.errors import APIError
 
 log = logging.getLogger("refusion.serve")
 

@@ -24,11 +24,11 @@ from refusion.decode.fit import NoRoomError, fit_to_room
 from refusion.errors import ConfigError
 from refusion.serve.loop import EngineLoop, Job, QueueFull, ShuttingDown
 from refusion.serve.metrics import Metrics
-from refusion.serve.protocol import (
+from refusion.serve.protocol.checks import as_request_error
+from refusion.serve.protocol.errors import APIError, library_error
+from refusion.serve.protocol.requests import (
     DECODE_FIELDS,
-    APIError,
     CompletionRequest,
-    as_request_error,
     parse_request,
     request_config,
 )
@@ -425,9 +425,9 @@ def test_cancelled_jobs_never_reach_the_engine_and_running_ones_are_aborted():
 
 def test_library_errors_map_to_statuses():
     """A request's own fault (context, config) is a 400; the server's (a compile that the
-    machine cannot do, a crash) is a 500; shutting down is a 503."""
+    machine cannot do, a crash) is a 500; shutting down is a 503; a full queue a 429
+    that says when to retry."""
     from refusion.errors import CompileError, ContextLengthError
-    from refusion.serve.app import library_error
 
     cases = [
         (ContextLengthError("too long"), 400, "context_length_exceeded"),
@@ -435,10 +435,12 @@ def test_library_errors_map_to_statuses():
         (CompileError("no C++ compiler"), 500, "compile_failed"),
         (RuntimeError("boom"), 500, "internal_error"),
         (ShuttingDown("bye"), 503, "shutting_down"),
+        (QueueFull(3, 8), 429, "queue_full"),
     ]
     for err, status, code in cases:
         e = library_error(err)
         assert (e.status, e.code) == (status, code)
+    assert library_error(QueueFull(3, 8)).headers == {"Retry-After": "3"}
 
 
 def test_loadtest_method_ratio_is_the_median_of_each_rounds_own_ratio():
