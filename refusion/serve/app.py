@@ -22,7 +22,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -39,7 +39,9 @@ from ..decode import DecodeConfig, Engine, EngineConfig
 from ..decode.admit import PreparedRequest
 from ..decode.follow import engine_for
 from ..errors import ReFusionError
-from .loop import EngineLoop, Job, QueueFull, ShuttingDown
+from .client import EngineClient, Generation
+from .http.disconnect import ClientGone, DisconnectWatch
+from .loop import EngineLoop, QueueFull, ShuttingDown
 from .metrics import Metrics
 from .playground import add_playground_routes, is_public
 from .protocol.errors import APIError, bad, library_error
@@ -51,15 +53,8 @@ from .protocol.requests import (
     request_config,
     request_prompts,
 )
-from .protocol.responses import (
-    chunk_body,
-    model_card,
-    new_id,
-    response_body,
-    slots_chunk,
-    usage,
-    usage_chunk,
-)
+from .protocol.responses import model_card
+from .protocol.streams import completion_body, completion_events
 
 log = logging.getLogger("refusion.serve")
 
@@ -215,21 +210,12 @@ def _error_response(metrics: Metrics, e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-class _ClientGone(Exception):
-    pass
-
-
 class _Server:
     """Per-app state and the completion flow shared by both completion routes."""
 
     def __init__(self, engine: Engine, cfg: DecodeConfig, name: str, engine_loop: EngineLoop) -> None:
-        self.engine, self.tokenizer, self.cfg, self.name, self.engine_loop = (
-            engine,
-            engine.tokenizer,
-            cfg,
-            name,
-            engine_loop,
-        )
+        self.engine, self.tokenizer, self.cfg, self.name = engine, engine.tokenizer, cfg, name
+        self.client = EngineClient(engine_loop)
         self.context = engine.model.config.max_position_embeddings
         self.created = int(time.time())
         self.work = concurrent.futures.ThreadPoolExecutor(
@@ -244,19 +230,17 @@ class _Server:
 
     # ---------------------------------------------------------------- request -> jobs
     async def complete(self, request: Request, kind: str) -> Response:
-        """A completion request of either route, from its body to its response; every
-        check runs (on a request thread) before any job is queued, so a bad request
-        fails alone."""
+        """A completion request of either route, from its body to its response: parse ->
+        admit (on a request thread; every check runs before anything is queued, so a bad
+        request fails alone) -> generate -> respond."""
         raw = await read_body(request)
         loop = asyncio.get_running_loop()
-        req, prepared = await loop.run_in_executor(self.work, self.prepare, raw, kind)
-        events: asyncio.Queue = asyncio.Queue()
-        jobs = self.make_jobs(prepared, events, req.include_slots)
-        self.submit(jobs)
-        flow = _Flow(
-            request, req, jobs, events, self.name, sum(len(p.ids) for p in prepared), watch=not req.stream
-        )
-        return await _respond(flow)
+        req, prompts = await loop.run_in_executor(self.work, self.prepare, raw, kind)
+        try:
+            outputs = self.client.generate(prompts, slots=req.include_slots)
+        except (QueueFull, ShuttingDown) as e:
+            raise library_error(e) from None
+        return await _respond(request, req, outputs, self.name, sum(len(p.ids) for p in prompts))
 
     def prepare(self, raw: bytes, kind: str) -> tuple[CompletionRequest, list[PreparedRequest]]:
         """The request in `raw` checked, and each of its prompts prepared once by the
@@ -268,150 +252,26 @@ class _Server:
         prompts, param = request_prompts(req, self.tokenizer)
         return req, [admit(self.engine.admission, p, cfg, req.max_tokens, param) for p in prompts]
 
-    def make_jobs(self, prepared: list[PreparedRequest], events: asyncio.Queue, slots: bool) -> list[Job]:
-        """One job per prompt; each pushes its events, tagged with its choice's index,
-        into `events` (with `slots`, each step's slot events too)."""
-        loop = asyncio.get_running_loop()
-        jobs = []
-        for i, p in enumerate(prepared):
-            notify = lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev))  # noqa: E731
-            jobs.append(Job(p, notify, slots=slots))
-        return jobs
 
-    def submit(self, jobs: list[Job]) -> None:
-        """Queue the jobs, or a 429 when the queue is full (503 when shutting down)."""
-        try:
-            self.engine_loop.submit(jobs)
-        except (QueueFull, ShuttingDown) as e:
-            raise library_error(e) from None
-
-
-async def _respond(flow: _Flow) -> Response:
+async def _respond(
+    request: Request, req: CompletionRequest, outputs: Generation, model: str, prompt_tokens: int
+) -> Response:
     """A stream starts at once (headers, and chat's role chunk): a queued client knows it
     was accepted. A plain response waits for the whole completion; a client that left
-    meanwhile gets a 499 and its jobs are cancelled."""
-    if flow.req.stream:
+    meanwhile gets a 499 and its choices are cancelled."""
+    if req.stream:
         return StreamingResponse(
-            flow.sse(),
+            completion_events(req, outputs, model, prompt_tokens),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
+    watch = DisconnectWatch(request)
     try:
-        return JSONResponse(await flow.collect())
-    except _ClientGone:
-        flow.close()
+        return JSONResponse(await completion_body(req, watch.guard(outputs), model, prompt_tokens))
+    except ClientGone:
         return Response(status_code=499)
-    except BaseException:
-        flow.close()
-        raise
-
-
-class _Flow:
-    """One request's events from the decode thread, until every choice is done."""
-
-    def __init__(
-        self,
-        request: Request,
-        req: CompletionRequest,
-        jobs: list[Job],
-        events: asyncio.Queue,
-        model: str,
-        prompt_tokens: int,
-        *,
-        watch: bool,
-    ) -> None:
-        self.request, self.req, self.jobs, self.events = request, req, jobs, events
-        self.model, self.prompt_tokens = model, prompt_tokens
-        self.id = new_id(req.kind)
-        self.open = len(jobs)
-        self.watcher: asyncio.Task | None = asyncio.ensure_future(self._watch()) if watch else None
-
-    async def _watch(self) -> None:
-        """Resolves when the client disconnects: a plain response is not sent until the
-        completion is done, so nothing else would notice (a StreamingResponse listens
-        for the disconnect itself)."""
-        while (await self.request.receive())["type"] != "http.disconnect":
-            pass
-
-    async def next(self) -> tuple[int, tuple]:
-        if self.watcher is None:
-            return await self.events.get()
-        get = asyncio.ensure_future(self.events.get())
-        await asyncio.wait({get, self.watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not get.done():
-            get.cancel()
-            raise _ClientGone()
-        return get.result()
-
-    def _stop_watching(self) -> None:
-        if self.watcher is not None:
-            self.watcher.cancel()
-            self.watcher = None
-
-    def close(self) -> None:
-        self._stop_watching()
-        for j in self.jobs:
-            if not j.finished:
-                j.cancel()
-
-    def usage(self) -> dict[str, int]:
-        return usage(self.prompt_tokens, sum(j.completion_tokens for j in self.jobs))
-
-    async def collect(self) -> dict[str, Any]:
-        texts: list[list[str]] = [[] for _ in self.jobs]
-        reasons: list[str] = [""] * len(self.jobs)
-        while self.open:
-            i, ev = await self.next()
-            if ev[0] == "text":
-                texts[i].append(ev[1])
-            elif ev[0] == "error":
-                self.close()
-                raise library_error(ev[1])
-            elif ev[0] == "slots":  # only streams ask for them
-                continue
-            else:
-                reasons[i] = ev[1]
-                self.open -= 1
-        self._stop_watching()
-        return response_body(
-            self.req.kind,
-            self.id,
-            self.model,
-            [("".join(t), r) for t, r in zip(texts, reasons)],
-            self.usage(),
-        )
-
-    async def sse(self) -> AsyncIterator[str]:
-        """The stream: chat's role chunks first, then each event as it comes; an error
-        (the request failed, or the server shut down under it) is an `{"error": ...}`
-        event; every stream ends with `[DONE]`."""
-        self._stop_watching()
-        kind = self.req.kind
-        try:
-            if kind == "chat":
-                for i in range(len(self.jobs)):
-                    yield _data(chunk_body(kind, self.id, self.model, i, "", None, first=True))
-            while self.open:
-                i, ev = await self.next()
-                if ev[0] == "text":
-                    yield _data(chunk_body(kind, self.id, self.model, i, ev[1], None))
-                elif ev[0] == "slots":
-                    yield _data(slots_chunk(kind, self.id, self.model, i, ev[1]))
-                elif ev[0] == "error":
-                    yield _data(library_error(ev[1]).body())
-                    break
-                else:
-                    yield _data(chunk_body(kind, self.id, self.model, i, None, ev[1]))
-                    self.open -= 1
-                    if not self.open and self.req.include_usage:
-                        yield _data(usage_chunk(kind, self.id, self.model, self.usage()))
-            yield "data: [DONE]\n\n"
-        finally:
-            self.close()
-
-
-def _data(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    finally:
+        watch.close()
 
 
 async def read_body(request: Request) -> bytes:

@@ -22,7 +22,8 @@ from refusion.decode import (
 from refusion.decode.admit import PreparedRequest
 from refusion.decode.fit import NoRoomError, fit_to_room
 from refusion.errors import ConfigError
-from refusion.serve.loop import EngineLoop, Job, QueueFull, ShuttingDown
+from refusion.serve.jobs import ChoiceOutput, Job
+from refusion.serve.loop import EngineLoop, QueueFull, ShuttingDown
 from refusion.serve.metrics import Metrics
 from refusion.serve.protocol.checks import as_request_error
 from refusion.serve.protocol.errors import APIError, library_error
@@ -372,7 +373,7 @@ def job(first: int) -> tuple[Job, list]:
 
 
 def text_of(events) -> str:
-    return "".join(e[1] for e in events if e[0] == "text")
+    return "".join(e.text for e in events if isinstance(e, ChoiceOutput))
 
 
 def test_engine_loop_streams_outputs_and_isolates_a_bad_request():
@@ -387,9 +388,9 @@ def test_engine_loop_streams_outputs_and_isolates_a_bad_request():
     ):  # c waits for room: shutdown would refuse it
         time.sleep(0.01)
     loop.shutdown(10)
-    assert text_of(ea) == "t5t6t7" and ea[-1] == ("done", "length", 3)
-    assert text_of(eb) == "t8" and eb[-1] == ("done", "length", 1)
-    assert ebad == [("error", ebad[0][1])] and isinstance(ebad[0][1], ConfigError)
+    assert text_of(ea) == "t5t6t7" and (ea[-1].finish_reason, ea[-1].completion_tokens) == ("length", 3)
+    assert text_of(eb) == "t8" and (eb[-1].finish_reason, eb[-1].completion_tokens) == ("length", 1)
+    assert len(ebad) == 1 and isinstance(ebad[0], ConfigError)
     assert text_of(ec) == "t5t6t7"
     m = loop.metrics
     assert m.finished.value("length") == 3 and m.finished.value("error") == 1
@@ -404,7 +405,7 @@ def test_engine_loop_queue_bound_and_shutdown():
         loop.submit([j2, j3])  # all or nothing
     assert e.value.retry_after >= 1 and loop.queue_length == 1
     loop.shutdown(0.1)  # the worker never started: queued work fails
-    assert e1[-1][0] == "error" and isinstance(e1[-1][1], ShuttingDown)
+    assert isinstance(e1[-1], ShuttingDown)
     with pytest.raises(ShuttingDown):
         loop.submit([j2])
 
@@ -419,8 +420,8 @@ def test_cancelled_jobs_never_reach_the_engine_and_running_ones_are_aborted():
     threading.Event().wait(0.05)
     j2.cancel()
     loop.shutdown(10)
-    assert e1 == [("done", "cancelled", 0)]
-    assert e2[-1][:2] == ("done", "cancelled") and e2[-1][2] < 50 and not engine.requests
+    assert e1 == [ChoiceOutput(0, finish_reason="cancelled", completion_tokens=0)]
+    assert e2[-1].finish_reason == "cancelled" and e2[-1].completion_tokens < 50 and not engine.requests
 
 
 def test_library_errors_map_to_statuses():

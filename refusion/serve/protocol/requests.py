@@ -71,6 +71,11 @@ class CompletionRequest:
     preset: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # DecodeConfig fields
 
+    @property
+    def choices(self) -> int:
+        """A completion has a choice per prompt, a chat one."""
+        return len(self.prompts or []) if self.kind == "completion" else 1
+
 
 def parse_request(body: Any, kind: str) -> CompletionRequest:
     """Check a decoded JSON body for /v1/completions (kind "completion") or
