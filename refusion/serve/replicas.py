@@ -56,6 +56,9 @@ from fastapi.responses import (
 )
 
 from ..errors import ConfigError, ReFusionError
+from .http.auth import authorised, unauthorised
+from .http.errors import error_response
+from .http.limits import read_body
 from .loop import REFUSED, ShuttingDown
 from .metrics import Counter, Gauge, Registry
 from .protocol.errors import APIError, library_error
@@ -418,7 +421,7 @@ def create_front(replicas: ReplicaPool, model_name: str, shutdown_timeout: float
 
     @app.exception_handler(APIError)
     async def api_error(_request: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return error_response(e)
 
     return app
 
@@ -489,8 +492,6 @@ def _response_headers(answer: httpx.Response) -> dict[str, str]:
 
 async def _pass_on(request: Request, replicas: ReplicaPool) -> Response:
     """Send the request to the least-loaded replica and its answer back, as it comes."""
-    from .app import authorised, read_body, unauthorised
-
     if not authorised(request.scope, replicas.api_key):  # before reading a body that would be refused
         raise unauthorised()
     if replicas.closing:  # every replica drains: it would refuse the request too, or be gone already

@@ -35,9 +35,9 @@ from typing import Any
 
 import h11
 import uvicorn
-from fastapi.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .http.errors import error_response
 from .protocol.errors import APIError
 
 log = logging.getLogger("refusion.serve")
@@ -163,9 +163,9 @@ class HeaderLimit:
                 431,
                 f"the request's headers are over {MAX_HEADER_BYTES} bytes; send shorter ones",
                 code="request_headers_too_large",
+                headers={"connection": "close"},
             )
-            response = JSONResponse(error.body(), status_code=error.status, headers={"connection": "close"})
-            return await response(scope, receive, send)
+            return await error_response(error)(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
