@@ -52,7 +52,7 @@ HEADER_TIMEOUT = 10.0
 
 
 class Server(uvicorn.Server):
-    """A uvicorn server for an app made by `create_app` or `replicas.create_front`. It
+    """A uvicorn server for an app made by `create_app` or `replicas.front.create_front`. It
     reads from `app.state`: `shutdown_timeout`, `begin_drain(timeout)` (called as the
     drain begins) and, optionally, `drained()` (whether the drain is over: until then
     the server answers) and `on_exit_now(sig)` (called before a second signal ends the
