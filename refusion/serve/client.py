@@ -13,11 +13,25 @@ the engine drops their rows before its next step.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Protocol, TypeVar
 
 from ..decode.admit import PreparedRequest
 from .jobs import ChoiceOutput, Job
 from .loop import EngineLoop
+
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Outputs(Protocol[T_co]):
+    """An async iterator that can be closed before its end (a `Generation`, or an async
+    generator over one): closing it cancels the choices still running."""
+
+    def __aiter__(self) -> AsyncIterator[T_co]: ...
+
+    def __anext__(self) -> Awaitable[T_co]: ...
+
+    def aclose(self) -> Awaitable[None]: ...
 
 
 class RequestFailed(Exception):
@@ -35,7 +49,7 @@ class Generation:
     an async iterator that can be closed as an async generator is: `aclosing` works)."""
 
     def __init__(self, jobs: list[Job], outputs: asyncio.Queue) -> None:
-        self.jobs, self._outputs, self._open = jobs, outputs, len(jobs)
+        self._jobs, self._outputs, self._open = jobs, outputs, len(jobs)
 
     def __aiter__(self) -> Generation:
         return self
@@ -51,7 +65,7 @@ class Generation:
         return out
 
     async def aclose(self) -> None:
-        for job in self.jobs:
+        for job in self._jobs:
             if not job.finished:
                 job.cancel()
 

@@ -3,6 +3,7 @@ metrics text, and the engine loop driven by a scripted engine."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from types import SimpleNamespace
@@ -22,6 +23,7 @@ from refusion.decode import (
 from refusion.decode.admit import PreparedRequest
 from refusion.decode.fit import NoRoomError, fit_to_room
 from refusion.errors import ConfigError
+from refusion.serve.client import EngineClient, RequestFailed
 from refusion.serve.jobs import ChoiceOutput, Job
 from refusion.serve.loop import EngineLoop, QueueFull, ShuttingDown
 from refusion.serve.metrics import Metrics
@@ -366,10 +368,14 @@ class ScriptedEngine:
         )
 
 
+def prepared(first: int) -> PreparedRequest:
+    cfg = DecodeConfig()
+    return PreparedRequest((first,), cfg, frozenset(), cfg.gen_length)
+
+
 def job(first: int) -> tuple[Job, list]:
     events: list = []
-    cfg = DecodeConfig()
-    return Job(PreparedRequest((first,), cfg, frozenset(), cfg.gen_length), events.append), events
+    return Job(prepared(first), events.append), events
 
 
 def text_of(events) -> str:
@@ -422,6 +428,37 @@ def test_cancelled_jobs_never_reach_the_engine_and_running_ones_are_aborted():
     loop.shutdown(10)
     assert e1 == [ChoiceOutput(0, finish_reason="cancelled", completion_tokens=0)]
     assert e2[-1].finish_reason == "cancelled" and e2[-1].completion_tokens < 50 and not engine.requests
+
+
+def test_engine_client_merges_a_requests_choices_and_refuses_or_cancels_them_whole():
+    """One request's choices come through one async iterator, each output tagged with its
+    choice; a failed choice raises; a full queue refuses every choice; closing the outputs
+    cancels the choices still running."""
+    engine = ScriptedEngine({1: [5, 6, 7], 2: [8], 3: list(range(200))}, max_batch_size=4)
+    loop = EngineLoop(engine, max_queue=2)
+    client = EngineClient(loop)
+
+    async def run() -> tuple:
+        outs = [o async for o in client.generate([prepared(1), prepared(2)])]
+        with pytest.raises(QueueFull):
+            client.generate([prepared(1), prepared(1), prepared(1)])
+        queued = loop.queue_length  # none of the three
+        with pytest.raises(RequestFailed) as failed:
+            [o async for o in client.generate([prepared(9)])]
+        long = client.generate([prepared(3)])
+        first = await anext(long)
+        await long.aclose()
+        rest = [o async for o in long]
+        return outs, queued, failed.value.error, first, rest
+
+    loop.start()
+    outs, queued, error, first, rest = asyncio.run(run())
+    loop.shutdown(10)
+    assert "".join(o.text for o in outs if o.index == 0) == "t5t6t7"
+    assert "".join(o.text for o in outs if o.index == 1) == "t8"
+    assert [(o.index, o.finish_reason) for o in outs if o.finished] == [(1, "length"), (0, "length")]
+    assert queued == 0 and loop.metrics.rejected.value() == 1 and isinstance(error, ConfigError)
+    assert first.text == "t0" and rest[-1].finish_reason == "cancelled" and rest[-1].completion_tokens < 200
 
 
 def test_library_errors_map_to_statuses():

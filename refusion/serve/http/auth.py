@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import hmac
+from collections.abc import Mapping
+from typing import Any
 
 from ..playground import is_public
 from ..protocol.errors import APIError
 
 
-def authorised(scope: dict, api_key: str | None) -> bool:
+def authorised(scope: Mapping[str, Any], api_key: str | None) -> bool:
     """Whether a request may pass: no key set, /health (which never needs one), or
     'Authorization: Bearer KEY' with the key. The playground's page and files pass too:
     the page asks for the key and sends it."""

@@ -9,11 +9,13 @@ races what the response waits for against the client's `http.disconnect`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from contextlib import aclosing
 from typing import TypeVar
 
 from starlette.requests import Request
+
+from ..client import Outputs
 
 T = TypeVar("T")
 
@@ -42,7 +44,7 @@ class DisconnectWatch:
             raise ClientGone()
         return work.result()
 
-    async def guard(self, items: AsyncIterator[T]) -> AsyncIterator[T]:
+    async def guard(self, items: Outputs[T]) -> AsyncGenerator[T, None]:
         """`items` as they come, until the client disconnects (`ClientGone`); closed
         however it ends."""
         async with aclosing(items):

@@ -31,7 +31,7 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
-        message, param = _printable(message), _printable(param)
+        message, param = _printable(message), None if param is None else _printable(param)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
@@ -45,10 +45,10 @@ def bad(message: str, param: str | None = None, code: str | None = "invalid_valu
     return APIError(400, message, param=param, code=code)
 
 
-def _printable(text: str | None) -> str | None:
+def _printable(text: str) -> str:
     """Text that encodes as UTF-8: an error may quote the request, and a lone surrogate
     from a JSON escape (\\ud800) would make the error response itself fail."""
-    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def library_error(e: BaseException, param: str | None = None) -> APIError:

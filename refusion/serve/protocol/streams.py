@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
 from typing import Any
 
-from ..client import RequestFailed
+from ..client import Outputs, RequestFailed
 from ..jobs import ChoiceOutput
 from .errors import library_error
 from .requests import CompletionRequest
@@ -30,7 +30,7 @@ def event(obj: dict[str, Any]) -> str:
 
 
 async def completion_body(
-    req: CompletionRequest, outputs: AsyncIterator[ChoiceOutput], model: str, prompt_tokens: int
+    req: CompletionRequest, outputs: Outputs[ChoiceOutput], model: str, prompt_tokens: int
 ) -> dict[str, Any]:
     """The whole completion: each choice's text and finish reason, and the usage."""
     texts: list[list[str]] = [[] for _ in range(req.choices)]
@@ -40,7 +40,7 @@ async def completion_body(
             async for out in outputs:
                 texts[out.index].append(out.text)
                 if out.finished:
-                    reasons[out.index], tokens[out.index] = out.finish_reason, out.completion_tokens
+                    reasons[out.index], tokens[out.index] = out.finish_reason or "", out.completion_tokens
         except RequestFailed as e:
             raise library_error(e.error) from None
     done = [("".join(t), r) for t, r in zip(texts, reasons)]
@@ -48,7 +48,7 @@ async def completion_body(
 
 
 async def completion_events(
-    req: CompletionRequest, outputs: AsyncIterator[ChoiceOutput], model: str, prompt_tokens: int
+    req: CompletionRequest, outputs: Outputs[ChoiceOutput], model: str, prompt_tokens: int
 ) -> AsyncIterator[str]:
     """The stream: chat's role chunks first (a queued client knows it was accepted), then
     each output's chunks as it comes, the usage last when asked for."""

@@ -52,7 +52,7 @@ class ReplicaPool:
             if self.closing:
                 return
             if r.alive:
-                if not r.ready and await _answers_health(r):
+                if not r.ready and await r.answers_health():
                     r.mark_ready()
                     if r.restarts:
                         log.warning("replica %d is back (started %d time(s) again)", r.index, r.restarts)
@@ -136,13 +136,6 @@ class ReplicaPool:
     async def aclose(self) -> None:
         for r in self.all:
             await r.client.aclose()
-
-
-async def _answers_health(r: Replica) -> bool:
-    try:
-        return (await r.client.get("/health", timeout=2.0)).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def start_replicas(

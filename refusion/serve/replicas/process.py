@@ -51,6 +51,13 @@ class Replica:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    async def answers_health(self) -> bool:
+        """Whether its /health answers 200 now."""
+        try:
+            return (await self.client.get("/health", timeout=2.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     def mark_ready(self) -> None:
         self.ready, self.ready_since, self.failed_starts = True, time.monotonic(), 0
 
