@@ -25,14 +25,7 @@ from .http.limits import RequestThreads, parse_json, read_body
 from .loop import EngineLoop, QueueFull, ShuttingDown
 from .metrics import Metrics
 from .protocol.errors import library_error
-from .protocol.requests import (
-    CompletionRequest,
-    admit,
-    check_model,
-    parse_request,
-    request_config,
-    request_prompts,
-)
+from .protocol.requests import CompletionRequest, admit_request, check_model, parse_request
 from .protocol.responses import model_card
 from .protocol.streams import completion_body, completion_events
 
@@ -72,9 +65,7 @@ class Completions:
         """The body parsed and checked, and each of its prompts admitted (a request thread)."""
         req = parse_request(parse_json(raw), kind)
         check_model(req.model, self.name)
-        cfg = request_config(self.cfg, req)
-        prompts, param = request_prompts(req, self.admission.tokenizer)
-        return req, [admit(self.admission, p, cfg, req.max_tokens, param) for p in prompts]
+        return req, admit_request(req, self.admission, self.cfg)
 
     async def respond(
         self, request: Request, req: CompletionRequest, outputs: Generation, prompt_tokens: int

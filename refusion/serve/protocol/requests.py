@@ -1,5 +1,6 @@
 """A completion request: its body checked (`parse_request`), its decode settings
-(`request_config`), and each prompt prepared once by the engine's admission (`admit`).
+(`request_config`), and each prompt prepared once by the engine's admission (`admit`;
+every prompt of a request: `admit_request`).
 
 The decoding fields (temperature, top_p, seed, stop, ReFusion's knobs) are DecodeConfig's
 own, checked by DecodeConfig's own check (`checks.py`), and each prompt is prepared
@@ -170,6 +171,14 @@ def request_config(base: DecodeConfig, req: CompletionRequest) -> DecodeConfig:
     with as_request_error():
         cfg = DecodeConfig.preset(req.preset, base) if req.preset else base
         return cfg.replace(**req.overrides, stop=tuple(req.stop) or cfg.stop)
+
+
+def admit_request(req: CompletionRequest, admission: Admission, base: DecodeConfig) -> list[PreparedRequest]:
+    """Each of the request's prompts prepared once by the engine's admission, with the
+    server's settings `base` and the request's on top (`request_config`)."""
+    cfg = request_config(base, req)
+    prompts, param = request_prompts(req, admission.tokenizer)
+    return [admit(admission, p, cfg, req.max_tokens, param) for p in prompts]
 
 
 def request_prompts(req: CompletionRequest, tokenizer: Any) -> tuple[list[Any], str]:

@@ -33,8 +33,9 @@ async def completion_body(
     req: CompletionRequest, outputs: Outputs[ChoiceOutput], model: str, prompt_tokens: int
 ) -> dict[str, Any]:
     """The whole completion: each choice's text and finish reason, and the usage."""
-    texts: list[list[str]] = [[] for _ in range(req.choices)]
-    reasons, tokens = [""] * req.choices, [0] * req.choices
+    n = req.choices
+    texts: list[list[str]] = [[] for _ in range(n)]
+    reasons, tokens = [""] * n, [0] * n
     async with aclosing(outputs):
         try:
             async for out in outputs:
