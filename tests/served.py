@@ -86,9 +86,9 @@ class Process:
 def fit_length(
     cfg: DecodeConfig, prompt_len: int, max_tokens: int | None, context: int, param: str
 ) -> DecodeConfig:
-    """The config the server decodes a `prompt_len`-token prompt with (`protocol.admit`:
+    """The config the server decodes a `prompt_len`-token prompt with (`protocol.requests.admit`:
     the engine's admission, its errors as 400s) on a model of `context` positions."""
-    from refusion.serve.protocol import admit
+    from refusion.serve.protocol.requests import admit
 
     config = ModelConfig(
         vocab_size=64,

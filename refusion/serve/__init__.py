@@ -1,11 +1,21 @@
 """OpenAI-compatible HTTP serving: `create_app` (FastAPI) and `serve` (uvicorn).
 
-- `protocol.py`: request validation and response bodies in the OpenAI schema
-- `loop.py`: the engine loop, one worker thread that owns the `Engine` and steps it
-- `server.py`: uvicorn's server with the shutdown order serving needs (`make_server`)
-- `app.py`: the routes (/v1/models, /v1/completions, /v1/chat/completions, /health, /metrics)
+In layers, each over the next (DESIGN.md, item 12):
+- `server.py`: uvicorn's server with the shutdown order serving needs and the limits on a
+  request's head (`make_server`)
+- `app.py`: the app for one model, its parts wired together (`create_app`)
+- `http/`: what every request passes first: the API key and per-route metrics
+  (`observe.py`, `auth.py`), limits on bodies and the request threads (`limits.py`),
+  errors in OpenAI's shape (`errors.py`), a client that goes away (`disconnect.py`)
+- `routes.py`: the routes (/v1/models, /v1/completions, /v1/chat/completions, /health,
+  /metrics); a completion route is parse -> admit -> generate -> respond
+- `protocol/`: the OpenAI wire format: requests, messages, errors, response bodies, streams
+- `client.py`: the async client of the engine (`EngineClient.generate`: a request's
+  choices in, their outputs out as an async iterator)
+- `loop.py`, `jobs.py`: the engine loop, one worker thread that owns the `Engine` and
+  steps it, and the completions (`Job`s) it reports on
 - `playground.py`: the page at `/` (files in `static/`) and the settings it is made from
-- `replicas.py`: `--data-parallel-size N`, N replicas behind one front (least-loaded routing)
+- `replicas/`: `--data-parallel-size N`, N replicas behind one front (least-loaded routing)
 - `metrics.py`: Prometheus text format, by hand
 - `loadtest.py`: `python -m refusion.serve.loadtest`, concurrent streaming clients
 

@@ -1,77 +1,37 @@
-"""The FastAPI application: OpenAI routes over one engine loop.
+"""The FastAPI application for one model, in layers: the HTTP guards (`http/`: auth and
+metrics around every request, limits on bodies, errors in OpenAI's shape) over the routes
+(`routes.py`) over the OpenAI protocol (`protocol/`) over an async client of the engine
+(`client.py`) over the engine loop, the one thread that owns and steps the `Engine`
+(`loop.py`).
 
-A completion request's body is read (refused as soon as it passes `MAX_BODY`), then parsed,
-validated (`protocol.parse_request`), and each prompt prepared once by the engine's
-admission (tokenised, checked, fitted to the context: `protocol.admit`) on one of a few request threads, never
-on the event loop, so a huge prompt delays only itself and not /health or other clients;
-every check runs before any compute, so a bad request fails alone. It is queued as one
-`Job` per prompt, each with its own `DecodeConfig`. The engine loop pushes each job's
-text into an asyncio queue as the decoder finalises left-to-right prefixes; a streamed
-response starts at once (headers, and chat's role chunk, before any token is final) and
-forwards those events as server-sent events, ending with `[DONE]` after the last chunk
-or an error event; a plain one collects them. A client that goes away cancels its jobs,
-and the engine drops their rows before its next step.
+A completion request is read within its limit, parsed, checked and prepared once on a
+request thread (never the event loop, so a huge prompt delays only itself), queued as one
+`Job` per choice, each with its own `DecodeConfig`, and answered with the outputs the
+engine loop hands back as the decoder finalises left-to-right prefixes: as a stream at
+once, or whole when done. A client that goes away cancels its choices, and the engine
+drops their rows before its next step.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import hmac
-import json
-import logging
-import sys
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import (
-    JSONResponse,
-    PlainTextResponse,
-    Response,
-    StreamingResponse,
-)
-from starlette.exceptions import HTTPException
+from fastapi import FastAPI
 
 from ..decode import DecodeConfig, Engine, EngineConfig
-from ..decode.admit import PreparedRequest
 from ..decode.follow import engine_for
-from ..errors import (
-    CompileError,
-    ContextLengthError,
-    MissingMaskTokenError,
-    ReFusionError,
-)
-from .loop import EngineLoop, Job, QueueFull, ShuttingDown
+from ..errors import ReFusionError
+from .client import EngineClient
+from .http.errors import add_error_handlers
+from .http.limits import RequestThreads
+from .http.observe import Observe
+from .loop import EngineLoop
 from .metrics import Metrics
-from .playground import add_playground_routes, is_public
-from .protocol import (
-    APIError,
-    CompletionRequest,
-    admit,
-    bad,
-    chunk_body,
-    new_id,
-    parse_request,
-    request_config,
-    response_body,
-    slots_chunk,
-    usage,
-    usage_chunk,
-)
-
-log = logging.getLogger("refusion.serve")
-
-ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
-MAX_BODY = 16 * 2**20
-MAX_DEPTH = (
-    32  # nesting of a JSON body; OpenAI's deepest field (a message's tool call's function) is 6 levels down
-)
-# threads that parse and tokenise requests: a few at once (the tokenizer releases the GIL), the
-# rest wait their turn without holding up the event loop
-REQUEST_THREADS = 4
+from .playground import add_playground_routes
+from .routes import Completions, add_api_routes, add_status_routes
 
 
 def create_app(
@@ -96,25 +56,26 @@ def create_app(
     cfg = cfg or engine.default_config
     metrics = Metrics()
     engine_loop = EngineLoop(engine, max_queue=max_queue, metrics=metrics)
-    server = _Server(engine, cfg, model_name, engine_loop)
+    threads = RequestThreads()
+    completions = Completions(engine.admission, cfg, model_name, EngineClient(engine_loop), threads)
     app = FastAPI(
         title="ReFusion",
-        lifespan=_lifespan(engine, engine_loop, server.work, shutdown_timeout),
+        lifespan=_lifespan(engine, engine_loop, threads, shutdown_timeout),
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
     )
     _set_state(app, engine_loop, metrics, shutdown_timeout)
-    _add_status_routes(app, engine_loop, metrics, model_name)
-    _add_api_routes(app, server)
-    add_playground_routes(app, model, cfg, model_name, server.context)
-    _add_error_handlers(app, metrics)
-    app.add_middleware(_Observe, metrics=metrics, api_key=api_key)
+    add_status_routes(app, engine_loop, metrics, model_name)
+    add_api_routes(app, completions)
+    add_playground_routes(app, model, cfg, model_name, engine.admission.context)
+    add_error_handlers(app, metrics)
+    app.add_middleware(Observe, metrics=metrics, api_key=api_key)
     return app
 
 
 def _lifespan(
-    engine: Engine, engine_loop: EngineLoop, work: concurrent.futures.Executor, shutdown_timeout: float
+    engine: Engine, engine_loop: EngineLoop, threads: RequestThreads, shutdown_timeout: float
 ) -> Callable[[FastAPI], Any]:
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -123,7 +84,7 @@ def _lifespan(
         when the drain begins; the first deadline stands."""
         engine_loop.start()
         yield
-        work.shutdown(wait=False, cancel_futures=True)
+        threads.shutdown()
         await asyncio.get_running_loop().run_in_executor(None, engine_loop.shutdown, shutdown_timeout)
         # a split model's leader lets the other ranks go (uvicorn then re-raises the signal)
         if hasattr(engine, "close"):
@@ -141,467 +102,3 @@ def _set_state(app: FastAPI, engine_loop: EngineLoop, metrics: Metrics, shutdown
     app.state.shutdown_timeout = shutdown_timeout
     app.state.begin_drain = engine_loop.close
     app.state.drained = lambda: not engine_loop.alive
-
-
-def _add_status_routes(app: FastAPI, engine_loop: EngineLoop, metrics: Metrics, model_name: str) -> None:
-    """/health (503 once the engine loop has stopped or is closing) and /metrics."""
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        ok = engine_loop.alive and not engine_loop.closing
-        body = {
-            "status": "ok" if ok else "unavailable",
-            "model": model_name,
-            "queue_length": engine_loop.queue_length,
-            "running": engine_loop.running,
-        }
-        return JSONResponse(body, status_code=200 if ok else 503)
-
-    @app.get("/metrics")
-    async def metrics_text() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-
-def _add_api_routes(app: FastAPI, server: _Server) -> None:
-    """The OpenAI routes: the model list, one model, and both completion routes."""
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [server.model_card()]}
-
-    @app.get("/v1/models/{name:path}")
-    async def model_info(name: str) -> dict:
-        server.check_model(name)
-        return server.model_card()
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await server.complete(request, "completion")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await server.complete(request, "chat")
-
-
-def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
-    """Every error answers in OpenAI's error shape, counted by type: the API's own,
-    Starlette's (an unknown route, a wrong method) and anything unexpected (a 500)."""
-
-    @app.exception_handler(APIError)
-    async def api_error(_request: Request, e: APIError) -> JSONResponse:
-        return _error_response(metrics, e)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(_request: Request, e: HTTPException) -> JSONResponse:
-        return _error_response(metrics, _http_error(e))
-
-    @app.exception_handler(Exception)
-    async def internal_error(_request: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return _error_response(
-            metrics,
-            APIError(
-                500, f"internal server error: {type(e).__name__}", type="server_error", code="internal_error"
-            ),
-        )
-
-
-def _http_error(e: HTTPException) -> APIError:
-    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-    return APIError(e.status_code, str(e.detail), param=None, code=code, headers=dict(e.headers or {}))
-
-
-def _error_response(metrics: Metrics, e: APIError) -> JSONResponse:
-    metrics.errors.inc(1, e.type)
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-def library_error(e: BaseException) -> APIError:
-    """An error from the decode thread as an API error: the library's own errors are the
-    request's fault (400); anything else is ours (500)."""
-    if isinstance(e, ShuttingDown):
-        return APIError(503, str(e), type="server_error", code="shutting_down")
-    if isinstance(
-        e, CompileError
-    ):  # the server's setup (--compile on a machine that cannot), not the request
-        return APIError(500, str(e), type="server_error", code="compile_failed")
-    if isinstance(e, ReFusionError):
-        code = (
-            "context_length_exceeded"
-            if isinstance(e, ContextLengthError)
-            else "missing_mask_token"
-            if isinstance(e, MissingMaskTokenError)
-            else "invalid_config"
-        )
-        return bad(str(e), None, code)
-    return APIError(500, f"decoding failed: {type(e).__name__}", type="server_error", code="internal_error")
-
-
-class _ClientGone(Exception):
-    pass
-
-
-class _Server:
-    """Per-app state and the completion flow shared by both completion routes."""
-
-    def __init__(self, engine: Engine, cfg: DecodeConfig, name: str, engine_loop: EngineLoop) -> None:
-        self.engine, self.tokenizer, self.cfg, self.name, self.engine_loop = (
-            engine,
-            engine.tokenizer,
-            cfg,
-            name,
-            engine_loop,
-        )
-        self.context = engine.model.config.max_position_embeddings
-        self.created = int(time.time())
-        self.work = concurrent.futures.ThreadPoolExecutor(
-            REQUEST_THREADS, thread_name_prefix="refusion-request"
-        )
-
-    def model_card(self) -> dict[str, Any]:
-        return {
-            "id": self.name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "refusion",
-            "max_model_len": self.context,
-        }
-
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.name:
-            raise APIError(
-                404,
-                f"The model `{name}` does not exist; this server serves `{self.name}`",
-                param="model",
-                code="model_not_found",
-            )
-
-    # ---------------------------------------------------------------- request -> jobs
-    async def complete(self, request: Request, kind: str) -> Response:
-        """A completion request of either route, from its body to its response; every
-        check runs (on a request thread) before any job is queued, so a bad request
-        fails alone."""
-        raw = await read_body(request)
-        loop = asyncio.get_running_loop()
-        req, prepared = await loop.run_in_executor(self.work, self.prepare, raw, kind)
-        events: asyncio.Queue = asyncio.Queue()
-        jobs = self.make_jobs(prepared, events, req.include_slots)
-        self.submit(jobs)
-        flow = _Flow(
-            request, req, jobs, events, self.name, sum(len(p.ids) for p in prepared), watch=not req.stream
-        )
-        return await _respond(flow)
-
-    def prepare(self, raw: bytes, kind: str) -> tuple[CompletionRequest, list[PreparedRequest]]:
-        """The request in `raw` checked, and each of its prompts prepared once by the
-        engine's admission: tokenised, checked and fitted to the context (a request thread:
-        all of this is CPU work, a prompt's tokenisation the most)."""
-        req = parse_request(_parse_json(raw), kind)
-        self.check_model(req.model)
-        base = request_config(self.cfg, req)
-        if req.kind == "chat":
-            template = getattr(self.tokenizer, "chat_template", None)
-            prompts, param = [_for_template(req.messages, template)], "messages"
-        else:
-            prompts, param = list(req.prompts), "prompt"
-        try:
-            return req, [admit(self.engine.admission, p, base, req.max_tokens, param) for p in prompts]
-        except ReFusionError as e:
-            raise library_error(e) from None
-
-    def make_jobs(self, prepared: list[PreparedRequest], events: asyncio.Queue, slots: bool) -> list[Job]:
-        """One job per prompt; each pushes its events, tagged with its choice's index,
-        into `events` (with `slots`, each step's slot events too)."""
-        loop = asyncio.get_running_loop()
-        jobs = []
-        for i, p in enumerate(prepared):
-            notify = lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev))  # noqa: E731
-            jobs.append(Job(p, notify, slots=slots))
-        return jobs
-
-    def submit(self, jobs: list[Job]) -> None:
-        """Queue the jobs, or a 429 when the queue is full (503 when shutting down)."""
-        try:
-            self.engine_loop.submit(jobs)
-        except QueueFull as e:
-            raise APIError(
-                429,
-                f"the server is busy ({self.engine_loop.max_queue} requests waiting); "
-                f"retry in {e.retry_after} s",
-                type="rate_limit_error",
-                code="queue_full",
-                headers={"Retry-After": str(e.retry_after)},
-            ) from None
-        except ShuttingDown as e:
-            raise library_error(e) from None
-
-
-async def _respond(flow: _Flow) -> Response:
-    """A stream starts at once (headers, and chat's role chunk): a queued client knows it
-    was accepted. A plain response waits for the whole completion; a client that left
-    meanwhile gets a 499 and its jobs are cancelled."""
-    if flow.req.stream:
-        return StreamingResponse(
-            flow.sse(),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-    try:
-        return JSONResponse(await flow.collect())
-    except _ClientGone:
-        flow.close()
-        return Response(status_code=499)
-    except BaseException:
-        flow.close()
-        raise
-
-
-def _for_template(messages: list[dict[str, Any]], template: Any) -> list[dict[str, Any]]:
-    """The messages with only the fields the chat template reads: role and content always,
-    `name`, `tool_calls` and `tool_call_id` where the template mentions them (one that
-    does not would drop them silently anyway; one that iterates a message's keys would
-    print them)."""
-    text = template if isinstance(template, str) else str(template or "")
-    return [{k: v for k, v in m.items() if k in ("role", "content") or k in text} for m in messages]
-
-
-class _Flow:
-    """One request's events from the decode thread, until every choice is done."""
-
-    def __init__(
-        self,
-        request: Request,
-        req: CompletionRequest,
-        jobs: list[Job],
-        events: asyncio.Queue,
-        model: str,
-        prompt_tokens: int,
-        *,
-        watch: bool,
-    ) -> None:
-        self.request, self.req, self.jobs, self.events = request, req, jobs, events
-        self.model, self.prompt_tokens = model, prompt_tokens
-        self.id = new_id(req.kind)
-        self.open = len(jobs)
-        self.watcher: asyncio.Task | None = asyncio.ensure_future(self._watch()) if watch else None
-
-    async def _watch(self) -> None:
-        """Resolves when the client disconnects: a plain response is not sent until the
-        completion is done, so nothing else would notice (a StreamingResponse listens
-        for the disconnect itself)."""
-        while (await self.request.receive())["type"] != "http.disconnect":
-            pass
-
-    async def next(self) -> tuple[int, tuple]:
-        if self.watcher is None:
-            return await self.events.get()
-        get = asyncio.ensure_future(self.events.get())
-        await asyncio.wait({get, self.watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not get.done():
-            get.cancel()
-            raise _ClientGone()
-        return get.result()
-
-    def _stop_watching(self) -> None:
-        if self.watcher is not None:
-            self.watcher.cancel()
-            self.watcher = None
-
-    def close(self) -> None:
-        self._stop_watching()
-        for j in self.jobs:
-            if not j.finished:
-                j.cancel()
-
-    def usage(self) -> dict[str, int]:
-        return usage(self.prompt_tokens, sum(j.completion_tokens for j in self.jobs))
-
-    async def collect(self) -> dict[str, Any]:
-        texts: list[list[str]] = [[] for _ in self.jobs]
-        reasons: list[str] = [""] * len(self.jobs)
-        while self.open:
-            i, ev = await self.next()
-            if ev[0] == "text":
-                texts[i].append(ev[1])
-            elif ev[0] == "error":
-                self.close()
-                raise library_error(ev[1])
-            elif ev[0] == "slots":  # only streams ask for them
-                continue
-            else:
-                reasons[i] = ev[1]
-                self.open -= 1
-        self._stop_watching()
-        return response_body(
-            self.req.kind,
-            self.id,
-            self.model,
-            [("".join(t), r) for t, r in zip(texts, reasons)],
-            self.usage(),
-        )
-
-    async def sse(self) -> AsyncIterator[str]:
-        """The stream: chat's role chunks first, then each event as it comes; an error
-        (the request failed, or the server shut down under it) is an `{"error": ...}`
-        event; every stream ends with `[DONE]`."""
-        self._stop_watching()
-        kind = self.req.kind
-        try:
-            if kind == "chat":
-                for i in range(len(self.jobs)):
-                    yield _data(chunk_body(kind, self.id, self.model, i, "", None, first=True))
-            while self.open:
-                i, ev = await self.next()
-                if ev[0] == "text":
-                    yield _data(chunk_body(kind, self.id, self.model, i, ev[1], None))
-                elif ev[0] == "slots":
-                    yield _data(slots_chunk(kind, self.id, self.model, i, ev[1]))
-                elif ev[0] == "error":
-                    yield _data(library_error(ev[1]).body())
-                    break
-                else:
-                    yield _data(chunk_body(kind, self.id, self.model, i, None, ev[1]))
-                    self.open -= 1
-                    if not self.open and self.req.include_usage:
-                        yield _data(usage_chunk(kind, self.id, self.model, self.usage()))
-            yield "data: [DONE]\n\n"
-        finally:
-            self.close()
-
-
-def _data(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-async def read_body(request: Request) -> bytes:
-    """The request's bytes, at most MAX_BODY of them: a 413 as soon as more is declared
-    or has arrived (a chunked body has no length to check first), not once it is all in."""
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > MAX_BODY:
-        raise _too_large()
-    chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > MAX_BODY:
-            raise _too_large()
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _too_large() -> APIError:
-    return APIError(
-        413, f"the request body is over {MAX_BODY} bytes; send a shorter prompt", code="request_too_large"
-    )
-
-
-def _parse_json(raw: bytes) -> Any:
-    body = _loads(raw)
-    if _deeper_than(body, MAX_DEPTH):
-        raise _too_deep()
-    return body
-
-
-def _loads(raw: bytes) -> Any:
-    """The body as JSON, or a 400 (never a 500) whatever the bytes."""
-    try:
-        return json.loads(raw)
-    except RecursionError:  # nesting deeper than the parser's stack
-        raise _too_deep() from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, and an integer over Python's digit limit
-        if "integer string conversion" in str(e):
-            raise bad(
-                f"the request body has an integer of more than {sys.get_int_max_str_digits()} digits; "
-                "no field takes one that long",
-                None,
-                "invalid_json",
-            ) from None
-        raise bad(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
-
-
-def _too_deep() -> APIError:
-    return bad(
-        f"the request body nests arrays and objects more than {MAX_DEPTH} deep; "
-        "no field of this API needs more than a few levels",
-        None,
-        "invalid_json",
-    )
-
-
-def _deeper_than(obj: Any, limit: int) -> bool:
-    """Whether `obj` nests lists and dicts more than `limit` deep, found without
-    recursion (a check made recursively would itself overflow on the bodies it is for).
-    A scalar (a body of `null` or `5`) is not nested at all."""
-    level, depth = ([obj] if isinstance(obj, (list, dict)) else []), 0
-    while level:
-        depth += 1
-        if depth > limit:
-            return True
-        level = [
-            v
-            for x in level
-            for v in (x.values() if isinstance(x, dict) else x)
-            if isinstance(v, (list, dict))
-        ]
-    return False
-
-
-class _Observe:
-    """ASGI wrapper: bearer-token auth, and per-route request counts and latency (taken
-    when the last byte of the response is sent, so streams count in full)."""
-
-    def __init__(self, app: Any, metrics: Metrics, api_key: str | None) -> None:
-        self.app, self.metrics, self.api_key = app, metrics, api_key
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        route = (
-            path if path in ROUTES else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
-        )
-        t0, status, recorded = time.monotonic(), [500], [False]
-
-        def record() -> None:
-            if not recorded[0]:
-                recorded[0] = True
-                self.metrics.requests.inc(1, route, str(status[0]))
-                self.metrics.latency.observe(time.monotonic() - t0, route)
-
-        async def observed_send(message) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                record()
-
-        try:
-            if not authorised(scope, self.api_key):
-                return await _error_response(self.metrics, unauthorised())(scope, receive, observed_send)
-            await self.app(scope, receive, observed_send)
-        finally:
-            record()
-
-
-def authorised(scope: dict, api_key: str | None) -> bool:
-    """Whether a request may pass: no key set, /health (which never needs one), or
-    'Authorization: Bearer KEY' with the key. The playground's page and files pass too:
-    the page asks for the key and sends it."""
-    if api_key is None or scope["path"] == "/health" or is_public(scope["path"]):
-        return True
-    for k, v in scope["headers"]:
-        if k == b"authorization":
-            scheme, _, token = v.decode("latin-1").partition(" ")
-            return scheme.lower() == "bearer" and hmac.compare_digest(
-                token.strip().encode(), api_key.encode()
-            )
-    return False
-
-
-def unauthorised() -> APIError:
-    return APIError(
-        401,
-        "invalid or missing API key: send 'Authorization: Bearer <key>'",
-        type="authentication_error",
-        code="invalid_api_key",
-        headers={"WWW-Authenticate": "Bearer"},
-    )

@@ -30,6 +30,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -50,7 +51,7 @@ PROMPTS = [
 
 
 # per-client decode settings for the `mixed` phase (client k takes MIXED[k % len(MIXED)])
-MIXED = [
+MIXED: list[dict[str, Any]] = [
     {},
     {"slot_threshold": 0.7, "token_threshold": 0.3},
     {"slot_size": 4, "serial_blocks": 2},
@@ -228,7 +229,7 @@ def paired_ratio(pairs: list[tuple[dict, dict]]) -> float | None:
     return round(median_ratio((a["tokens_per_s"], b["tokens_per_s"]) for a, b in pairs), 2)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m refusion.serve.loadtest", description=__doc__.split("\n\n")[0]
     )
@@ -270,10 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", default=None)
     p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     if args.clients < 1 or args.seconds <= 0:
         p.error("--clients must be >= 1 and --seconds > 0")
-
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = httpx.get(args.url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
     phases_spec = _phases(p, args)
@@ -287,8 +292,18 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for _ in range(args.rounds if args.compare else 1)
     ]
-    phases = [median_phase([r[i] for r in runs]) for i in range(len(phases_spec))]
-    after = rss_kib(args.pid)
+    report = _report(args, model, runs, before, rss_kib(args.pid))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print_report(args, report, len(runs))
+    failed = sum(ph["incomplete"] + sum(ph["errors"].values()) for r in runs for ph in r)
+    return 1 if failed else 0
+
+
+def _report(args: argparse.Namespace, model: str, runs: list[list[dict]], before: Any, after: Any) -> dict:
+    """The figures of every phase (its median round), and the ratios asked for."""
+    phases = [median_phase([r[i] for r in runs]) for i in range(len(runs[0]))]
     report = {
         "url": args.url,
         "model": model,
@@ -306,37 +321,37 @@ def main(argv: list[str] | None = None) -> int:
         }
     elif len(phases) > 1 and phases[0]["tokens_per_s"]:
         report["tokens_per_s_ratio"] = round(phases[-1]["tokens_per_s"] / phases[0]["tokens_per_s"], 2)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print(f"model {model} at {args.url}, max_tokens {args.max_tokens}")
-        for ph in phases:
-            print(
-                f"{ph['phase']:>6} ({ph['clients']} clients): {ph['requests_ok']} ok in {ph['seconds']} s "
-                f"= {ph['requests_per_s']} req/s, {ph['tokens_per_s']} tokens/s; "
-                f"latency p50 {ph['latency_p50_s']} s p95 {ph['latency_p95_s']} s; "
-                f"TTFT p50 {ph['ttft_p50_s']} s p95 {ph['ttft_p95_s']} s; incomplete {ph['incomplete']}; "
-                f"errors {ph['errors'] or 0}"
-                + (f"; tokens/s by round {ph['rounds_tokens_per_s']}" if len(runs) > 1 else "")
-            )
-        if "method_ratio" in report:
-            a, b = args.methods.split(",")
-            print(
-                f"tokens/s of {b} over {a}, per client count: "
-                + ", ".join(f"{n}: {r}x" for n, r in report["method_ratio"].items())
-            )
-        if "tokens_per_s_ratio" in report:
-            print(
-                f"tokens/s ratio, {phases[-1]['phase']} vs {phases[0]['phase']}: "
-                f"{report['tokens_per_s_ratio']}x"
-            )
-        if before:
-            print(
-                f"server RSS before {before['VmRSS'] / 1024:.1f} MiB, after {after['VmRSS'] / 1024:.1f} MiB "
-                f"(peak {after['VmHWM'] / 1024:.1f} MiB)"
-            )
-    failed = sum(ph["incomplete"] + sum(ph["errors"].values()) for r in runs for ph in r)
-    return 1 if failed else 0
+    return report
+
+
+def _print_report(args: argparse.Namespace, report: dict, rounds: int) -> None:
+    """The report as a few lines of text."""
+    phases, before, after = report["phases"], report["rss_kib_before"], report["rss_kib_after"]
+    print(f"model {report['model']} at {args.url}, max_tokens {args.max_tokens}")
+    for ph in phases:
+        print(
+            f"{ph['phase']:>6} ({ph['clients']} clients): {ph['requests_ok']} ok in {ph['seconds']} s "
+            f"= {ph['requests_per_s']} req/s, {ph['tokens_per_s']} tokens/s; "
+            f"latency p50 {ph['latency_p50_s']} s p95 {ph['latency_p95_s']} s; "
+            f"TTFT p50 {ph['ttft_p50_s']} s p95 {ph['ttft_p95_s']} s; incomplete {ph['incomplete']}; "
+            f"errors {ph['errors'] or 0}"
+            + (f"; tokens/s by round {ph['rounds_tokens_per_s']}" if rounds > 1 else "")
+        )
+    if "method_ratio" in report:
+        a, b = args.methods.split(",")
+        print(
+            f"tokens/s of {b} over {a}, per client count: "
+            + ", ".join(f"{n}: {r}x" for n, r in report["method_ratio"].items())
+        )
+    if "tokens_per_s_ratio" in report:
+        print(
+            f"tokens/s ratio, {phases[-1]['phase']} vs {phases[0]['phase']}: {report['tokens_per_s_ratio']}x"
+        )
+    if before:
+        print(
+            f"server RSS before {before['VmRSS'] / 1024:.1f} MiB, after {after['VmRSS'] / 1024:.1f} MiB "
+            f"(peak {after['VmHWM'] / 1024:.1f} MiB)"
+        )
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ it completions (`Job`s) and cancellations.
 Between two steps the worker adds every newly submitted job to the engine (each with its
 own `DecodeConfig`: requests of any settings share the batch, and a request that arrives
 mid-generation joins at the next step), aborts the jobs whose client went away, then runs
-one step and forwards each `RequestOutput` to its job as events. The engine decides the
-rest: the batch size, the KV memory budget, finish reasons (EOS, max_tokens, stop
-strings).
+one step and hands each `RequestOutput` to its job, which reports it (`jobs.py`). The
+engine decides the rest: the batch size, the KV memory budget, finish reasons (EOS,
+max_tokens, stop strings).
 
 Sampling: each completion has its own generator, seeded from its `seed` (reproducible
 whatever it is batched with) or, without one, drawn at random.
@@ -18,13 +18,12 @@ has begun.
 Shutdown (`close`, then `shutdown` to wait): new submissions are refused and queued
 completions fail with `ShuttingDown` at once (their clients can retry elsewhere rather
 than wait out a drain they would not survive); running ones decode on until the
-deadline, when they fail with `ShuttingDown` too (an error event, so a stream ends with
-an error and not a silent cut) and their rows are aborted.
+deadline, when they fail with `ShuttingDown` too (an error, so a stream ends with an
+error event and not a silent cut) and their rows are aborted.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import threading
@@ -32,8 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..decode.admit import PreparedRequest
-from ..decode.trace import event_dicts
+from .jobs import Job
 from .metrics import Metrics
 
 log = logging.getLogger("refusion.serve")
@@ -45,15 +43,14 @@ QUEUED = (
 CUT = "the server shut down before this request finished (its shutdown timeout ran out); retry it"
 REFUSED = "the server is shutting down and takes no new requests; retry on another replica or once it is back"
 
-# ("text", str) | ("done", finish_reason, completion_tokens) | ("error", exception)
-# | ("slots", dict): a step's slot events, for a job that asked for them
-Event = tuple
-
 
 class QueueFull(Exception):
-    def __init__(self, retry_after: int) -> None:
+    """The queue holds `max_queue` completions; `retry_after` estimates the seconds until
+    there is room."""
+
+    def __init__(self, retry_after: int, max_queue: int) -> None:
         super().__init__(f"the queue is full; retry in {retry_after} s")
-        self.retry_after = retry_after
+        self.retry_after, self.max_queue = retry_after, max_queue
 
 
 class ShuttingDown(Exception):
@@ -61,99 +58,10 @@ class ShuttingDown(Exception):
     the shutdown deadline. Not the request's fault: the client should retry."""
 
 
-class Job:
-    """One completion (one choice) in flight. Its events are made in the worker thread
-    from the engine's outputs and handed to `notify`; the text of a non-streamed response
-    is the concatenation of the same events, so streamed and non-streamed answers are the
-    same by construction."""
-
-    _ids = itertools.count()
-
-    def __init__(
-        self, prepared: PreparedRequest, notify: Callable[[Event], None], slots: bool = False
-    ) -> None:
-        self.id = f"job-{next(Job._ids)}"
-        self.prepared, self.notify = prepared, notify
-        self.slots = slots  # send the decoder's slot events of each step (its trace of the steps)
-        self.events_sent = 0
-        self.cancelled = threading.Event()  # the client went away (or the server is stopping)
-        self.finished = False
-        self.emitted = False  # any event sent
-        self.completion_tokens = 0
-        self.submitted = time.monotonic()
-        self.started: float | None = None
-        self.metrics: Metrics | None = None
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    def update(self, out: Any) -> None:
-        """A `RequestOutput` of this job's request (worker thread)."""
-        if self.finished:
-            return
-        self.completion_tokens = len(out.token_ids)
-        if out.delta:
-            if not self.emitted and self.metrics:
-                self.metrics.ttft.observe(time.monotonic() - self.submitted)
-            self._send(("text", out.delta))
-        if out.finished:
-            self.finished = True
-            if self.metrics:
-                self.metrics.finished.inc(1, out.finish_reason)
-                self.metrics.completion_tokens.inc(self.completion_tokens)
-                self.metrics.generated_tokens.inc(out.stats.tokens)
-                self.metrics.forwards.inc(out.stats.nfe)
-                self.metrics.drafting_steps.inc(out.stats.draft_steps)
-                self.metrics.ar_blocks.inc(out.stats.ar_blocks)
-                if out.stats.nfe:
-                    self.metrics.tpf.observe(out.stats.tpf)
-            self._send(("done", out.finish_reason, self.completion_tokens))
-
-    def send_slots(self, req: Any, out: Any, tokenizer: Any) -> None:
-        """The slot events this job's request recorded since the last ones sent (worker
-        thread), with its forward count and seconds so far; at the end, its final counts.
-        `req` is the engine's request (None once it finished), `out` this step's output."""
-        trace = out.trace if out is not None else getattr(req, "trace", None)
-        new = (trace or [])[self.events_sent :]
-        if self.finished or not (new or (out is not None and out.finished)):
-            return
-        self.events_sent += len(new)
-        stats = out.stats if out is not None else req.stats
-        started = getattr(req, "started", 0.0)
-        payload = {
-            "events": event_dicts(tokenizer, new),
-            "nfe": stats.nfe,
-            "elapsed": time.perf_counter() - started if started else stats.wall_time,
-        }
-        if out is not None and out.finished:
-            payload["stats"] = {**stats.as_dict(), "tokens": len(out.token_ids)}
-        self._send(("slots", payload))
-
-    def finish_cancelled(self) -> None:
-        """Cancelled before it reached the engine: done, with nothing generated."""
-        if not self.finished:
-            self.finished = True
-            if self.metrics:
-                self.metrics.finished.inc(1, "cancelled")
-            self._send(("done", "cancelled", 0))
-
-    def fail(self, error: BaseException, reason: str = "error") -> None:
-        """Finish with an error event; `reason` labels it in the completions metric."""
-        if not self.finished:
-            self.finished = True
-            if self.metrics:
-                self.metrics.finished.inc(1, reason)
-            self._send(("error", error))
-
-    def _send(self, event: Event) -> None:
-        self.emitted = True
-        try:
-            self.notify(event)
-        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
-            self.cancel()
-
-
 class EngineLoop:
+    """The worker thread that owns the engine: jobs go in through `submit` (any thread),
+    and each job reports its outputs from the worker (see the module docstring)."""
+
     def __init__(self, engine: Any, *, max_queue: int = 256, metrics: Metrics | None = None) -> None:
         self.engine = engine
         self.max_queue = max_queue
@@ -180,7 +88,7 @@ class EngineLoop:
                 raise ShuttingDown(REFUSED)
             if self.queue_length + len(jobs) > self.max_queue:
                 self.metrics.rejected.inc()
-                raise QueueFull(self._retry_after())
+                raise QueueFull(self._retry_after(), self.max_queue)
             for job in jobs:
                 job.metrics = self.metrics
                 self.metrics.prompt_tokens.inc(len(job.prepared.ids))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
+from typing import Any, TypeVar
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -39,6 +40,10 @@ class _Metric:
 
     def header(self) -> list[str]:
         return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+
+    def render(self) -> list[str]:
+        """The metric's sample lines (each kind writes its own)."""
+        raise NotImplementedError
 
 
 class Counter(_Metric):
@@ -107,6 +112,9 @@ class Histogram(_Metric):
         return lines
 
 
+M = TypeVar("M", bound=_Metric)
+
+
 class Registry:
     """Metrics rendered together, under one lock."""
 
@@ -114,7 +122,7 @@ class Registry:
         self._lock = threading.Lock()
         self._all: list[_Metric] = []
 
-    def _add(self, cls: type, name: str, help_text: str, **kwargs) -> _Metric:
+    def _add(self, cls: type[M], name: str, help_text: str, **kwargs: Any) -> M:
         m = cls(self._lock, name, help_text, **kwargs)
         self._all.append(m)
         return m
@@ -133,6 +141,13 @@ class Metrics(Registry):
     def __init__(self, prefix: str = "refusion") -> None:
         super().__init__()
         p = prefix + "_"
+        self._http(p)
+        self._completions(p)
+        self._engine(p)
+        self._queue(p)
+
+    def _http(self, p: str) -> None:
+        """HTTP requests: counts, errors, latency."""
         self.requests = self._add(
             Counter,
             p + "requests_total",
@@ -149,6 +164,9 @@ class Metrics(Registry):
             buckets=LATENCY_BUCKETS,
             labels=("route",),
         )
+
+    def _completions(self, p: str) -> None:
+        """Completions: their timing, tokens and how they decoded."""
         self.ttft = self._add(
             Histogram,
             p + "time_to_first_token_seconds",
@@ -193,6 +211,9 @@ class Metrics(Registry):
             "Tokens per forward pass (TPF) of each completion",
             buckets=TPF_BUCKETS,
         )
+
+    def _engine(self, p: str) -> None:
+        """The engine's steps: rows batched together, time, forward passes."""
         self.joined = self._add(
             Counter,
             p + "joined_total",
@@ -213,6 +234,9 @@ class Metrics(Registry):
             p + "engine_forward_passes",
             "Model forward passes the engine has run (each shared by every row in it)",
         )
+
+    def _queue(self, p: str) -> None:
+        """How completions end, and the queue in front of the engine."""
         self.finished = self._add(
             Counter,
             p + "completions_total",

@@ -25,7 +25,7 @@ from ..decode.trace import STATIC as DRAWING
 from ..settings.decode import PRESETS, DecodeConfig
 from ..settings.fields import field_kind
 from ..settings.recommended import recommended_of
-from .protocol import DECODE_FIELDS
+from .protocol.requests import DECODE_FIELDS
 
 PAGE_DIR = Path(__file__).with_name("static")
 # the files the page loads, by the name it asks for: its own and the shared drawing module

@@ -35,10 +35,10 @@ from typing import Any
 
 import h11
 import uvicorn
-from fastapi.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .protocol import APIError
+from .http.errors import error_response
+from .protocol.errors import APIError
 
 log = logging.getLogger("refusion.serve")
 
@@ -52,7 +52,7 @@ HEADER_TIMEOUT = 10.0
 
 
 class Server(uvicorn.Server):
-    """A uvicorn server for an app made by `create_app` or `replicas.create_front`. It
+    """A uvicorn server for an app made by `create_app` or `replicas.front.create_front`. It
     reads from `app.state`: `shutdown_timeout`, `begin_drain(timeout)` (called as the
     drain begins) and, optionally, `drained()` (whether the drain is over: until then
     the server answers) and `on_exit_now(sig)` (called before a second signal ends the
@@ -163,9 +163,9 @@ class HeaderLimit:
                 431,
                 f"the request's headers are over {MAX_HEADER_BYTES} bytes; send shorter ones",
                 code="request_headers_too_large",
+                headers={"connection": "close"},
             )
-            response = JSONResponse(error.body(), status_code=error.status, headers={"connection": "close"})
-            return await response(scope, receive, send)
+            return await error_response(error)(scope, receive, send)
         return await self.app(scope, receive, send)
 
 

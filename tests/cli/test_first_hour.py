@@ -122,7 +122,7 @@ def test_an_explicit_gen_length_that_does_not_fit_names_one_that_does(capsys):
 def test_the_server_fits_a_preset_without_inventing_a_max_tokens():
     from served import fit_length
 
-    from refusion.serve.protocol import APIError
+    from refusion.serve.protocol.errors import APIError
 
     cfg = DecodeConfig.preset("gsm8k")
     fitted = fit_length(cfg, 18, None, 512, "messages")

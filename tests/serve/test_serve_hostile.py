@@ -25,8 +25,9 @@ from test_serve import MODEL, GatedEngine, LiveServer, in_thread, live  # noqa: 
 from refusion.decode import DecodeConfig, EngineConfig, admit  # noqa: E402
 from refusion.decode.admit import Admission  # noqa: E402
 from refusion.serve import create_app  # noqa: E402
-from refusion.serve.app import _for_template  # noqa: E402
-from refusion.serve.protocol import APIError, parse_request  # noqa: E402
+from refusion.serve.protocol.errors import APIError  # noqa: E402
+from refusion.serve.protocol.messages import for_template  # noqa: E402
+from refusion.serve.protocol.requests import parse_request  # noqa: E402
 
 # test_serve's fixtures, shared here (one converted tiny model; one live server per module, in this
 # process and as a front over two replicas)
@@ -323,9 +324,9 @@ def test_message_fields_are_parsed_and_reach_templates_that_use_them():
     assert req.messages[3] == {"role": "tool", "content": "18 C, sunny", "tool_call_id": "call_1"}
     assert req.messages[1]["name"] == "alice"
     plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    assert all(set(m) == {"role", "content"} for m in _for_template(req.messages, plain))
+    assert all(set(m) == {"role", "content"} for m in for_template(req.messages, plain))
     tools = plain + "{% for m in messages %}{{ m.tool_calls }}{{ m.tool_call_id }}{% endfor %}"
-    kept = _for_template(req.messages, tools)
+    kept = for_template(req.messages, tools)
     assert "tool_calls" in kept[2] and kept[3]["tool_call_id"] == "call_1" and "name" not in kept[1]
 
 

@@ -22,7 +22,8 @@ openai = pytest.importorskip("openai")
 from served import Process  # noqa: E402
 
 from refusion.io import BUNDLED_DIR  # noqa: E402
-from refusion.serve.replicas import ReplicaPool, merge_metrics  # noqa: E402
+from refusion.serve.replicas.metrics import merge_metrics  # noqa: E402
+from refusion.serve.replicas.pool import ReplicaPool  # noqa: E402
 
 CHAT = [{"role": "user", "content": "Reverse the words: red green blue"}]
 

@@ -3,6 +3,7 @@ metrics text, and the engine loop driven by a scripted engine."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from types import SimpleNamespace
@@ -22,13 +23,15 @@ from refusion.decode import (
 from refusion.decode.admit import PreparedRequest
 from refusion.decode.fit import NoRoomError, fit_to_room
 from refusion.errors import ConfigError
-from refusion.serve.loop import EngineLoop, Job, QueueFull, ShuttingDown
+from refusion.serve.client import EngineClient, RequestFailed
+from refusion.serve.jobs import ChoiceOutput, Job
+from refusion.serve.loop import EngineLoop, QueueFull, ShuttingDown
 from refusion.serve.metrics import Metrics
-from refusion.serve.protocol import (
+from refusion.serve.protocol.checks import as_request_error
+from refusion.serve.protocol.errors import APIError, library_error
+from refusion.serve.protocol.requests import (
     DECODE_FIELDS,
-    APIError,
     CompletionRequest,
-    as_request_error,
     parse_request,
     request_config,
 )
@@ -365,14 +368,18 @@ class ScriptedEngine:
         )
 
 
+def prepared(first: int) -> PreparedRequest:
+    cfg = DecodeConfig()
+    return PreparedRequest((first,), cfg, frozenset(), cfg.gen_length)
+
+
 def job(first: int) -> tuple[Job, list]:
     events: list = []
-    cfg = DecodeConfig()
-    return Job(PreparedRequest((first,), cfg, frozenset(), cfg.gen_length), events.append), events
+    return Job(prepared(first), events.append), events
 
 
 def text_of(events) -> str:
-    return "".join(e[1] for e in events if e[0] == "text")
+    return "".join(e.text for e in events if isinstance(e, ChoiceOutput))
 
 
 def test_engine_loop_streams_outputs_and_isolates_a_bad_request():
@@ -387,9 +394,9 @@ def test_engine_loop_streams_outputs_and_isolates_a_bad_request():
     ):  # c waits for room: shutdown would refuse it
         time.sleep(0.01)
     loop.shutdown(10)
-    assert text_of(ea) == "t5t6t7" and ea[-1] == ("done", "length", 3)
-    assert text_of(eb) == "t8" and eb[-1] == ("done", "length", 1)
-    assert ebad == [("error", ebad[0][1])] and isinstance(ebad[0][1], ConfigError)
+    assert text_of(ea) == "t5t6t7" and (ea[-1].finish_reason, ea[-1].completion_tokens) == ("length", 3)
+    assert text_of(eb) == "t8" and (eb[-1].finish_reason, eb[-1].completion_tokens) == ("length", 1)
+    assert len(ebad) == 1 and isinstance(ebad[0], ConfigError)
     assert text_of(ec) == "t5t6t7"
     m = loop.metrics
     assert m.finished.value("length") == 3 and m.finished.value("error") == 1
@@ -404,7 +411,7 @@ def test_engine_loop_queue_bound_and_shutdown():
         loop.submit([j2, j3])  # all or nothing
     assert e.value.retry_after >= 1 and loop.queue_length == 1
     loop.shutdown(0.1)  # the worker never started: queued work fails
-    assert e1[-1][0] == "error" and isinstance(e1[-1][1], ShuttingDown)
+    assert isinstance(e1[-1], ShuttingDown)
     with pytest.raises(ShuttingDown):
         loop.submit([j2])
 
@@ -419,15 +426,46 @@ def test_cancelled_jobs_never_reach_the_engine_and_running_ones_are_aborted():
     threading.Event().wait(0.05)
     j2.cancel()
     loop.shutdown(10)
-    assert e1 == [("done", "cancelled", 0)]
-    assert e2[-1][:2] == ("done", "cancelled") and e2[-1][2] < 50 and not engine.requests
+    assert e1 == [ChoiceOutput(0, finish_reason="cancelled", completion_tokens=0)]
+    assert e2[-1].finish_reason == "cancelled" and e2[-1].completion_tokens < 50 and not engine.requests
+
+
+def test_engine_client_merges_a_requests_choices_and_refuses_or_cancels_them_whole():
+    """One request's choices come through one async iterator, each output tagged with its
+    choice; a failed choice raises; a full queue refuses every choice; closing the outputs
+    cancels the choices still running."""
+    engine = ScriptedEngine({1: [5, 6, 7], 2: [8], 3: list(range(200))}, max_batch_size=4)
+    loop = EngineLoop(engine, max_queue=2)
+    client = EngineClient(loop)
+
+    async def run() -> tuple:
+        outs = [o async for o in client.generate([prepared(1), prepared(2)])]
+        with pytest.raises(QueueFull):
+            client.generate([prepared(1), prepared(1), prepared(1)])
+        queued = loop.queue_length  # none of the three
+        with pytest.raises(RequestFailed) as failed:
+            [o async for o in client.generate([prepared(9)])]
+        long = client.generate([prepared(3)])
+        first = await anext(long)
+        await long.aclose()
+        rest = [o async for o in long]
+        return outs, queued, failed.value.error, first, rest
+
+    loop.start()
+    outs, queued, error, first, rest = asyncio.run(run())
+    loop.shutdown(10)
+    assert "".join(o.text for o in outs if o.index == 0) == "t5t6t7"
+    assert "".join(o.text for o in outs if o.index == 1) == "t8"
+    assert [(o.index, o.finish_reason) for o in outs if o.finished] == [(1, "length"), (0, "length")]
+    assert queued == 0 and loop.metrics.rejected.value() == 1 and isinstance(error, ConfigError)
+    assert first.text == "t0" and rest[-1].finish_reason == "cancelled" and rest[-1].completion_tokens < 200
 
 
 def test_library_errors_map_to_statuses():
     """A request's own fault (context, config) is a 400; the server's (a compile that the
-    machine cannot do, a crash) is a 500; shutting down is a 503."""
+    machine cannot do, a crash) is a 500; shutting down is a 503; a full queue a 429
+    that says when to retry."""
     from refusion.errors import CompileError, ContextLengthError
-    from refusion.serve.app import library_error
 
     cases = [
         (ContextLengthError("too long"), 400, "context_length_exceeded"),
@@ -435,10 +473,12 @@ def test_library_errors_map_to_statuses():
         (CompileError("no C++ compiler"), 500, "compile_failed"),
         (RuntimeError("boom"), 500, "internal_error"),
         (ShuttingDown("bye"), 503, "shutting_down"),
+        (QueueFull(3, 8), 429, "queue_full"),
     ]
     for err, status, code in cases:
         e = library_error(err)
         assert (e.status, e.code) == (status, code)
+    assert library_error(QueueFull(3, 8)).headers == {"Retry-After": "3"}
 
 
 def test_loadtest_method_ratio_is_the_median_of_each_rounds_own_ratio():

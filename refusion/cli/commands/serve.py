@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+from pathlib import Path
 
 from ...errors import MissingExtraError, ReFusionError
 from ..flags import (
@@ -69,7 +70,6 @@ def _check_web_stack() -> None:
 def run(args: argparse.Namespace) -> int:
     _check_web_stack()
     from ...serve import serve  # the web stack loads only when this verb runs
-    from ...serve.replicas import served_name
 
     args.model = args.model or args.model_pos
     _check_flags(args)
@@ -106,8 +106,19 @@ def _check_flags(args: argparse.Namespace) -> None:
 def run_replicas(args: argparse.Namespace) -> int:
     """`--data-parallel-size N`: this process is the front of N replicas."""
     _check_web_stack()
-    from ...serve.replicas import run_front, served_name
+    from ...serve.replicas.run import run_front
 
     args.model = args.model or args.model_pos
     _check_flags(args)
     return run_front(args, args._argv, served_name(args))
+
+
+def served_name(args: argparse.Namespace) -> str:
+    """The model id clients use: --served-model-name, else the model directory's name."""
+    from ...io import BUNDLED_PREFIX
+
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model and args.model.startswith(BUNDLED_PREFIX):
+        return args.model[len(BUNDLED_PREFIX) :]
+    return Path(args.model).name if args.model else "refusion"

@@ -1,0 +1,214 @@
+"""A completion request: its body checked (`parse_request`), its decode settings
+(`request_config`), and each prompt prepared once by the engine's admission (`admit`;
+every prompt of a request: `admit_request`).
+
+The decoding fields (temperature, top_p, seed, stop, ReFusion's knobs) are DecodeConfig's
+own, checked by DecodeConfig's own check (`checks.py`), and each prompt is prepared
+(tokenised, checked, fitted to the context) by the decode layer's `Admission`, whose
+errors become 400s (`errors.library_error`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...decode.admit import Admission, PreparedRequest
+from ...errors import ReFusionError
+from ...settings.decode import PRESETS, DecodeConfig
+from ...settings.fields import shown
+from .checks import as_request_error, decode_value, is_int, is_number, own_value, text
+from .errors import APIError, bad, library_error
+from .messages import for_template, parse_messages
+
+# request field -> the DecodeConfig field it sets under its own name (method, slot_size, .., stop_token_ids);
+# max_tokens sets gen_length once fitted to the prompt (`admit`), and stop sets stop
+DECODE_FIELDS = {f.name: f for f in dataclasses.fields(DecodeConfig) if f.metadata.get("http", True)}
+_STOP = next(f for f in dataclasses.fields(DecodeConfig) if f.name == "stop")
+# accepted and ignored
+IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options"}
+# accepted only at the value that means "off" (anything else would change the answer)
+NEUTRAL = {
+    "n": lambda v: v == 1 and is_int(v),
+    "best_of": lambda v: v == 1 and is_int(v),
+    "presence_penalty": lambda v: is_number(v) and v == 0,
+    "frequency_penalty": lambda v: is_number(v) and v == 0,
+    "repetition_penalty": lambda v: is_number(v) and v == 1,
+    "logprobs": lambda v: v is False,
+    "top_logprobs": lambda v: is_int(v) and v == 0,
+    "echo": lambda v: v is False,
+    "suffix": lambda v: v == "",
+    "logit_bias": lambda v: v == {},
+    "tools": lambda v: v == [],
+    "functions": lambda v: v == [],
+    "tool_choice": lambda v: v in ("none", "auto"),
+    "function_call": lambda v: v in ("none", "auto"),
+    "response_format": lambda v: v == {"type": "text"},
+}
+COMMON = {"model", "max_tokens", "stop", "stream", "preset", *DECODE_FIELDS, *IGNORED, *NEUTRAL}
+FIELDS = {
+    "completion": COMMON | {"prompt"},
+    "chat": COMMON | {"messages", "max_completion_tokens"},
+}
+STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", "include_slots"}
+MAX_PROMPTS = 64
+MAX_TOKENS = 2**31 - 1  # beyond any context; keeps the numbers in length errors printable
+
+
+@dataclass
+class CompletionRequest:
+    """A validated request: what to decode and how (the settings still unresolved)."""
+
+    kind: str  # "completion" or "chat"
+    model: str | None
+    prompts: list[str | list[int]] | None = None  # completion: text or token ids, one choice each
+    messages: list[dict[str, Any]] | None = None  # chat: role and content (text), and the tool fields given
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    include_slots: bool = False  # stream the decoder's per-step slot events (docs/playground.md#events)
+    preset: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)  # DecodeConfig fields
+
+    @property
+    def choices(self) -> int:
+        """A completion has a choice per prompt, a chat one."""
+        return len(self.prompts or []) if self.kind == "completion" else 1
+
+
+def parse_request(body: Any, kind: str) -> CompletionRequest:
+    """Check a decoded JSON body for /v1/completions (kind "completion") or
+    /v1/chat/completions ("chat"); raise APIError (400) on the first problem."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object", None, "invalid_type")
+    unknown = sorted(set(body) - FIELDS[kind])
+    if unknown:
+        raise bad(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
+    body = {k: v for k, v in body.items() if v is not None}  # null = not given, as at OpenAI
+    for name, ok in NEUTRAL.items():
+        if name in body and not ok(body[name]):
+            raise bad(
+                f"{name}={shown(body[name])} is not supported by this server", name, "unsupported_value"
+            )
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model must be a string", "model", "invalid_type")
+    req = CompletionRequest(kind=kind, model=model)
+    if kind == "completion":
+        if "prompt" not in body:
+            raise bad("you must provide a prompt", "prompt", "missing_required_parameter")
+        req.prompts = _prompts(body["prompt"])
+    else:
+        if "messages" not in body:
+            raise bad("you must provide messages", "messages", "missing_required_parameter")
+        req.messages = parse_messages(body["messages"])
+    for name in ("max_tokens", "max_completion_tokens"):
+        if name in body:
+            req.max_tokens = own_value(name, "int", body[name], lo=1, hi=MAX_TOKENS)
+    if "stop" in body:
+        req.stop = list(decode_value(_STOP, body["stop"]))
+    req.stream = own_value("stream", "bool", body.get("stream", False))
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict) or set(opts) - STREAM_OPTIONS:
+            raise bad(
+                "stream_options must be an object with include_usage or include_slots",
+                "stream_options",
+                "invalid_type",
+            )
+        req.include_usage = own_value(
+            "stream_options.include_usage", "bool", opts.get("include_usage", False)
+        )
+        req.include_slots = _stream_slots(opts, req.stream)
+    if "preset" in body:
+        req.preset = own_value("preset", "str", body["preset"], choices=PRESETS)
+    req.overrides = {name: decode_value(f, body[name]) for name, f in DECODE_FIELDS.items() if name in body}
+    return req
+
+
+def _stream_slots(opts: dict[str, Any], stream: bool) -> bool:
+    """stream_options.include_slots: the per-step slot events, which only a stream carries."""
+    on = own_value("stream_options.include_slots", "bool", opts.get("include_slots", False))
+    if on and not stream:
+        raise bad(
+            'stream_options.include_slots needs "stream": true (the slot events come as stream chunks)',
+            "stream_options.include_slots",
+        )
+    return on
+
+
+def _prompts(p: Any) -> list[str | list[int]]:
+    if isinstance(p, str):
+        return [text("prompt", p)]
+    if not isinstance(p, list) or not p:
+        raise bad(
+            "prompt must be a string, a list of strings, or token ids (a list of integers or of lists)",
+            "prompt",
+            "invalid_type",
+        )
+    if all(is_int(t) for t in p):
+        return [list(p)]
+    if all(isinstance(t, str) for t in p) or all(
+        isinstance(t, list) and t and all(is_int(x) for x in t) for t in p
+    ):
+        if len(p) > MAX_PROMPTS:
+            raise bad(f"at most {MAX_PROMPTS} prompts per request, got {len(p)}", "prompt")
+        return [text(f"prompt[{i}]", t, "prompt") if isinstance(t, str) else list(t) for i, t in enumerate(p)]
+    raise bad(
+        "prompt must be a string, a list of strings, or token ids (a list of integers or of lists)",
+        "prompt",
+        "invalid_type",
+    )
+
+
+# ------------------------------------------------------------------ decode settings
+def request_config(base: DecodeConfig, req: CompletionRequest) -> DecodeConfig:
+    """The server's DecodeConfig with the request's preset (its slot settings only: the
+    server's sampling settings stay) and knobs on top, and the request's stop strings
+    (gen_length is set later, per prompt, by `admit`)."""
+    with as_request_error():
+        cfg = DecodeConfig.preset(req.preset, base) if req.preset else base
+        return cfg.replace(**req.overrides, stop=tuple(req.stop) or cfg.stop)
+
+
+def admit_request(req: CompletionRequest, admission: Admission, base: DecodeConfig) -> list[PreparedRequest]:
+    """Each of the request's prompts prepared once by the engine's admission, with the
+    server's settings `base` and the request's on top (`request_config`)."""
+    cfg = request_config(base, req)
+    prompts, param = request_prompts(req, admission.tokenizer)
+    return [admit(admission, p, cfg, req.max_tokens, param) for p in prompts]
+
+
+def request_prompts(req: CompletionRequest, tokenizer: Any) -> tuple[list[Any], str]:
+    """The request's prompts, one per choice, and the field that holds them: a chat's
+    messages (with the fields its chat template reads) or a completion's prompts."""
+    if req.kind == "chat":
+        return [for_template(req.messages or [], getattr(tokenizer, "chat_template", None))], "messages"
+    return list(req.prompts or []), "prompt"
+
+
+def admit(
+    admission: Admission, prompt: Any, cfg: DecodeConfig, max_tokens: int | None, param: str
+) -> PreparedRequest:
+    """One prompt prepared by the engine's admission (max_tokens must fit as it is;
+    omitted, the server's gen_length is lowered to what fits), or a 400 whose `param` is
+    the setting its advice changes (`param`, the prompt's field, when only the prompt can)."""
+    try:
+        return admission.prepare(
+            prompt, cfg, chat=False, length=max_tokens, lower=True, length_name="max_tokens"
+        )
+    except ReFusionError as e:
+        raise library_error(e, param) from None
+
+
+def check_model(name: str | None, served: str) -> None:
+    """A 404 for a model this server does not serve (no name: the one it does)."""
+    if name is not None and name != served:
+        raise APIError(
+            404,
+            f"The model `{name}` does not exist; this server serves `{served}`",
+            param="model",
+            code="model_not_found",
+        )

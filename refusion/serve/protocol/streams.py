@@ -1,0 +1,80 @@
+"""A request's outputs in OpenAI's two shapes: one response body once every choice is
+done, or server-sent events as the outputs come.
+
+Both take the outputs as an async iterator of `ChoiceOutput`s (`client.Generation`) and
+close it however they end (done, failed, or their consumer gone), which cancels the
+choices still running. A choice that fails fails the request: a plain response raises
+the API error, a stream ends with an `{"error": ...}` event; every stream ends with
+`[DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing
+from typing import Any
+
+from ..client import Outputs, RequestFailed
+from ..jobs import ChoiceOutput
+from .errors import library_error
+from .requests import CompletionRequest
+from .responses import chunk_body, new_id, response_body, slots_chunk, usage, usage_chunk
+
+DONE = "data: [DONE]\n\n"
+
+
+def event(obj: dict[str, Any]) -> str:
+    """One server-sent event carrying `obj` as JSON."""
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def completion_body(
+    req: CompletionRequest, outputs: Outputs[ChoiceOutput], model: str, prompt_tokens: int
+) -> dict[str, Any]:
+    """The whole completion: each choice's text and finish reason, and the usage."""
+    n = req.choices
+    texts: list[list[str]] = [[] for _ in range(n)]
+    reasons, tokens = [""] * n, [0] * n
+    async with aclosing(outputs):
+        try:
+            async for out in outputs:
+                texts[out.index].append(out.text)
+                if out.finished:
+                    reasons[out.index], tokens[out.index] = out.finish_reason or "", out.completion_tokens
+        except RequestFailed as e:
+            raise library_error(e.error) from None
+    done = [("".join(t), r) for t, r in zip(texts, reasons)]
+    return response_body(req.kind, new_id(req.kind), model, done, usage(prompt_tokens, sum(tokens)))
+
+
+async def completion_events(
+    req: CompletionRequest, outputs: Outputs[ChoiceOutput], model: str, prompt_tokens: int
+) -> AsyncIterator[str]:
+    """The stream: chat's role chunks first (a queued client knows it was accepted), then
+    each output's chunks as it comes, the usage last when asked for."""
+    kind, rid, tokens = req.kind, new_id(req.kind), 0
+    async with aclosing(outputs):
+        try:
+            if kind == "chat":
+                for i in range(req.choices):
+                    yield event(chunk_body(kind, rid, model, i, "", None, first=True))
+            async for out in outputs:
+                tokens += out.completion_tokens if out.finished else 0
+                for chunk in _chunks(kind, rid, model, out):
+                    yield event(chunk)
+            if req.include_usage:
+                yield event(usage_chunk(kind, rid, model, usage(prompt_tokens, tokens)))
+        except RequestFailed as e:  # the request failed, or the server shut down under it
+            yield event(library_error(e.error).body())
+        yield DONE
+
+
+def _chunks(kind: str, rid: str, model: str, out: ChoiceOutput) -> Iterator[dict[str, Any]]:
+    """An output's chunks: its slot events, its text, its finish reason."""
+    if out.slots is not None:
+        yield slots_chunk(kind, rid, model, out.index, out.slots)
+    if out.text:
+        yield chunk_body(kind, rid, model, out.index, out.text, None)
+    if out.finished:
+        yield chunk_body(kind, rid, model, out.index, None, out.finish_reason)
