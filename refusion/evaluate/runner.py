@@ -30,14 +30,14 @@ from ..errors import ConfigError
 from ..files import JSONProblem, lone_surrogate, open_regular, parse_json
 from ..sandbox import Limits, isolation
 from ..settings.fields import shown
-from .benchmarks import Benchmark, CodeBenchmark, Sample, Scored
+from .benchmarks import Benchmark, Chat, CodeBenchmark, Sample, Scored
 from .completion import Completion, as_completion
 from .errors import PredictionsError, ResumeMismatchError
 from .paper_rules import finish
 from .registry import get_benchmark
 from .report import GENERATION_ERROR, one_line, summarize
 
-GenerateFn = Callable[[list[str]], Sequence[Any]]
+GenerateFn = Callable[[list[str | Chat]], Sequence[Any]]
 
 
 # ------------------------------------------------------------------------ predictions
@@ -60,7 +60,10 @@ def read_predictions(path: str | os.PathLike) -> tuple[dict[str, str], dict[int,
         for n, raw in enumerate(f, 1):
             if raw.strip():
                 key, text = _prediction(raw, f"{p}:{n}")
-                (by_id if isinstance(key, str) else by_index)[key] = text
+                if isinstance(key, str):
+                    by_id[key] = text
+                else:
+                    by_index[key] = text
     return by_id, by_index
 
 
@@ -255,7 +258,8 @@ def evaluate(
     samples, complete, missing = _samples_and_source(bench, samples, data, limit, generate_fn, predictions)
     if raw_predictions:
         complete = _finishing(complete, tokenizer)
-    config_dict = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
+    is_instance = dataclasses.is_dataclass(config) and not isinstance(config, type)
+    config_dict = dataclasses.asdict(config) if is_instance else config
     settings = _settings(bench, model, config_dict, data, predictions, limit, raw_predictions)
     out = out_dir or Path("runs") / "eval" / bench.name
     results, done = _open_results(out, settings, overwrite, part)
@@ -290,6 +294,7 @@ def _samples_and_source(
     samples = _unique_ids(samples)
     if predictions is not None:
         return _from_predictions(samples, predictions)
+    assert generate_fn is not None  # evaluate takes exactly one of the two
     return samples, _from_generate(generate_fn), 0
 
 
@@ -498,17 +503,20 @@ def _finishing(
 
     def finished(batch: list[Sample]) -> list[Completion]:
         return [
-            dataclasses.replace(c, text=finish(c.text, s.request.until, tokenizer))
+            dataclasses.replace(c, text=finish(c.text, s.request.until if s.request else (), tokenizer))
             for s, c in zip(batch, complete(batch))
         ]
 
     return finished
 
 
-def _from_predictions(samples, path):
+def _from_predictions(
+    samples: list[Sample], path: str | os.PathLike
+) -> tuple[list[Sample], Callable[[list[Sample]], list[Completion]], int]:
     by_id, by_index = read_predictions(path)
-    text = {s.id: by_id.get(s.id, by_index.get(s.index)) for s in samples}
-    kept = [s for s in samples if text[s.id] is not None]
+    found = {s.id: by_id.get(s.id, by_index.get(s.index)) for s in samples}
+    text = {key: t for key, t in found.items() if t is not None}
+    kept = [s for s in samples if s.id in text]
     if not kept:
         raise PredictionsError(f"{path}: no prediction matches a sample of this task (by id or index)")
     return kept, (lambda batch: [Completion(text[s.id]) for s in batch]), len(samples) - len(kept)

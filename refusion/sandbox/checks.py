@@ -211,7 +211,12 @@ def _folder(files: dict[str, str | Path], uid: int | None) -> Path:
 
 def _execute(check: Check, limits: Limits, iso: Isolation) -> ExecResult:
     uid = _uids.acquire() if iso.own_uid else None
-    files = {"program.py": check.program, "harness.py": _HARNESS, "wire.py": _WIRE, "walls.py": _WALLS}
+    files: dict[str, str | Path] = {
+        "program.py": check.program,
+        "harness.py": _HARNESS,
+        "wire.py": _WIRE,
+        "walls.py": _WALLS,
+    }
     program = _folder(files, uid)
     job = {"setup": check.setup, "test": check.test, "calls": list(check.calls)}
     checker = _folder({"job.json": json.dumps(job), "checker.py": _CHECKER, "wire.py": _WIRE}, None)
@@ -539,14 +544,13 @@ def run_checks(
     iso = isolation()
     if workers is None:
         workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    results: list[ExecResult | None] = [None] * len(checks)
 
-    def one(i: int) -> None:
-        results[i] = _execute(checks[i], limits, iso)
+    def one(i: int) -> ExecResult:
+        result = _execute(checks[i], limits, iso)
         if on_done is not None:
-            on_done(i, results[i])
+            on_done(i, result)
+        return result
 
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        for future in [pool.submit(one, i) for i in range(len(checks))]:
-            future.result()
-    return results  # type: ignore[return-value]
+        futures = [pool.submit(one, i) for i in range(len(checks))]
+        return [future.result() for future in futures]
