@@ -227,7 +227,7 @@ def _replicas(model):
     """This process's share of the run: the replicas' shared claims on chunks of samples,
     whether it writes (the first rank of its tensor-parallel group: the others follow its
     claims) and merges (the first of all)."""
-    from ...evaluate.runner import ReplicaShare
+    from ...evaluate.results import ReplicaShare
     from ...parallel import barrier, is_main, replica_claims
 
     share = replica_claims(model)
