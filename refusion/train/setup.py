@@ -103,7 +103,7 @@ def apply_lora(model: Transformer, cfg: TrainConfig) -> Transformer:
         raise ConfigError("lora=True needs peft: pip install 'refusion[train]'") from None
     lc = LoraConfig(
         r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha,  # type: ignore[arg-type]  # peft annotates int; it scales by alpha / r
+        lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
         target_modules=list(cfg.lora_targets),
     )
