@@ -54,7 +54,7 @@ class ExecResult:
 
 @dataclass(frozen=True)
 class Isolation:
-    """The walls this machine allows; see the module docstring."""
+    """The walls this machine allows; `checks` describes each."""
 
     python: str  # interpreter that runs the programs
     namespaces: bool  # private network, PID and IPC namespaces
