@@ -55,8 +55,9 @@ def add_nonfinite_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_data_parallel_argument(parser: argparse.ArgumentParser, what: str) -> None:
-    """--data-parallel-size N: N replicas of the model, a process (and device) each."""
+def add_data_parallel_argument(parser: argparse._ActionsContainer, what: str) -> None:
+    """--data-parallel-size N: N replicas of the model, a process (and device) each (on a
+    parser or one of its groups)."""
     parser.add_argument(
         "--data-parallel-size",
         type=int,

@@ -15,9 +15,10 @@ from .errors import (
     ResumeMismatchError,
     UnknownTaskError,
 )
+from .predictions import read_predictions
 from .registry import BENCHMARKS, PROTOCOLS, get_benchmark
 from .report import summarize, wilson_interval
-from .runner import evaluate, read_predictions
+from .runner import evaluate
 
 __all__ = [
     "BENCHMARKS",

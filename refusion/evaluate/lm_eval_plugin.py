@@ -166,7 +166,9 @@ class ReFusionLM(LM):
 
         generate = self._generate_fn
         if generate is None:
-            from ..decode.api import generate
+            from ..decode.api import generate as engine_generate
+
+            generate = engine_generate
         contexts = [r.args[0] for r in requests]
         cfgs = [self._config(dict(r.args[1])) for r in requests]  # each request its own settings, one batch
         bar = tqdm(total=len(requests), disable=disable_tqdm, desc="generate_until")
@@ -184,7 +186,7 @@ class ReFusionLM(LM):
             chat=False,
             on_output=on_output,
         )
-        results = []
+        results: list[str] = []
         for request, context, out in zip(requests, contexts, outputs):
             text = out if isinstance(out, str) else out.text  # cut at max_gen_toks and the stop strings
             if self.protocol == "paper":
@@ -197,7 +199,7 @@ class ReFusionLM(LM):
             results.append(text)
             self.cache_hook.add_partial("generate_until", (context, request.args[1]), text)
         bar.close()
-        return results  # type: ignore[return-value]
+        return results
 
     # ---------------------------------------------------------------- loglikelihood
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
@@ -239,7 +241,7 @@ class ReFusionLM(LM):
         """(sum log p(continuation | context), continuation is the greedy one) per pair."""
         from tqdm.auto import tqdm
 
-        results: list[tuple[float, bool] | None] = [None] * len(pairs)
+        results: dict[int, tuple[float, bool]] = {}  # filled longest pair first
         order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
         device = next(self.model.parameters()).device
         for start in tqdm(range(0, len(order), self.batch_size), disable=disable_tqdm, desc="loglikelihood"):
@@ -261,7 +263,7 @@ class ReFusionLM(LM):
                 lp = logprobs[b, len(row) - n : len(row)]  # (n, V): the logits before each target
                 picked = lp.gather(-1, target[:, None]).squeeze(-1)
                 results[i] = (float(picked.sum()), bool((lp.argmax(-1) == target).all()))
-        return results  # type: ignore[return-value]
+        return [results[i] for i in range(len(pairs))]
 
 
 def main() -> None:

@@ -211,9 +211,7 @@ class GPQA(PaperScored, robust.GPQA):
     metrics = ("flexible-extract", "strict-match")
     seed = 0
 
-    @property
-    def system(self) -> str:  # type: ignore[override]
-        return self.description
+    system = robust.GPQA.description
 
     def load(self, data=None, limit=None):
         self._shuffle = random.Random(self.seed)
@@ -289,7 +287,7 @@ class MMLUPro(PaperScored, robust.MMLUPro):
 
 
 # ------------------------------------------------------------------------------- code
-class PaperCode(PaperPrompt):
+class PaperCode(PaperPrompt, robust.CodeBenchmark):
     """pass@1 of one greedy sample, each program run against the task's tests for 3 s
     (the code_eval metric's default; ours counts the interpreters' start in it)."""
 

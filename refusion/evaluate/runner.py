@@ -4,7 +4,7 @@ Completions come from an injectable `generate_fn(queries) -> outputs` (a query i
 sample's user message, or a `Chat` where the protocol asks for a whole conversation; each
 output has `.text` and optionally `.stats`; the eval command's binding of
 `refusion.generate` in real runs, a fake in tests) or from a predictions file made
-elsewhere. Results go to OUT/:
+elsewhere (`predictions.py`). Results go to OUT/ (`results.py`):
 
 - samples.jsonl  one line per sample as soon as it is scored (prompt, output, extracted,
                  gold, correct, stats); a rerun with the same settings skips these;
@@ -15,9 +15,7 @@ elsewhere. Results go to OUT/:
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import functools
-import json
 import os
 import sys
 import time
@@ -27,188 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..files import JSONProblem, lone_surrogate, open_regular, parse_json
 from ..sandbox import Limits, isolation
-from ..settings.fields import shown
-from .benchmarks import Benchmark, CodeBenchmark, Sample, Scored
+from .benchmarks import Benchmark, Chat, CodeBenchmark, Sample, Scored
 from .completion import Completion, as_completion
-from .errors import PredictionsError, ResumeMismatchError
-from .paper_rules import finish
+from .predictions import finishing, from_predictions
 from .registry import get_benchmark
 from .report import GENERATION_ERROR, one_line, summarize
+from .results import ReplicaShare, ResultsDir, all_records, open_results
 
-GenerateFn = Callable[[list[str]], Sequence[Any]]
-
-
-# ------------------------------------------------------------------------ predictions
-_ID_KEYS = ("task_id", "id", "sample_id", "question_id")
-_INDEX_KEYS = ("index", "idx", "doc_id")
-_TEXT_KEYS = ("completion", "output", "text", "response", "prediction", "resps")
-
-
-_FIX_PREDICTIONS = "fix the line, or write the file again (one JSON object per line)"
-
-
-def read_predictions(path: str | os.PathLike) -> tuple[dict[str, str], dict[int, str]]:
-    """Completions by sample id and by dataset index from a JSONL file: a regular file,
-    each line a JSON object whose completion is text and whose index is a whole number;
-    a PredictionsError naming the line otherwise."""
-    p = Path(path)
-    by_id: dict[str, str] = {}
-    by_index: dict[int, str] = {}
-    with open_regular(p, PredictionsError, fix="pass --predictions a JSONL file") as f:
-        for n, raw in enumerate(f, 1):
-            if raw.strip():
-                key, text = _prediction(raw, f"{p}:{n}")
-                (by_id if isinstance(key, str) else by_index)[key] = text
-    return by_id, by_index
-
-
-def _prediction(raw: bytes, where: str) -> tuple[str | int, str]:
-    """(sample id or dataset index, completion) of one line."""
-    try:
-        row = parse_json(raw)
-    except JSONProblem as e:
-        raise PredictionsError(f"{where}: the line {e}; {_FIX_PREDICTIONS}") from None
-    if not isinstance(row, dict) or not any(k in row for k in _TEXT_KEYS):
-        raise PredictionsError(
-            f"{where}: expected a JSON object with a completion ({', '.join(_TEXT_KEYS)}); {_FIX_PREDICTIONS}"
-        )
-    name = next(k for k in _TEXT_KEYS if k in row)
-    text = row[name]
-    while isinstance(text, list):  # lm-eval's "resps": [["..."]]
-        text = text[0] if text else ""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        text = str(text)  # a bare number as the answer
-    if not isinstance(text, str):
-        raise PredictionsError(f"{where}: {name}={shown(text)} is not text; {_FIX_PREDICTIONS}")
-    if lone_surrogate(text):
-        raise PredictionsError(
-            f"{where}: {name} holds a lone UTF-16 surrogate (such as \\ud800), which is not text; "
-            + _FIX_PREDICTIONS
-        )
-    key = next((k for k in _ID_KEYS if k in row), None)
-    if key is not None:
-        if isinstance(row[key], bool) or not isinstance(row[key], (str, int)) or lone_surrogate(row[key]):
-            raise PredictionsError(f"{where}: {key}={shown(row[key])} is not a sample id; {_FIX_PREDICTIONS}")
-        return str(row[key]), text
-    key = next((k for k in _INDEX_KEYS if k in row), None)
-    if key is None:
-        raise PredictionsError(
-            f"{where}: no sample id ({', '.join(_ID_KEYS)}) or index ({', '.join(_INDEX_KEYS)}); "
-            + _FIX_PREDICTIONS
-        )
-    index = row[key]
-    if isinstance(index, str) and index.isascii() and index.isdigit() and len(index) <= 18:
-        index = int(index)  # "7": a number written as a string
-    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < 2**63:
-        raise PredictionsError(
-            f"{where}: {key}={shown(index)} is not a dataset index (a whole number from 0); "
-            + _FIX_PREDICTIONS
-        )
-    return index, text
-
-
-# -------------------------------------------------------------------------- results
-@dataclasses.dataclass(frozen=True)
-class ReplicaShare:
-    """How this process shares a run with `count` replicas (data parallelism). `claim()`
-    returns the next unclaimed chunk number of the run, shared by all replicas (each
-    chunk is batch_size samples of the dataset's order), so that a replica with short
-    samples takes more of them. `writes`: it appends its records (false for the other
-    ranks of a tensor-parallel group, which repeat their leader's work); `first`: it
-    prepares the results directory and, once every replica is done, writes the samples
-    in dataset order and the summary. `barrier` waits for all processes."""
-
-    count: int = 1
-    claim: Callable[[], int] | None = None
-    writes: bool = True
-    first: bool = True
-    barrier: Callable[[], None] = lambda: None
-
-
-class ResultsDir:
-    """OUT/samples.jsonl (append-only, resumable), OUT/summary.json, OUT/run.json."""
-
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        settings: dict,
-        overwrite: bool = False,
-        writes: bool = True,
-        prepare: bool = True,
-    ) -> None:
-        """`prepare`: clear it (with overwrite) and record the settings; replicas open the
-        directory their first one prepared with prepare=False (and writes=False, the
-        ranks that only follow)."""
-        self.writes = writes
-        settings = json.loads(json.dumps(settings, default=str))  # as a resumed run reads them back
-        self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.samples = self.path / "samples.jsonl"
-        self.summary = self.path / "summary.json"
-        run = self.path / "run.json"
-        if overwrite and prepare:
-            for f in (self.samples, self.summary, run):
-                f.unlink(missing_ok=True)
-        if run.exists() and self.samples.exists():
-            before = json.loads(run.read_text())
-            before.setdefault("protocol", "robust")  # written before there were protocols
-            before.setdefault("raw_predictions", False)
-            keys = ("task", "protocol", "model", "config", "data", "predictions", "raw_predictions")
-            if any(before.get(k) != settings.get(k) for k in keys):
-                changed = [k for k in keys if before.get(k) != settings.get(k)]
-                raise ResumeMismatchError(
-                    f"{self.path} holds a run with other settings ({', '.join(changed)} differ); "
-                    "pass --overwrite or another --out"
-                )
-        if writes and prepare:
-            run.write_text(json.dumps(settings, indent=2, default=str) + "\n")
-
-    def done(self, repair: bool = True) -> dict[str, dict]:
-        """Records already written, by id. A line cut short by an interrupt is dropped, and
-        with `repair` cut from the file (never while other replicas may be appending)."""
-        if not self.samples.exists():
-            return {}
-        raw = self.samples.read_bytes()
-        if raw and not raw.endswith(b"\n"):  # interrupted mid-line: cut back to the last whole line
-            raw = raw[: raw.rfind(b"\n") + 1]
-            if self.writes and repair:
-                self.samples.write_bytes(raw)
-        records = {}
-        for line in raw.decode("utf-8").splitlines():
-            try:
-                record = json.loads(line)
-                records[str(record["id"])] = record
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue
-        return records
-
-    def append(self, records: Sequence[dict]) -> None:
-        """Whole lines, under a lock: replicas append to the same file."""
-        if not self.writes:
-            return
-        with open(self.samples, "a", encoding="utf-8") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            f.write(_lines(records))
-            f.flush()
-            os.fsync(f.fileno())
-
-    def rewrite(self, records: Sequence[dict]) -> None:
-        """samples.jsonl as exactly these records, in this order (atomically)."""
-        tmp = self.samples.with_suffix(".jsonl.tmp")
-        tmp.write_text(_lines(records), encoding="utf-8")
-        tmp.replace(self.samples)
-
-    def write_summary(self, summary: dict) -> None:
-        tmp = self.summary.with_suffix(".tmp")
-        tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
-        tmp.replace(self.summary)
-
-
-def _lines(records: Sequence[dict]) -> str:
-    """Records as JSON lines, as samples.jsonl holds them."""
-    return "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records)
+GenerateFn = Callable[[list[str | Chat]], Sequence[Any]]
 
 
 # --------------------------------------------------------------------------- the run
@@ -245,20 +70,13 @@ def evaluate(
     """
     part = replicas or ReplicaShare()
     bench = get_benchmark(task) if isinstance(task, str) else task
-    if (generate_fn is None) == (predictions is None):
-        raise ValueError("pass exactly one of generate_fn and predictions")
-    if raw_predictions and (predictions is None or bench.protocol != "paper"):
-        raise ConfigError(
-            "raw predictions get the paper protocol's post-processing: give a predictions file and "
-            "--protocol paper (robust scores an output as it is)"
-        )
+    _check_source(bench, generate_fn, predictions, raw_predictions)
     samples, complete, missing = _samples_and_source(bench, samples, data, limit, generate_fn, predictions)
     if raw_predictions:
-        complete = _finishing(complete, tokenizer)
-    config_dict = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
-    settings = _settings(bench, model, config_dict, data, predictions, limit, raw_predictions)
+        complete = finishing(complete, tokenizer)
+    settings = _settings(bench, model, config, data, predictions, limit, raw_predictions)
     out = out_dir or Path("runs") / "eval" / bench.name
-    results, done = _open_results(out, settings, overwrite, part)
+    results, done = open_results(out, settings, overwrite, part)
     records = [done[s.id] for s in samples if s.id in done]
     chunk = max(1, batch_size) if predictions is None else 64  # predictions: batch the sandbox
     started = time.perf_counter()
@@ -266,13 +84,30 @@ def evaluate(
         _batch_records, bench, complete=complete, limits=limits, workers=workers, timed=predictions is None
     )
     _run_pending(bench.name, samples, done, records, results, part, chunk, score, progress and part.first)
-    records = _all_records(results, samples, records, part)
+    records = all_records(results, samples, records, part)
     resumed = len({s.id for s in samples} & done.keys())
     summary = _summary(bench, settings, records, resumed, missing, started, part, results)
     if part.first:  # the others hold their share only
         results.write_summary(summary)
     summary["line"] = one_line(bench.name, summary)
     return summary
+
+
+def _check_source(
+    bench: Benchmark,
+    generate_fn: GenerateFn | None,
+    predictions: str | os.PathLike | None,
+    raw_predictions: bool,
+) -> None:
+    """One source of completions, and raw predictions only where the paper protocol can
+    finish them."""
+    if (generate_fn is None) == (predictions is None):
+        raise ValueError("pass exactly one of generate_fn and predictions")
+    if raw_predictions and (predictions is None or bench.protocol != "paper"):
+        raise ConfigError(
+            "raw predictions get the paper protocol's post-processing: give a predictions file and "
+            "--protocol paper (robust scores an output as it is)"
+        )
 
 
 def _samples_and_source(
@@ -289,7 +124,8 @@ def _samples_and_source(
         samples = bench.load(data, limit)
     samples = _unique_ids(samples)
     if predictions is not None:
-        return _from_predictions(samples, predictions)
+        return from_predictions(samples, predictions)
+    assert generate_fn is not None  # evaluate takes exactly one of the two
     return samples, _from_generate(generate_fn), 0
 
 
@@ -302,7 +138,10 @@ def _settings(
     limit: int | None,
     raw_predictions: bool = False,
 ) -> dict:
-    """What run.json records: a resumed run must match it."""
+    """What run.json records: a resumed run must match it (`config`, a DecodeConfig or a
+    dict, as a dict)."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        config = dataclasses.asdict(config)
     return {
         "task": bench.name,
         "protocol": bench.protocol,
@@ -313,22 +152,6 @@ def _settings(
         "raw_predictions": raw_predictions,
         "limit": limit,
     }
-
-
-def _open_results(
-    out: str | os.PathLike, settings: dict, overwrite: bool, part: ReplicaShare
-) -> tuple[ResultsDir, dict[str, dict]]:
-    """The results directory and the records already in it. The first replica prepares
-    the directory (overwrite, a line cut short) before anyone reads it; the others read
-    what was there, and their own appends come later."""
-    if part.first:
-        results = ResultsDir(out, settings, overwrite)
-        done = results.done()
-    part.barrier()
-    if not part.first:
-        results = ResultsDir(out, settings, writes=part.writes, prepare=False)
-        done = results.done(repair=False)
-    return results, done
 
 
 def _run_pending(
@@ -379,21 +202,6 @@ def _batch_records(
     scored = _score(bench, batch, completions, limits, workers)
     share = None if gen_seconds is None else gen_seconds / len(batch)
     return [_record(s, c, sc, share) for s, c, sc in zip(batch, completions, scored)]
-
-
-def _all_records(
-    results: ResultsDir, samples: Sequence[Sample], records: list[dict], part: ReplicaShare
-) -> list[dict]:
-    """The records the summary covers, once every replica is done: with replicas, the
-    first one takes every replica's records and rewrites samples.jsonl in dataset order
-    (earlier runs' other records after)."""
-    part.barrier()
-    if part.count > 1 and part.first:
-        wanted = {s.id for s in samples}
-        everyone = results.done()
-        records = [everyone[s.id] for s in samples if s.id in everyone]
-        results.rewrite(records + [r for k, r in everyone.items() if k not in wanted])
-    return records
 
 
 def _summary(
@@ -488,30 +296,6 @@ def _from_generate(generate_fn: GenerateFn) -> Callable[[list[Sample]], list[Com
         return [as_completion(o) for o in outputs]
 
     return complete
-
-
-def _finishing(
-    complete: Callable[[list[Sample]], list[Completion]], tokenizer: Any
-) -> Callable[[list[Sample]], list[Completion]]:
-    """`complete`, each text then finished as the paper protocol finishes a generation
-    (the sample's stop strings, special tokens, the python-block rule)."""
-
-    def finished(batch: list[Sample]) -> list[Completion]:
-        return [
-            dataclasses.replace(c, text=finish(c.text, s.request.until, tokenizer))
-            for s, c in zip(batch, complete(batch))
-        ]
-
-    return finished
-
-
-def _from_predictions(samples, path):
-    by_id, by_index = read_predictions(path)
-    text = {s.id: by_id.get(s.id, by_index.get(s.index)) for s in samples}
-    kept = [s for s in samples if text[s.id] is not None]
-    if not kept:
-        raise PredictionsError(f"{path}: no prediction matches a sample of this task (by id or index)")
-    return kept, (lambda batch: [Completion(text[s.id]) for s in batch]), len(samples) - len(kept)
 
 
 def _score(

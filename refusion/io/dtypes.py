@@ -12,7 +12,7 @@ import torch
 from ..errors import ConfigError
 from ..settings.model import DTYPE_NAMES, ModelConfig
 
-DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype | None:

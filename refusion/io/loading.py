@@ -8,12 +8,13 @@ live in the modules beside this one.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import ConfigError
-from ..model.tensor_parallel import local_config, make_row_parallel, slice_of
+from ..model.tensor_parallel import Shard, local_config, make_row_parallel, slice_of
 from ..model.transformer import Transformer, stored_shapes
 from ..parallel.launch import tensor_shard
 from ..settings.model import ModelConfig
@@ -69,21 +70,47 @@ def load(
     source = resolve_source(path)
     shard = tensor_shard(tensor_parallel_size)
     if source.suffix == ".gguf":
-        if shard is not None:
-            raise ConfigError(
-                "tensor parallelism reads safetensors slices; convert the GGUF file first "
-                "(refusion convert FILE.gguf OUT) and load OUT"
-            )
-        model, tokenizer = load_gguf(source, dev, wanted, allow_nonfinite)
-        if scheme is not None:
-            quantize_model(model, scheme)
-        return model, tokenizer
+        return _load_gguf(source, dev, wanted, scheme, shard, allow_nonfinite)
     config, tokenizer = read_metadata(source)
     record = quantization_in(config.extra)
     if record is not None:
         return _load_saved_quantized(
             source, config, record, dev, wanted, scheme, shard, allow_nonfinite
         ), tokenizer
+    return _load_safetensors(source, config, dev, wanted, scheme, shard, allow_nonfinite), tokenizer
+
+
+def _load_gguf(
+    source: Path,
+    dev: torch.device,
+    wanted: torch.dtype | None,
+    scheme: str | None,
+    shard: Shard | None,
+    allow_nonfinite: bool,
+) -> tuple[Transformer, Any]:
+    """A `.gguf` file, de-quantised whole (it has no slices to split)."""
+    if shard is not None:
+        raise ConfigError(
+            "tensor parallelism reads safetensors slices; convert the GGUF file first "
+            "(refusion convert FILE.gguf OUT) and load OUT"
+        )
+    model, tokenizer = load_gguf(source, dev, wanted, allow_nonfinite)
+    if scheme is not None:
+        quantize_model(model, scheme)
+    return model, tokenizer
+
+
+def _load_safetensors(
+    source: Path,
+    config: ModelConfig,
+    dev: torch.device,
+    wanted: torch.dtype | None,
+    scheme: str | None,
+    shard: Shard | None,
+    allow_nonfinite: bool,
+) -> Transformer:
+    """A safetensors checkpoint: every header checked against the config, then the
+    tensors (this rank's slices of them, with `shard`) read into the model."""
     model, headers = checked_headers(source, config)
     slicer = None
     if shard is not None:
@@ -97,7 +124,7 @@ def load(
     model.recommended = Recommended.read(source)  # decode settings that travel with the weights
     if scheme is not None:  # each rank quantizes its own share
         quantize_model(model, scheme)
-    return model, tokenizer
+    return model
 
 
 def _load_saved_quantized(

@@ -32,7 +32,7 @@ def add_mask_token(model: Transformer, tokenizer: Any) -> int:
         return config.mask_token_id
     mask_id = None if tokenizer is None else tokenizer_mask_id(tokenizer)
     is_new = mask_id is None
-    if is_new:
+    if mask_id is None:
         mask_id = config.vocab_size if tokenizer is None else _add_to_tokenizer(tokenizer)
     if is_new or mask_id >= config.vocab_size:
         _init_rows(model, mask_id)
@@ -44,7 +44,7 @@ def _add_to_tokenizer(tokenizer: Any) -> int:
     # The positional False keeps the tokenizer's other additional special tokens (the
     # argument is replace_additional_special_tokens in transformers 4, _extra_ in 5).
     tokenizer.add_special_tokens({"additional_special_tokens": [MASK_TOKEN]}, False)
-    return tokenizer_mask_id(tokenizer)
+    return tokenizer.get_vocab()[MASK_TOKEN]
 
 
 def _init_rows(model: Transformer, mask_id: int) -> None:

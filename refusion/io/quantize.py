@@ -33,12 +33,15 @@ import logging
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import torch
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError, MissingExtraError, first_line
+
+if TYPE_CHECKING:
+    from ..model.transformer import Transformer
 
 SCHEMES = ("int8", "int4")
 # int4 scales per group of 32 weights along the input: on SmolLM2-135M, groups of 64 kept 22%
@@ -138,7 +141,7 @@ def quantizable(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
             yield name, module
 
 
-def quantize_model(model: nn.Module, scheme: str) -> dict[str, Any]:
+def quantize_model(model: Transformer, scheme: str) -> dict[str, Any]:
     """Quantize `model`'s block projections in place (the model already on its device
     and in the dtype `run_dtype` chose) and record what was done as `model.quantization`,
     which `refusion info`, the save and the benchmarks read."""
@@ -166,7 +169,13 @@ def quantize_model(model: nn.Module, scheme: str) -> dict[str, Any]:
     return model.quantization
 
 
-def is_quantized(t: torch.Tensor) -> bool:
+class WrapperTensor(Protocol):
+    """A tensor subclass that holds its data in inner tensors (torch's protocol for them)."""
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]: ...
+
+
+def is_quantized(t: torch.Tensor) -> TypeGuard[WrapperTensor]:
     """A torchao tensor subclass (a packed weight), not a plain tensor."""
     return type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "__tensor_flatten__")
 
@@ -276,7 +285,7 @@ def check_loadable(
     run_dtype(record["scheme"], device, dtype, dtype)
 
 
-def quantized_copy(model: nn.Module, scheme: str) -> nn.Module:
+def quantized_copy(model: Transformer, scheme: str) -> Transformer:
     """A quantized copy of an unquantized model, in the dtype `run_dtype` gives the
     scheme (the original untouched): how the benchmarks compare both in one run."""
     import copy

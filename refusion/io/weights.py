@@ -288,7 +288,7 @@ def _read_tensor(fh, entry: dict, data_start: int, part: tuple[int, int, int] | 
         offset, rows = start + a * row_bytes, [b - a] + shape[1:]
     tensor = torch.empty(rows, dtype=dtype)
     if tensor.numel():
-        buffer = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        buffer = tensor.reshape(-1).view(torch.uint8).numpy().data  # the tensor's bytes, writable
         fh.seek(data_start + offset)
         got = 0
         while got < len(buffer):

@@ -183,8 +183,7 @@ class KVCache:
         if used > cap:
             raise ContextLengthError(f"rows of length {used} do not fit a cache of capacity {cap}")
         n = len(lengths)
-        fits = out is not None and out is not self and out.reserved_rows >= n + empty and out.capacity >= cap
-        if not fits:
+        if out is None or out is self or out.reserved_rows < n + empty or out.capacity < cap:  # not reusable
             out = self._empty_like(n + empty, cap)
         runs = row_runs(rows)
         for src, dst in zip(self._tensors(), out._tensors()):
@@ -294,6 +293,20 @@ def row_runs(rows: Sequence[int]) -> list[tuple[int, int, int, int]]:
     return runs
 
 
+# Transformer.packed_hidden's tensor arguments, in order: tokens, positions, where,
+# query_cols, k and v (per layer), cache_tokens, cache_positions
+PackedArgs = tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    list[torch.Tensor],
+    list[torch.Tensor],
+    torch.Tensor,
+    torch.Tensor,
+]
+
+
 @dataclass
 class PackedWrite:
     """A forward's layout over the cache, tensors only (see `KVCache.packed_write`)."""
@@ -309,7 +322,7 @@ class PackedWrite:
     segments: list[tuple[int, int, int, int]] | None = None  # attention in runs of rows (eager only)
     masked: bool = True  # False: every query sees its whole window (one token per row, equal lengths)
 
-    def tensors(self) -> tuple:
+    def tensors(self) -> PackedArgs:
         """The arguments of `Transformer.packed_hidden` (what a compiled graph takes)."""
         return (
             self.tokens,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,9 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..settings.model import ModelConfig
+
+if TYPE_CHECKING:
+    from .transformer import Transformer
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,7 @@ def slice_of(name: str, config: ModelConfig, shard: Shard) -> tuple[int, int, in
     return None
 
 
-def make_row_parallel(model: nn.Module, shard: Shard) -> None:
+def make_row_parallel(model: Transformer, shard: Shard) -> None:
     """Turn every o_proj and down_proj into a RowParallelLinear of the same shapes (on the
     meta device, before the weights are assigned)."""
     for block in model.model.layers:

@@ -17,6 +17,8 @@ so checkpoints load and save without renaming.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +26,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..settings.model import ModelConfig
+from ..settings.recommended import Recommended
 from .kv_cache import KVCache, storage_mask
+
+if TYPE_CHECKING:
+    from .tensor_parallel import Shard
 
 
 class RMSNorm(nn.Module):
@@ -109,11 +115,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=config.o_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packing: Packing | None = None
@@ -123,7 +129,7 @@ class Attention(nn.Module):
         rows' real tokens; cos, sin (B, 1, T, head_dim), sin's first half negated."""
         H, H_kv, D = self.n_heads, self.n_kv, self.head_dim
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (..., heads * D)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.unflatten(-1, (H, D))).flatten(-2)
             k = self.k_norm(k.unflatten(-1, (H_kv, D))).flatten(-2)
         if packing is not None:  # attention runs on the padded layout
@@ -150,7 +156,7 @@ class Attention(nn.Module):
             self.k_proj(x).view(N, H_kv, D),
             self.v_proj(x).view(N, H_kv, D),
         )
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # cos (N, 1, D)
         k_cache[rows, :, cols] = k
@@ -214,6 +220,8 @@ class Backbone(nn.Module):
 class Transformer(nn.Module):
     """A causal LM whose forward takes explicit position ids and an optional `KVCache`."""
 
+    inv_freq: torch.Tensor  # a buffer (registered in __init__), not a parameter
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -223,8 +231,12 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.gradient_checkpointing = False
-        self.tensor_parallel = None  # this rank's Shard when the model is split (checkpoint.load)
-        self.quantization = None  # what `io.quantize.quantize_model` did to the weights, if anything
+        # set by io.load: this rank's Shard when the model is split, and the decode settings
+        # saved with the checkpoint
+        self.tensor_parallel: Shard | None = None
+        self.recommended: Recommended | None = None
+        # what `io.quantize.quantize_model` did to the weights, if anything
+        self.quantization: dict[str, Any] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -342,7 +354,8 @@ class Transformer(nn.Module):
         mask = storage_mask(query_cols, cache_tokens.shape[1]) if masked else None  # (B, 1, T, capacity)
         x = self.model.embed_tokens(tokens)  # (N, hidden)
         cos, sin = (c[0, 0, :, None] for c in self.rope(positions[None], x.dtype))  # (N, 1, D)
-        for block, k_l, v_l in zip(self.model.layers, k, v):
+        blocks = cast("Iterable[Block]", self.model.layers)  # a ModuleList yields them as Modules
+        for block, k_l, v_l in zip(blocks, k, v):
             x = x + block.self_attn.packed_step(
                 block.input_layernorm(x), cos, sin, where, rows, cols, k_l, v_l, mask, B, T, segments
             )

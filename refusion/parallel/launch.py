@@ -94,13 +94,13 @@ def work_counter(leader: int, group: Any = None, group_size: int = 1) -> Callabl
     `group_size` ranks, `group`; None: the default group) takes numbers; it hands each to
     the other ranks of its group, which call as often as it does. Made collectively:
     every process calls this once."""
-    path = [tempfile.mktemp(prefix="refusion-claims-") if dist.get_rank() == 0 else None]
+    path: list[Any] = [tempfile.mktemp(prefix="refusion-claims-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(path, src=0)
     store = dist.FileStore(path[0], dist.get_world_size())
     takes = dist.get_rank() == leader
 
     def take() -> int:
-        number = [store.add("taken", 1) - 1 if takes else None]
+        number: list[Any] = [store.add("taken", 1) - 1 if takes else None]
         if group_size > 1:
             dist.broadcast_object_list(number, src=leader, group=group)
         return int(number[0])
@@ -142,7 +142,9 @@ def spawn(
     a rank fails, the others get ten seconds to report, then are ended (a rank waiting in
     an NCCL collective would otherwise wait for hours)."""
     procs, results, rendezvous = start_ranks(range(size), size, fn, args, device, quiet_others)
-    outcome, reported, give_up = None, set(), None
+    outcome: tuple[bool, Any] | None = None
+    reported: set[int] = set()
+    give_up: float | None = None
     while len(reported) < size:
         if (
             give_up is not None and time.monotonic() > give_up
@@ -177,6 +179,7 @@ def spawn(
         p.join()
     if os.path.exists(rendezvous):
         os.unlink(rendezvous)
+    assert outcome is not None  # rank 0 reported, or a rank that failed did
     ok, value = outcome
     if not ok:
         raise value if isinstance(value, BaseException) else RuntimeError(value)

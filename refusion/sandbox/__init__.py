@@ -10,21 +10,16 @@ the synthetic suite's code family (`refusion.tasks`) both hand it a `Check`.
     )
     result.passed, result.reason
 
-`checks.py` starts the processes and reads the verdict; `_harness.py` (the program's
-side) and `_checker.py` (the test's side) run as scripts in their own interpreters, and
-`wire.py` is the plain data between them. It imports nothing above `refusion.errors`.
+`checks.py` probes the walls and runs each check, `_processes.py` starts its two
+processes and reads the verdict, `records.py` holds the plain records (`Check`, `Limits`,
+`Isolation`, `ExecResult`); `_harness.py` (the program's side) and `_checker.py` (the
+test's side) run as scripts in their own interpreters, and `wire.py` is the plain data
+between them. It imports nothing above `refusion.errors`.
 """
 
-from .checks import (
-    Check,
-    ExecResult,
-    Isolation,
-    Limits,
-    isolation,
-    run_check,
-    run_checks,
-)
+from .checks import isolation, run_check, run_checks
 from .errors import SandboxError
+from .records import Check, ExecResult, Isolation, Limits
 
 __all__ = [
     "Check",

@@ -35,9 +35,9 @@ def hierarchies(cgroups: str, mountinfo: str) -> list[tuple[int, str]]:
         if fstype == "cgroup2" and "" in ours:
             found.append((2, point + ours[""]))
         elif fstype == "cgroup" and "memory" in options:
-            path = next((p for c, p in ours.items() if "memory" in c.split(",")), None)
-            if path is not None:
-                found.append((1, point + path))
+            memory = next((p for c, p in ours.items() if "memory" in c.split(",")), None)
+            if memory is not None:
+                found.append((1, point + memory))
     return found
 
 
@@ -65,7 +65,9 @@ def parent() -> tuple[int, str] | None:
 def make(limit_bytes: int) -> str:
     """A new group under `parent()` whose processes together get `limit_bytes` of memory
     (no swap on top)."""
-    version, folder = parent()  # type: ignore[misc]
+    found = parent()
+    assert found is not None  # isolation() chose the cgroup wall because parent() found one
+    version, folder = found
     group = os.path.join(folder, f"refusion-sandbox-{os.getpid()}-{next(_names)}")
     os.mkdir(group)
     try:

@@ -54,6 +54,9 @@ class Remote:
     not plain data, so nothing the program made ever decides an assertion here."""
 
     __slots__ = ("_key", "_what", "_channel")
+    _key: list
+    _what: str
+    _channel: "Channel"
 
     def __init__(self, channel, key, what):
         object.__setattr__(self, "_key", key)
@@ -85,6 +88,7 @@ class RemoteIterator(Remote):
     those has."""
 
     __slots__ = ("_drawn",)
+    _drawn: int
 
     def __init__(self, channel, key, what):
         super().__init__(channel, key, what)
@@ -190,7 +194,7 @@ class Channel:
 def _assert_line(test_lines, tb):
     """The line of the test where an assertion failed."""
     for frame in reversed(traceback.extract_tb(tb)):
-        if frame.filename == _TEST_FILE and 0 < frame.lineno <= len(test_lines):
+        if frame.filename == _TEST_FILE and frame.lineno is not None and 0 < frame.lineno <= len(test_lines):
             return f"line {frame.lineno}: {test_lines[frame.lineno - 1].strip()[:200]}"
     return "the test's assertion"
 

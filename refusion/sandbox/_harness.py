@@ -63,10 +63,64 @@ def _enter_workdir(uid):
 
 
 # ------------------------------------------------------------------ guards
+_SPAWNERS = (
+    "system",
+    "popen",
+    "fork",
+    "forkpty",
+    "vfork",
+    "posix_spawn",
+    "posix_spawnp",
+    "kill",
+    "killpg",
+    "setuid",
+    "setgid",
+    "setreuid",
+    "setregid",
+    "setresuid",
+    "setresgid",
+)  # and every os.exec* and os.spawn*
+_CHANGE_A_PATH = (
+    "remove",
+    "unlink",
+    "rmdir",
+    "removedirs",
+    "truncate",
+    "chmod",
+    "chown",
+    "lchown",
+    "mkdir",
+    "makedirs",
+    "mkfifo",
+    "mknod",
+    "utime",
+)
+_CHANGE_TWO_PATHS = ("rename", "renames", "replace", "link", "symlink")
+
+
 def _install_guards(root, block_network):
+    """The guards, in order: os and posix start and signal no process and change no file
+    outside `root`; shutil's file operations are confined the same way; subprocess starts
+    nothing; open writes only inside `root`; without a network namespace, no sockets."""
+    import posix
     import shutil
     import subprocess
 
+    inside = _inside_of(root)
+    spawners = list(_SPAWNERS) + [n for n in dir(os) if n.startswith(("exec", "spawn"))]
+    for module in (os, posix):
+        _guard_os_module(module, spawners, inside)
+    _confine_shutil(shutil, inside)
+    for name in ("Popen", "run", "call", "check_call", "check_output", "getoutput", "getstatusoutput"):
+        _deny(subprocess, name, "starting processes")
+    _guard_open(posix, inside)
+    if block_network:
+        _block_network()
+
+
+def _inside_of(root):
+    """A test of whether a path is `root` or under it (a file descriptor passes), with the
+    realpath of now: the program cannot swap it for its own."""
     realpath = os.path.realpath
 
     def inside(path):
@@ -75,76 +129,56 @@ def _install_guards(root, block_network):
         p = realpath(os.fspath(path))
         return p == root or p.startswith(root + os.sep)
 
-    def deny(module, name, what):
-        if not hasattr(module, name):
-            return
+    return inside
 
-        def denied(*args, **kwargs):
-            raise PermissionError(f"sandbox: {what} is disabled ({name})")
 
-        setattr(module, name, denied)
+def _deny(module, name, what):
+    """module.name, where it exists, raises PermissionError."""
+    if not hasattr(module, name):
+        return
 
-    def confine(module, name, n_paths=1):
-        original = getattr(module, name, None)
-        if original is None:
-            return
+    def denied(*args, **kwargs):
+        raise PermissionError(f"sandbox: {what} is disabled ({name})")
 
-        def confined(*args, **kwargs):
-            for path in args[:n_paths]:
-                if not inside(path):
-                    raise PermissionError(f"sandbox: {name} outside the sandbox directory: {path!r}")
-            return original(*args, **kwargs)
+    setattr(module, name, denied)
 
-        setattr(module, name, confined)
 
-    import posix
+def _confine(module, name, inside, n_paths=1):
+    """module.name, where it exists, refuses a path outside the sandbox's folder among its
+    first `n_paths` arguments."""
+    original = getattr(module, name, None)
+    if original is None:
+        return
 
-    spawners = [
-        "system",
-        "popen",
-        "fork",
-        "forkpty",
-        "vfork",
-        "posix_spawn",
-        "posix_spawnp",
-        "kill",
-        "killpg",
-        "setuid",
-        "setgid",
-        "setreuid",
-        "setregid",
-        "setresuid",
-        "setresgid",
-    ]
-    spawners += [n for n in dir(os) if n.startswith(("exec", "spawn"))]
-    for module in (os, posix):
-        for name in spawners:
-            deny(module, name, "starting or signalling processes")
-        for name in (
-            "remove",
-            "unlink",
-            "rmdir",
-            "removedirs",
-            "truncate",
-            "chmod",
-            "chown",
-            "lchown",
-            "mkdir",
-            "makedirs",
-            "mkfifo",
-            "mknod",
-            "utime",
-        ):
-            confine(module, name)
-        for name in ("rename", "renames", "replace", "link", "symlink"):
-            confine(module, name, n_paths=2)
+    def confined(*args, **kwargs):
+        for path in args[:n_paths]:
+            if not inside(path):
+                raise PermissionError(f"sandbox: {name} outside the sandbox directory: {path!r}")
+        return original(*args, **kwargs)
+
+    setattr(module, name, confined)
+
+
+def _guard_os_module(module, spawners, inside):
+    """os or posix: no process started or signalled, no uid changed, no file changed
+    outside the folder."""
+    for name in spawners:
+        _deny(module, name, "starting or signalling processes")
+    for name in _CHANGE_A_PATH:
+        _confine(module, name, inside)
+    for name in _CHANGE_TWO_PATHS:
+        _confine(module, name, inside, n_paths=2)
+
+
+def _confine_shutil(shutil, inside):
     for name in ("rmtree", "chown"):
-        confine(shutil, name)
+        _confine(shutil, name, inside)
     for name in ("move", "copy", "copy2", "copyfile", "copytree", "copymode", "copystat"):
-        confine(shutil, name, n_paths=2)
-    for name in ("Popen", "run", "call", "check_call", "check_output", "getoutput", "getstatusoutput"):
-        deny(subprocess, name, "starting processes")
+        _confine(shutil, name, inside, n_paths=2)
 
+
+def _guard_open(posix, inside):
+    """open, io.open, os.open and posix.open write only inside the folder (reads pass)."""
     real_open = builtins.open
     real_os_open = os.open
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
@@ -162,17 +196,20 @@ def _install_guards(root, block_network):
     builtins.open = io.open = guarded_open
     os.open = posix.open = guarded_os_open
 
-    if block_network:
-        import _socket
-        import socket
 
-        class NoSocket(_socket.socket):
-            def __init__(self, *args, **kwargs):
-                raise PermissionError("sandbox: network access is disabled")
+def _block_network():
+    """No socket can be made (where no network namespace keeps the program offline)."""
+    import _socket
+    import socket
 
-        socket.socket = _socket.socket = NoSocket
-        for name in ("create_connection", "create_server", "socketpair", "fromfd", "getaddrinfo"):
-            deny(socket, name, "network access")
+    class NoSocket(_socket.socket):
+        def __init__(self, *args, **kwargs):
+            raise PermissionError("sandbox: network access is disabled")
+
+    # replacing the class is the guard: a socket made from it raises
+    socket.socket = _socket.socket = NoSocket  # type: ignore[misc, assignment]
+    for name in ("create_connection", "create_server", "socketpair", "fromfd", "getaddrinfo"):
+        _deny(socket, name, "network access")
 
 
 # ------------------------------------------------------------------ serving calls

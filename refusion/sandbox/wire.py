@@ -70,8 +70,10 @@ def to_json(value, depth=0, ref=None):
     for kind, tag in _COLLECTIONS.items():
         if isinstance(value, kind):
             return {tag: [to_json(v, depth + 1, ref) for v in kind.__iter__(value)]}
-    if isinstance(value, type) and TYPES.get(getattr(value, "__name__", None)) is value:
-        return {"ty": value.__name__}
+    if isinstance(value, type):
+        name = getattr(value, "__name__", "")
+        if TYPES.get(name) is value:
+            return {"ty": name}
     if ref is not None:
         return {"r": ref(value)}
     raise NotPlainData(f"a {type(value).__name__} is not plain data")

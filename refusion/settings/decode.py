@@ -155,7 +155,7 @@ class DecodeConfig:
         if name not in _PAPER:
             raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
         s, b, ts, tt = _PAPER[name]
-        values = dict(
+        values: dict[str, Any] = dict(
             method="refusion",
             gen_length=512,
             slot_size=s,

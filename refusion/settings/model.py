@@ -15,6 +15,8 @@ from ..files import read_json
 from .fields import FieldError, check_scalar, shown
 
 _UNSET: Any = object()
+# ModelConfig.head_dim's default: None, which __post_init__ replaces, so readers see an int
+_FROM_HEADS: Any = None
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the dtypes checkpoints load and save in
 
@@ -38,7 +40,7 @@ class ModelConfig:
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
     num_key_value_heads: int = 4
-    head_dim: int | None = None  # defaults to hidden_size // num_attention_heads
+    head_dim: int = _FROM_HEADS  # None: hidden_size // num_attention_heads
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     # rope scaling as Hugging Face writes it: {"rope_type": "llama3", "factor": ..., ...}
@@ -99,7 +101,7 @@ class ModelConfig:
         vocab_size = check.size("vocab_size")
         heads = check.size("num_attention_heads")
         rope_theta, rope_scaling = _read_rope(d, check)
-        known = dict(
+        known: dict[str, Any] = dict(
             model_type=model_type,
             vocab_size=vocab_size,
             hidden_size=check.size("hidden_size"),
@@ -107,7 +109,7 @@ class ModelConfig:
             num_hidden_layers=check.size("num_hidden_layers"),
             num_attention_heads=heads,
             num_key_value_heads=check.size("num_key_value_heads", d.get("num_key_value_heads") or heads),
-            head_dim=check.size("head_dim", d.get("head_dim"), optional=True),
+            head_dim=None if d.get("head_dim") is None else check.size("head_dim"),
             rms_norm_eps=check.number("rms_norm_eps", d.get("rms_norm_eps", 1e-6), lo=0.0, hi=1.0),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -242,11 +244,9 @@ class _FieldCheck:
         except FieldError as e:
             raise CheckpointError(f"{self.where}: {e}; {FIX_CONFIG}") from None
 
-    def size(self, name: str, value: Any = _UNSET, optional: bool = False) -> int | None:
+    def size(self, name: str, value: Any = _UNSET) -> int:
         """A positive integer (a dimension or a count) of at most MAX_SIZE."""
         value = self.d[name] if value is _UNSET else value
-        if value is None and optional:
-            return None
         return self._scalar(name, "int", value, lo=1, hi=MAX_SIZE)
 
     def number(self, name: str, value: Any, lo: float, hi: float | None = None) -> float:
@@ -262,11 +262,13 @@ class _FieldCheck:
         return None if value is None else self._scalar(name, "str", value)
 
     def token_id(self, name: str, vocab_size: int, value: Any = _UNSET, inside: bool = True) -> int | None:
-        """None, or an integer id; `inside`: one of the vocabulary's, 0 .. vocab_size - 1
-        (an id past the embedding fails only when the model first meets it)."""
+        """None, or an integer id (`_id`)."""
         value = self.d.get(name) if value is _UNSET else value
-        if value is None:
-            return None
+        return None if value is None else self._id(name, vocab_size, value, inside)
+
+    def _id(self, name: str, vocab_size: int, value: Any, inside: bool = True) -> int:
+        """An integer id; `inside`: one of the vocabulary's, 0 .. vocab_size - 1 (an id
+        past the embedding fails only when the model first meets it)."""
         hi = vocab_size - 1 if inside else None
         lo = 0 if inside else None
         checked = self._scalar(name, "int", value, lo=lo, hi=hi)
@@ -275,10 +277,11 @@ class _FieldCheck:
         self.refuse(name, value, f"is outside the vocabulary (0 to {vocab_size - 1})")
 
     def eos_ids(self, vocab_size: int) -> int | list[int] | None:
-        """eos_token_id: one id or a list of them, each inside the vocabulary."""
+        """eos_token_id: one id or a list of them, each inside the vocabulary (a null in
+        the list is refused: every reader takes the list for ids)."""
         value = self.d.get("eos_token_id")
         if isinstance(value, list):
-            return [self.token_id("eos_token_id", vocab_size, v) for v in value]
+            return [self._id("eos_token_id", vocab_size, v) for v in value]
         return self.token_id("eos_token_id", vocab_size, value)
 
 

@@ -92,9 +92,8 @@ def parse_int_list(s: str | None) -> list[int] | None:
     if s is None:
         return None
     values = [parse_int(part) for part in s.split(",")]
-    if any(v is None for v in values):
-        return None
-    return values  # type: ignore[return-value]
+    ints = [v for v in values if v is not None]
+    return ints if len(ints) == len(values) else None
 
 
 def join_ints(values: list[int]) -> str:

@@ -53,7 +53,9 @@ def _expression(rng: random.Random, var: str, identity: bool = True):
 
 
 def _list_tests(rng: random.Random, fn) -> list:
-    inputs = [[]] + [[rng.randint(0, 25) for _ in range(rng.randint(1, 6))] for _ in range(5)]
+    inputs: list[list[int]] = [[]] + [
+        [rng.randint(0, 25) for _ in range(rng.randint(1, 6))] for _ in range(5)
+    ]
     return [[[xs], fn(xs)] for xs in inputs]
 
 

@@ -34,7 +34,13 @@ OPS = tuple(INSTRUCTIONS)
 
 
 def _solve(op: str, xs: list[int]) -> int | list[int]:
-    return {"sort": sorted(xs), "reverse": xs[::-1], "max": max(xs), "min": min(xs)}[op]
+    answers: dict[str, int | list[int]] = {
+        "sort": sorted(xs),
+        "reverse": xs[::-1],
+        "max": max(xs),
+        "min": min(xs),
+    }
+    return answers[op]
 
 
 class Lists:

