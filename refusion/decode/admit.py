@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from ..errors import MissingMaskTokenError, PromptError
 from ..model.prompts import Prompt, chat_ids, encode_prompt, eos_ids_of, mask_id_of
@@ -88,12 +88,13 @@ class Admission:
             self._check_text_size(len(prompt))
             ids = encode_prompt(self.tokenizer, prompt, chat)
         elif prompt and isinstance(prompt[0], Mapping):
-            self._check_text_size(sum(len(str(m.get("content") or "")) for m in prompt))
+            messages = cast(Messages, prompt)
+            self._check_text_size(sum(len(str(m.get("content") or "")) for m in messages))
             if self.tokenizer is None:
                 raise PromptError("a conversation needs a tokenizer (its chat template)", "invalid_value")
-            ids = chat_ids(self.tokenizer, prompt)
+            ids = chat_ids(self.tokenizer, messages)
         else:
-            ids = [int(t) for t in prompt]
+            ids = [int(t) for t in cast("Sequence[int]", prompt)]
             if any(not 0 <= t < self.vocab for t in ids):
                 raise PromptError(f"prompt token ids must be in [0, {self.vocab})", "invalid_value")
         if not ids:

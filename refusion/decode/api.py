@@ -4,6 +4,7 @@ until done)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import cast
 
 from ..errors import ConfigError
 from ..model.prompts import Prompt
@@ -32,23 +33,17 @@ def generate(
     before any compute. `on_output(i, out)` sees prompt i's output each time its final
     left-to-right prefix grows (its text then streams; without it, text is decoded once
     per prompt, at the end)."""
-    if isinstance(prompts, (str, PreparedRequest)) or (prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]
-    if not prompts:
+    many = _as_list(prompts)
+    if not many:
         raise ConfigError("no prompts given")
-    cfgs = list(cfg) if isinstance(cfg, Sequence) else [cfg] * len(prompts)
-    if len(cfgs) != len(prompts):
-        raise ConfigError(
-            f"{len(cfgs)} configs for {len(prompts)} prompts: give one config, or one per prompt"
-        )
+    cfgs = list(cfg) if isinstance(cfg, Sequence) else [cfg] * len(many)
+    if len(cfgs) != len(many):
+        raise ConfigError(f"{len(cfgs)} configs for {len(many)} prompts: give one config, or one per prompt")
     engine = Engine(model, tokenizer, engine_config)
-    ready = [
-        p if isinstance(p, PreparedRequest) else engine.prepare(p, c, chat=chat)
-        for p, c in zip(prompts, cfgs)
-    ]
+    ready = [_prepared(engine, p, c, chat) for p, c in zip(many, cfgs)]
     for i in sorted(range(len(ready)), key=lambda i: len(ready[i].ids)):  # similar lengths batch together
         engine.add_request(ready[i], request_id=str(i), trace=trace, stream=on_output is not None)
-    outputs: list[RequestOutput | None] = [None] * len(prompts)
+    outputs: list[RequestOutput | None] = [None] * len(many)
     while engine.has_unfinished():
         for out in engine.step():
             i = int(out.request_id)
@@ -59,7 +54,18 @@ def generate(
     return outputs  # type: ignore[return-value]
 
 
-def _prepared(engine: Engine, prompt, cfg: DecodeConfig | None, chat: bool) -> PreparedRequest:
+def _as_list(
+    prompts: Prompt | PreparedRequest | Sequence[Prompt | PreparedRequest],
+) -> list[Prompt | PreparedRequest]:
+    """One prompt (text, token ids, prepared) as a list of one; a list of them as it is."""
+    if isinstance(prompts, (str, PreparedRequest)) or (prompts and isinstance(prompts[0], int)):
+        return [cast("Prompt | PreparedRequest", prompts)]
+    return list(cast("Sequence[Prompt | PreparedRequest]", prompts))
+
+
+def _prepared(
+    engine: Engine, prompt: Prompt | PreparedRequest, cfg: DecodeConfig | None, chat: bool
+) -> PreparedRequest:
     if isinstance(prompt, PreparedRequest):
         if cfg is not None:
             raise ConfigError("prepared prompts carry their own configs: pass cfg=None with them")

@@ -69,7 +69,7 @@ class Engine:
         self.followers: Followers | None = None
         pad_id = self.mask_id if self.mask_id is not None else next(iter(self.eos_ids), 0)
         self.fwd = Forward(model, pad_id, compiled_step() if config.compile else None)
-        self.infill = Infill(self.fwd, self.mask_id)
+        self.infill = Infill(self.fwd)
         # draft widths that follow the batch (docs/algorithm.md#adaptive-widths); on a split model
         # each rank would time its own forwards and choose apart, so widths stay fixed there
         self.widths = WidthPolicy(
@@ -231,8 +231,9 @@ class Engine:
         """ReFusion's round (docs/algorithm.md#one-step) over the KV cache's rows: the
         draft widths chosen, the plan forward, the verification forward, infilling; AR
         rows take a token in each forward. Returns whether a row drafted."""
-        rows = self.scheduler.rows
-        self.widths.choose(rows, self.cache.lengths, self.fwd.time_shapes, self.config.max_batch_size)
+        rows, cache = self.scheduler.rows, self.scheduler.cache
+        assert cache is not None  # the scheduler gave the rows their cache
+        self.widths.choose(rows, cache.lengths, self.fwd.time_shapes, self.config.max_batch_size)
         drafted = any(r.drafting for r in rows)
         self._plan()
         if not any(r.verifies for r in rows):  # AR rows alone: one forward, one token a row
@@ -256,22 +257,23 @@ class Engine:
     def _infill(self) -> None:
         """Step 4 for the ReFusion rows whose selection did not pass whole."""
         need = [(r, b) for b, r in enumerate(self.rows) if r.infills()]
-        if need:
+        if need and self.cache is not None:
             self.infill([r for r, _ in need], [b for _, b in need], self.cache)
 
     def _phase(self, feeds: list[Feed | None], take: Callable[[Row, torch.Tensor, Feed], int]) -> None:
         """One forward of the KV cache over every row's feed (a row with none takes no
         part); each row takes its logits and says which of its entries stay."""
-        rows = self.scheduler.rows
+        rows, cache = self.scheduler.rows, self.scheduler.cache
+        assert cache is not None  # the scheduler gave the rows their cache
         none = Feed([], [], (0, 0))
         logits = self.fwd.run(
             [r.req for r in rows],
             [(f or none).tokens for f in feeds],
             [(f or none).positions for f in feeds],
-            self.cache,
+            cache,
             [(f or none).logits for f in feeds],
         )
-        self.cache.advance([0 if f is None else take(r, lg, f) for r, f, lg in zip(rows, feeds, logits)])
+        cache.advance([0 if f is None else take(r, lg, f) for r, f, lg in zip(rows, feeds, logits)])
 
     def _step_group(self) -> None:
         group = self.scheduler.group

@@ -89,10 +89,10 @@ def _no_room(cfg: DecodeConfig, prompt_len: int, context: int, length: int | Non
             name,
         )
     unit_fix = _smaller_unit(cfg, room - length + 1)
-    advice = [f"lower {name} to {longest}"] if longest else []
+    lower = [f"lower {name} to {longest}"] if longest else []
     return NoRoomError(
         f"{name} {length} needs {need} positions: {_unit_text(cfg)}, and {left}; "
-        + ", or ".join([*advice, f"lower {_said(unit_fix, 'at most ')}", *shorter]),
+        + ", or ".join([*lower, f"lower {_said(unit_fix, 'at most ')}", *shorter]),
         name if longest else next(iter(unit_fix)),
     )
 

@@ -69,7 +69,7 @@ def follow(args: Any, make_engine: Callable[[Any], Any]) -> int:
     with each step, until it says stop."""
     engine = make_engine(args)
     while True:
-        box = [None]
+        box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0)
         if box[0] == STOP:
             return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..errors import MissingMaskTokenError
 from ..model.sizing import CacheNeed
 from ..settings.decode import DecodeConfig
 
@@ -53,7 +54,7 @@ class ReFusion(Method):
     def row(self, req: Request, mask_id: int | None) -> Any:
         from .refusion import ReFusionRow
 
-        return ReFusionRow(req, mask_id=mask_id)
+        return ReFusionRow(req, mask_id=_needed(mask_id, self.name))
 
     def cache_need(self, cfg: DecodeConfig, prompt_len: int) -> CacheNeed:
         """Its row grows by its region, feeds a block of MASKs past its committed end, and
@@ -106,7 +107,7 @@ class MDM(Method):
     def row(self, req: Request, mask_id: int | None) -> Any:
         from .mdm import MDMRow
 
-        return MDMRow(req, mask_id)
+        return MDMRow(req, _needed(mask_id, self.name))
 
     def cache_need(self, cfg: DecodeConfig, prompt_len: int) -> CacheNeed:
         return CacheNeed(prompt_len, 0, 0, rows=0)
@@ -116,6 +117,13 @@ class MDM(Method):
 
     def smaller_unit(self, cfg: DecodeConfig, slack: int) -> dict[str, int]:
         return {"mdm_block_length": slack}
+
+
+def _needed(mask_id: int | None, method: str) -> int:
+    """The MASK id a method feeds (the admission refuses its requests on a model without one)."""
+    if mask_id is None:
+        raise MissingMaskTokenError(f"method {method!r} needs a MASK token and this model has none")
+    return mask_id
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (ReFusion(), AR(), MDM())}

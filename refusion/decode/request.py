@@ -206,6 +206,7 @@ class Request:
         how: list[list[str]] | None = None,
         exact: list[bool] | None = None,
     ) -> None:
+        assert self.trace is not None  # called only for a traced request
         self.trace.append(
             TraceEvent(
                 self.steps,

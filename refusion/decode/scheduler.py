@@ -81,7 +81,8 @@ class Scheduler:
     def _fits(self, req: Request, new: list[Row]) -> bool:
         """Would the cache rows of every running request, of the ones admitted this step and
         of `req` fit the memory budget, sized by the one rule (`cache_bytes`)?"""
-        needs = [need_of(r.req) for r in [*self.rows, *self.group, *new]] + [need_of(req)]
+        reqs = [r.req for r in self.rows] + [r.req for r in self.group] + [r.req for r in new] + [req]
+        needs = [need_of(q) for q in reqs]
         return (
             cache_bytes(needs, self.entry_bytes, joining=bool(self.rows))
             <= self.config.memory_budget_gb * 2**30
@@ -102,7 +103,7 @@ class Scheduler:
     def retire(self) -> None:
         """Finished rows leave; their cache storage stays for rows that join."""
         keep = [b for b, r in enumerate(self.rows) if not r.done]
-        if len(keep) < len(self.rows):
+        if len(keep) < len(self.rows) and self.cache is not None:
             self.rows = [self.rows[b] for b in self.cache.retain(keep)]
         self.group = [r for r in self.group if not r.done]
 

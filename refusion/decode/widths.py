@@ -26,7 +26,7 @@ import statistics
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ..settings.decode import DecodeConfig
 
@@ -66,7 +66,7 @@ class ForwardCost:
 
     def __init__(self, every: float = 300.0) -> None:
         self.fastest: dict[tuple[int, int, int], float] = {}  # (rows, tokens per row, context) -> s
-        self.coef = (0.0, 0.0, 0.0, 0.0)
+        self.coef: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
         self.every, self.when = every, -float("inf")
 
     @property
@@ -94,7 +94,7 @@ class ForwardCost:
         return a + b * n + c * rows + d * n * context
 
 
-def nonnegative_least_squares(x: list[tuple[float, ...]], y: list[float]) -> tuple[float, ...]:
+def nonnegative_least_squares(x: Sequence[Sequence[float]], y: list[float]) -> tuple[float, ...]:
     """Least squares with every coefficient >= 0: fit, drop the most negative coefficient's
     feature, fit again (exact for the three features used here, where at most two drop)."""
     k = len(x[0])

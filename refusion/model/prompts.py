@@ -4,7 +4,7 @@ evaluators all format and resolve through here, so they cannot drift apart."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import ChatTemplateError, ConfigError, PromptError, first_line
@@ -16,7 +16,7 @@ Prompt = str | Sequence[int]
 
 def chat_text(
     tokenizer: Any,
-    messages: Sequence[dict[str, str]],
+    messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
     **template_options: Any,
 ) -> str:
@@ -63,7 +63,7 @@ def _template_errors() -> tuple[type[BaseException], ...]:
 
 def chat_ids(
     tokenizer: Any,
-    messages: Sequence[dict[str, str]],
+    messages: Sequence[Mapping[str, Any]],
     *,
     continue_final: bool = False,
     **template_options: Any,

@@ -13,7 +13,7 @@ forwards it takes, so it stands apart from the paper's steps (`row.py`):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -21,12 +21,37 @@ from ..rows import Feed
 from ..widths import equals_greedy_ar
 
 if TYPE_CHECKING:
+    from ..request import Request
+    from ..widths import Acceptance
     from .infill import Fork
+    from .provenance import NoTrace
+    from .row import ReFusionRow, ToInfill
+    from .rule import Rule
 
 
 class DraftingRow:
     """The draft widths and AR blocks of a `row.ReFusionRow` (mixed into it: it reads the
-    row's block, pending tokens and rule)."""
+    row's block, pending tokens and rule, declared here)."""
+
+    req: Request
+    s: int
+    rule: Rule
+    trace: NoTrace
+    block: int
+    undecoded: list[int]
+    pending: list[int]
+    pending_at: int
+    ends_after_block: bool
+    to_infill: ToInfill | None
+    width: int
+    acceptance: Acceptance | None
+    ar_block: bool
+    ar_next: int
+    slots_per_block: int
+
+    def block_slots(self, block: int) -> list[int]:
+        """The slots of a block of the region."""
+        return list(range(block * self.slots_per_block, (block + 1) * self.slots_per_block))
 
     def set_widths(self, plan: int, window: int) -> None:
         """This step's plan width (MASKs per slot) and infilling window (0: one AR token per
@@ -90,7 +115,7 @@ class DraftingRow:
             if tok in self.req.eos_ids:
                 self.ends_after_block = True
             self.undecoded = []
-            self.rule.committed(self, [slot])
+            self.rule.committed(cast("ReFusionRow", self), [slot])  # mixed into ReFusionRow only
             self.trace.ar_committed(slot)
 
 

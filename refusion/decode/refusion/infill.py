@@ -16,8 +16,9 @@ reuse, no recomputation).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,7 +28,7 @@ from ..sampling import token_probs
 from .drafting import plan_drafts_first
 
 if TYPE_CHECKING:
-    from .row import ReFusionRow
+    from .row import ReFusionRow, ToInfill
 
 
 @dataclass
@@ -54,16 +55,17 @@ class Infill:
     slot's own KV entries are appended to its owner's row (KV reuse, no recomputation).
     The fork cache is scratch storage kept from step to step."""
 
-    def __init__(self, fwd: Forward, mask_id: int) -> None:
-        self.fwd, self.mask_id = fwd, mask_id
+    def __init__(self, fwd: Forward) -> None:
+        self.fwd = fwd
         self.scratch: KVCache | None = None
 
-    def __call__(self, rows: list[ReFusionRow], index: list[int], cache: KVCache) -> None:
-        """`rows` need infilling; `index[i]` is rows[i]'s row in `cache`."""
+    def __call__(self, rows: Sequence[Any], index: list[int], cache: KVCache) -> None:
+        """`rows` need infilling (ReFusion rows, the only ones whose `infills()` holds);
+        `index[i]` is rows[i]'s row in `cache`."""
         forks: list[Fork] = []
         src_rows: list[int] = []
         for row, b in zip(rows, index):
-            work = row.to_infill
+            work: ToInfill = row.to_infill
             slots, drafts, per_slot = work.slots, work.drafts, work.accepted
             hows = work.how if work.how is not None else [None] * len(slots)
             forks += [
@@ -96,7 +98,7 @@ class Infill:
             # EOS has nothing to draft: it feeds nothing (a packed forward spends no compute on its row)
             done = f.complete or f.length or f.row.ends(f.tokens[: f.accepted]) is not None
             n_masks = 0 if done else min(f.row.s - f.accepted, f.row.rule.window)
-            toks, pos = self._feed(f, [self.mask_id] * n_masks) if n_masks else ([], [])
+            toks, pos = self._feed(f, [f.row.mask_id] * n_masks) if n_masks else ([], [])
             tokens.append(toks)
             positions.append(pos)
             # the last accepted token's logits too: they score the first draft in the verify pass
@@ -214,5 +216,6 @@ class Infill:
         )
         for fs in filter(None, done):
             row = fs[0][1].row
-            how = None if fs[0][1].how is None else [f.how[: f.length] for _, f in fs]
+            # a traced row's forks all say how their tokens were accepted; an untraced row's none
+            how = [f.how[: f.length] for _, f in fs if f.how is not None] or None
             row.commit("infill", [f.slot for _, f in fs], [f.tokens[: f.length] for _, f in fs], how)

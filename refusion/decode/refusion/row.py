@@ -98,7 +98,7 @@ class ReFusionRow(DraftingRow):
     pending_at: int = 0
     ends_after_block: bool = False  # an EOS was committed: finish this block, then stop
     done: bool = False
-    plan: Plan | None = None
+    plan: Plan = field(default_factory=lambda: Plan(torch.empty(0, 0, dtype=torch.long), torch.empty(0, 0)))
     selected: list[int] = field(default_factory=list)  # indices into `undecoded` chosen by the plan
     chunks: list[list[int]] = field(default_factory=list)  # the selected slots' drafts (verify_feed)
     to_infill: ToInfill | None = None
@@ -315,15 +315,12 @@ class ReFusionRow(DraftingRow):
         self.rule.committed(self, slots)
         keep = [i for i, t in enumerate(toks) if t]
         spans = [(slots[i] * self.s, toks[i]) for i in keep]
-        if exact is None:
+        if exact is None or how is None:
             self.req.commit(path, spans)
         else:
             self.req.commit(path, spans, [how[i] for i in keep], [exact[i] for i in keep])
 
     # ------------------------------------------------------------------ blocks
-    def block_slots(self, block: int) -> list[int]:
-        return list(range(block * self.slots_per_block, (block + 1) * self.slots_per_block))
-
     def ends(self, toks: list[int]) -> int | None:
         """The index of the first EOS in `toks` (None: there is none)."""
         return next((i for i, t in enumerate(toks) if t in self.req.eos_ids), None)

@@ -137,4 +137,7 @@ class Rule:
         return self.first.lookahead.get(slot) if self.first else None
 
     def take_lookahead(self, slot: int) -> torch.Tensor:
+        """The logits `lookahead` gave, no longer kept (an AR block takes its first token)."""
+        if self.first is None:
+            raise LookupError(f"slot {slot} has no lookahead: first_token_check is off")
         return self.first.lookahead.pop(slot)
