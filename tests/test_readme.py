@@ -225,9 +225,6 @@ def anchors(text: str) -> set[str]:
 
 
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
-# a broken anchor in a page that others keep (docs/architecture.md has no heading "Layer table"),
-# tolerated until they fix it; nothing else may join it
-KNOWN_BROKEN = {("docs/architecture.md", "#layer-table")}
 
 
 def broken_links() -> set[tuple[str, str]]:
@@ -258,7 +255,7 @@ def test_the_slug_rule_is_githubs():
 
 def test_every_relative_link_resolves():
     broken = broken_links()
-    assert broken <= KNOWN_BROKEN, f"links that lead nowhere: {sorted(broken - KNOWN_BROKEN)}"
+    assert not broken, f"links that lead nowhere: {sorted(broken)}"
 
 
 def test_a_broken_link_is_found(tmp_path, monkeypatch):
