@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     # bench suite's settings; --method: another decoding's curve
     cfg = decode_config_from_args(args, base=SUITE_DEFAULTS)
     items = select_items(args.limit, args.families)
-    points = checkpoints(run_dir, args.every)
+    points: Sequence[tuple[int, Path | str]] = checkpoints(run_dir, args.every)
     base = base_model(run_dir, args.base)
     if base is not None:
         points = [(0, base)] + [p for p in points if p[0] != 0]
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def decode_points(
-    points: list[tuple[int, Path | str]],
+    points: Sequence[tuple[int, Path | str]],
     known: dict[Any, dict[str, Any]],
     items: Sequence,
     cfg: DecodeConfig,

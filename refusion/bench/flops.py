@@ -18,10 +18,12 @@ def linear_shapes(model) -> dict[tuple[int, int], tuple[int, int]]:
     shapes: dict[tuple[int, int], tuple[int, int]] = {}
     for m in model.model.modules():
         if isinstance(m, torch.nn.Linear):
-            body, head = shapes.get(tuple(m.weight.shape), (0, 0))
-            shapes[tuple(m.weight.shape)] = (body + 1, head)
-    body, head = shapes.get(tuple(model.lm_head.weight.shape), (0, 0))
-    shapes[tuple(model.lm_head.weight.shape)] = (body, head + 1)
+            out_f, in_f = m.weight.shape
+            body, head = shapes.get((out_f, in_f), (0, 0))
+            shapes[(out_f, in_f)] = (body + 1, head)
+    out_f, in_f = model.lm_head.weight.shape
+    body, head = shapes.get((out_f, in_f), (0, 0))
+    shapes[(out_f, in_f)] = (body, head + 1)
     return shapes
 
 

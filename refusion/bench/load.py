@@ -20,10 +20,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .results import add_results_argument, writes_results
 
-SHAPES = {
+if TYPE_CHECKING:
+    from ..settings.model import ModelConfig
+
+# keyword arguments of ModelConfig, by --shape
+SHAPES: dict[str, dict[str, Any]] = {
     # Qwen3-8B's config.json (the released model's shapes)
     "qwen3-8b": dict(
         model_type="qwen3",
@@ -114,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _config(args: argparse.Namespace):
+def _config(args: argparse.Namespace) -> ModelConfig:
     from ..settings.model import ModelConfig
 
     shape = dict(SHAPES[args.shape])
@@ -217,7 +222,7 @@ def _gather(directory: str, tensor_parallel_size: int, tokens: int) -> list[dict
     import torch.distributed as dist
 
     mine = _probe_rank(directory, tensor_parallel_size, tokens)
-    everyone = [None] * dist.get_world_size()
+    everyone: list[dict] = [{} for _ in range(dist.get_world_size())]  # each replaced by a rank's
     dist.all_gather_object(everyone, mine)
     return everyone
 

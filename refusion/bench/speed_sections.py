@@ -8,6 +8,7 @@ their ratios compare samples of the same minute.
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -116,7 +117,9 @@ def forward_calls(
     dev, C = model.device, args.cache_len
     gen = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (1, C + max(sizes)), generator=gen).to(dev)
-    impls = {"ours": OurForward(model, ids[:, :C], max(sizes))}
+    impls: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+        "ours": OurForward(model, ids[:, :C], max(sizes))
+    }
     if hf is not None:
         impls["hf"] = HFForward(hf, ids[:, :C])
     if args.compile:
@@ -127,7 +130,7 @@ def forward_calls(
     for s in sizes:
         toks, pos = ids[:, C : C + s], torch.arange(C, C + s, device=dev)[None]
         for name, impl in impls.items():
-            calls[(name, s)] = lambda impl=impl, toks=toks, pos=pos: impl(toks, pos)
+            calls[(name, s)] = functools.partial(impl, toks, pos)
     return calls
 
 

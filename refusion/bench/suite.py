@@ -334,12 +334,10 @@ def run_table(
 ) -> dict[str, Any]:
     """The table measured (collective, as `measure`); the result so far, with the table's
     rows, printed, on the first process: it reports, the others take part in measuring only."""
-    from ..parallel import is_main
-
     runs = chosen_rows(all_table_runs(base, models, ar_path is not None), args.rows)
     records = measure(runs, items, models, args.chunk, "table", engine)
     result = run_settings(args, ar_path, items, base)
-    if is_main():
+    if records is not None:  # the first process
         result["table"] = table_rows(runs, records)
         print_table(result["table"], items, base, args.device)
     return result
@@ -372,10 +370,8 @@ def run_sweep(
 ) -> dict[str, Any] | None:
     """The sweep measured, printed and plotted; its JSON part on the first process (None
     on the others, which take part in measuring only). Collective, as `measure`."""
-    from ..parallel import is_main
-
     records = measure(sweep, items, models, args.chunk, "sweep", engine)
-    if not is_main():
+    if records is None:  # not the first process
         return None
     points, aups, y_max = sweep_points(sweep, records)
     print_sweep(points, aups, len(items))

@@ -76,8 +76,8 @@ def _run(args: argparse.Namespace) -> int:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
     obj_cfg = ObjectiveConfig()
     n_tokens = int(lengths.sum())
-    timings = {"refusion": [], "ar": []}
-    shares = []
+    timings: dict[str, list[float]] = {"refusion": [], "ar": []}  # tokens/s of each repeat
+    shares: list[float] = []
 
     def step(objective: str, i: int) -> float:
         """One training step as `refusion train` takes it; returns the CPU seconds spent

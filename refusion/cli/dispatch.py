@@ -26,7 +26,7 @@ VERBS = {
     "chat": "interactive chat that streams",
     "train": "train with the ReFusion objective (or plain AR)",
     "eval": "evaluate on a benchmark",
-    "bench": "benchmarks that print figures side by side: decode, speed, suite, train",
+    "bench": "benchmarks that print figures side by side: decode, train, speed, suite, curve, diagnose, load",
     "serve": "OpenAI-compatible HTTP server",
 }
 

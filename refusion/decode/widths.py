@@ -265,7 +265,7 @@ def block_rate(
     per_round = passed + 1
     rounds = max(slot - first, 0.0) / per_round
     # every round is counted at two forwards, also the first, which verifies the plan's own
-    # drafts in one (`Infill._plan_drafts_first`): counting that saving alone, without the
+    # drafts in one (`drafting.plan_drafts_first`): counting that saving alone, without the
     # forks' copies the estimate also leaves out, turned half the blocks at a batch of 16 to
     # drafting, which measured slower than AR blocks there
     infill = cost(rows, rows) if w == 0 else cost(rows * (1 + w), rows) + cost(rows * w, rows)

@@ -1,5 +1,5 @@
-"""Running one model over several processes: tensor parallelism (tensor.py) and the
-processes themselves (launch.py)."""
+"""Running one model over several processes: the processes themselves (launch.py), and
+the tensor-parallel split's names (`model/tensor_parallel.py`) re-exported here."""
 
 from ..model.tensor_parallel import Shard, check_divisible, local_config
 from .launch import (

@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP serving: `create_app` (FastAPI) and `serve` (uvicorn).
 
-In layers, each over the next (DESIGN.md, item 12):
+In layers, each over the next (docs/architecture.md#layers):
 - `server.py`: uvicorn's server with the shutdown order serving needs and the limits on a
   request's head (`make_server`)
 - `app.py`: the app for one model, its parts wired together (`create_app`)

@@ -4,10 +4,10 @@ the lm-eval plugin and the server.
 
 Each field's bounds and help are written once, in its metadata (`fields.knob`), and checked
 in one place (`fields.check_value`): `validate` runs it, and the CLI's flags
-(`cli/flags.py`) and the HTTP request (`serve/protocol.py`) call it on the values they are
-given and report its errors in their own terms. Model facts (EOS
-and MASK ids, the context length) are not configuration: the engine reads them from the
-model.
+(`cli/flags.py`) and the HTTP request (`serve/protocol/requests.py`, through
+`serve/protocol/checks.py`) call it on the values they are given and report its errors in
+their own terms. Model facts (EOS and MASK ids, the context length) are not
+configuration: the engine reads them from the model.
 """
 
 from __future__ import annotations

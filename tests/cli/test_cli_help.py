@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from refusion.cli.commands.bench import BENCHES
 from refusion.cli.dispatch import VERBS
 
 PROBE = """
@@ -30,3 +31,9 @@ def test_help_imports_no_torch(argv):
     chars, heavy = done.stdout.split()
     assert int(chars) > 100  # a real help text was printed
     assert heavy == "-", f"{' '.join(argv)} imported {heavy}"
+
+
+def test_the_bench_verb_names_every_benchmark():
+    """`refusion --help` lists what `refusion bench` runs, in the order it registers them."""
+    named = VERBS["bench"].split(": ", 1)[1].split(", ")
+    assert named == list(BENCHES)
