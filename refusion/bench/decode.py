@@ -32,6 +32,7 @@ from ..decode import DecodeConfig, EngineConfig, generate
 from ..errors import ConfigError
 from ..timing import median_ratio, sync
 from .decode_report import (
+    ar_partner,
     print_agreement,
     print_ceilings,
     print_demand,
@@ -83,6 +84,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run every method on the model quantized with each scheme (comma-separated: int8,int4), "
         "as METHOD@SCHEME rows interleaved with the unquantized ones (docs/quantization.md)",
     )
+    parser.add_argument(
+        "--temperatures",
+        default="",
+        metavar="T,...",
+        help="also run every method sampled at each temperature (comma-separated: 0.7,1.0), as METHOD~T "
+        "rows interleaved with the others, each compared with AR at the same temperature "
+        "(docs/algorithm.md#lossless-sampling)",
+    )
     parser.add_argument("--batch-sizes", default="1,4,16")
     parser.add_argument(
         "--sweep-prompts",
@@ -98,9 +107,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def method_config(base: DecodeConfig, engine: EngineConfig, name: str) -> tuple[DecodeConfig, EngineConfig]:
     """The configs of a method name: `refusion`; `refusion+c` for the same compiled,
-    `refusion+f` with fixed draft widths, `refusion+cf` both; an `@int8` tail names the
-    model (`model_of`), not a setting."""
-    method, plus, flags = name.partition("@")[0].partition("+")
+    `refusion+f` with fixed draft widths, `refusion+cf` both; `refusion~0.7` sampled at
+    temperature 0.7; an `@int8` tail names the model (`model_of`), not a setting."""
+    spec, tilde, temperature = name.partition("@")[0].partition("~")
+    if tilde:
+        try:
+            base = base.replace(temperature=float(temperature))
+        except ValueError:
+            raise ConfigError(
+                f"method {name!r}: a temperature is a number, as in --temperatures 0.7,1.0"
+            ) from None
+    method, plus, flags = spec.partition("+")
     if plus and (not flags or set(flags) - {"c", "f"}):
         raise ConfigError(
             f"method {name!r}: a suffix is +c (compiled), +f (fixed draft widths) or +cf, as in {method}+c"
@@ -247,8 +264,11 @@ def _run(args: argparse.Namespace, report: bool) -> int:
     base, engine = decode_config_from_args(args, model=model), engine_config_from_args(args)
     prompts = bench_prompts(args.prompts)
     methods = args.methods.split(",")
+    methods += [
+        f"{m}~{t}" for t in filter(None, args.temperatures.split(",")) for m in args.methods.split(",")
+    ]
     for m in methods:
-        method_config(base, engine, m)  # a bad name fails before any timing
+        method_config(base, engine, m)  # a bad name (or temperature) fails before any timing
     models = quantized_models(model, args.quantized)
     methods += [f"{m}@{q}" for q in models if q is not None for m in methods]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -345,11 +365,13 @@ def turn(methods: list[str], i: int) -> list[str]:
 
 
 def paired_vs_ar(runs: dict[str, list[dict[str, Any]]], m: str) -> dict[str, float]:
-    """{"vs_ar": the median over rounds of method m's tokens/s over AR's in the same round
-    (`median_ratio`)}, or {} when AR was not run."""
-    if "ar" not in runs:
+    """{"vs_ar": the median over rounds of method m's tokens/s over AR's (at m's temperature:
+    `ar~0.7` for `refusion~0.7`) in the same round (`median_ratio`)}, or {} when that AR
+    was not run."""
+    ar = ar_partner(m)
+    if ar not in runs:
         return {}
-    return {"vs_ar": median_ratio((a["tps"], r["tps"]) for r, a in zip(runs[m], runs["ar"]))}
+    return {"vs_ar": median_ratio((a["tps"], r["tps"]) for r, a in zip(runs[m], runs[ar]))}
 
 
 def medians(runs: list[dict[str, Any]]) -> dict[str, float]:

@@ -14,6 +14,13 @@ from .flops import ceiling_tps, shape_rates
 Sweep = dict[str, dict[int, dict[str, float]]]  # method -> batch size -> figures
 
 
+def ar_partner(method: str) -> str:
+    """The AR row a method is compared with: AR at its temperature (`ar~0.7` for
+    `refusion~0.7`), else `ar`."""
+    tilde, temperature = method.partition("@")[0].partition("~")[1:]
+    return "ar" + tilde + temperature
+
+
 def print_table(
     table: dict[str, dict[str, Any]], n_prompts: int, gen_length: int, rounds: int, threads: str, gpu: bool
 ) -> None:
@@ -56,8 +63,11 @@ def print_sweep(
         )
     if "ar" in methods:
         for m in methods:
-            if m != "ar":
-                print(f"{m + ' / ar':20} " + " ".join(f"{full[m][b]['vs_ar']:8.2f}x" for b in sizes))
+            if m != ar_partner(m):
+                print(
+                    f"{m + ' / ' + ar_partner(m):20} "
+                    + " ".join(f"{full[m][b]['vs_ar']:8.2f}x" for b in sizes)
+                )
         print(
             "ratios: the median of each round's ratio; at each batch size the methods run one after "
             "the other, their order turning round by round"

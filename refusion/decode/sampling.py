@@ -53,10 +53,34 @@ class Sampler:
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """Tokens (T,) from logits (T, V)."""
+        return self.draw(logits)[0]
+
+    def draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens (T,) from logits (T, V), and (when sampling) the probability (T,) float64
+        each had under the distribution it was drawn from (`probs`): what a speculative
+        verification divides by."""
         if self.generator is None:
-            return logits.argmax(-1)
-        cfg = self.cfg
-        scores = filter_logits(logits.double() / cfg.temperature, cfg.top_k, cfg.top_p)
+            return logits.argmax(-1), None
+        scores = self._scores(logits)
         u = torch.rand(scores.shape, generator=self.generator, device=scores.device, dtype=torch.float64)
         gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
-        return (scores + gumbel).argmax(-1)
+        tokens = (scores + gumbel).argmax(-1)
+        picked = scores.gather(-1, tokens[:, None])[:, 0]
+        return tokens, torch.exp(picked - torch.logsumexp(scores, dim=-1))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution (T, V) float64 that `draw` samples from logits (T, V): softmax
+        of the tempered logits, outside top-k / top-p zero."""
+        return torch.softmax(self._scores(logits), dim=-1)
+
+    def uniform(self, n: int, device: torch.device) -> torch.Tensor:
+        """n uniforms in [0, 1) (float64) from this request's generator."""
+        return torch.rand(n, generator=self.generator, device=device, dtype=torch.float64)
+
+    def from_probs(self, probs: torch.Tensor) -> int:
+        """One token drawn from a distribution (V,), which need not be normalised."""
+        return int(torch.multinomial(probs, 1, generator=self.generator)[0])
+
+    def _scores(self, logits: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        return filter_logits(logits.double() / cfg.temperature, cfg.top_k, cfg.top_p)

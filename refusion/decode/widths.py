@@ -32,25 +32,27 @@ from ..settings.decode import DecodeConfig
 
 
 def equals_greedy_ar(cfg: DecodeConfig) -> bool:
-    """Whether this request decodes exactly what greedy AR decoding of the same weights
-    does, whichever drafts it verifies: greedy ReFusion with AR correction, the first-token
-    check and token_threshold >= 0.5 commits the AR argmax at every position, with one slot
-    per block or with the left check (docs/algorithm.md#lossless)."""
-    return (
-        cfg.method == "refusion"
-        and cfg.greedy
-        and cfg.ar_correction
-        and cfg.first_token_check
-        and cfg.token_threshold >= 0.5
-        and (cfg.slots_per_block == 1 or cfg.left_check)
-    )
+    """Whether this ReFusion request decodes exactly what greedy AR decoding of the same
+    weights does, whichever drafts it verifies: greedy, with settings lossless at
+    temperature 0 (`DecodeConfig.lossless`), it commits the AR argmax at every position."""
+    return cfg.method == "refusion" and cfg.greedy and cfg.lossless is not None
+
+
+def drafts_keep_output(cfg: DecodeConfig) -> bool:
+    """Whether this ReFusion request's output (token for token greedy, in distribution
+    sampled) does not depend on which drafts it verifies: its settings are lossless at its
+    temperature."""
+    return cfg.method == "refusion" and cfg.lossless_now
 
 
 def widths_keep_output(cfg: DecodeConfig) -> bool:
-    """Whether this request's output is the same at any draft widths (`equals_greedy_ar`),
+    """Whether this request's output is the same at any draft widths (`drafts_keep_output`),
     in a layout the engine narrows: one slot per block, so that a narrower plan drafts a
-    prefix of its only slot. The widths then only decide how many forwards it takes."""
-    return equals_greedy_ar(cfg) and cfg.slots_per_block == 1
+    prefix of its only slot. The widths then only decide how many forwards it takes.
+    Sampled, the widths decide which draws of its generator go where, so only its
+    distribution stays: a request with a seed keeps its fixed widths, so that it draws the
+    same tokens alone or in any batch; one without a seed follows the batch."""
+    return drafts_keep_output(cfg) and cfg.slots_per_block == 1 and (cfg.greedy or cfg.seed is None)
 
 
 Shape = tuple[int, int, int]  # rows, tokens fed per row, entries cached per row

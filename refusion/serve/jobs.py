@@ -109,7 +109,15 @@ class Job:
             "elapsed": time.perf_counter() - started if started else stats.wall_time,
         }
         if out is not None and out.finished:
-            payload["stats"] = {**stats.as_dict(), "tokens": len(out.token_ids)}
+            cfg = (
+                self.prepared.cfg
+            )  # whether its text is AR's own (DecodeConfig.lossless), and at what temperature
+            payload["stats"] = {
+                **stats.as_dict(),
+                "tokens": len(out.token_ids),
+                "lossless": cfg.lossless,
+                "temperature": cfg.temperature,
+            }
         self._send(ChoiceOutput(self.index, slots=payload))
 
     def finish_cancelled(self) -> None:

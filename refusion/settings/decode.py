@@ -147,6 +147,32 @@ class DecodeConfig:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @functools.cached_property
+    def lossless(self) -> str | None:
+        """Whether these settings decode exactly what AR decoding of the same weights does,
+        and where (docs/algorithm.md#lossless), the one place that says so:
+
+        - "any temperature": AR itself; and ReFusion with ar_correction, first_token_check,
+          token_threshold >= 0.5 and one slot per block: greedy, every accepted token is the
+          AR argmax; sampled, verification is speculative sampling, so the text has AR
+          sampling's distribution (at any temperature, top-k, top-p);
+        - "temperature 0": those options with several slots per block and the left check:
+          greedy decoding equals greedy AR; sampled, it is not exact;
+        - None: the paper's rule and every other setting (MDM too)."""
+        if self.method == "ar":
+            return "any temperature"
+        options = self.ar_correction and self.first_token_check and self.token_threshold >= 0.5
+        if self.method != "refusion" or not options:
+            return None
+        if self.slots_per_block == 1:
+            return "any temperature"
+        return "temperature 0" if self.left_check else None
+
+    @property
+    def lossless_now(self) -> bool:
+        """Whether this request, at its own temperature, decodes what AR decoding does."""
+        return self.lossless == "any temperature" or (self.lossless == "temperature 0" and self.greedy)
+
     # ------------------------------------------------------------------ making one
     @classmethod
     def preset(cls, name: str, base: DecodeConfig | None = None, **overrides: Any) -> DecodeConfig:

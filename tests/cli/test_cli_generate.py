@@ -215,6 +215,23 @@ def test_bench_decode_compares_compiled_and_eager(model_dir, capsys, tmp_path):
     assert set(fig["forward_lead"]["methods"]) == {"ar", "refusion"}
 
 
+def test_bench_decode_compares_each_temperature_with_ar_at_it(capsys, tmp_path):
+    """`--temperatures 0.7` adds sampled rows of every method, each compared with AR sampled
+    at the same temperature; the bundled model's settings, lossless at any temperature, draft
+    as many tokens per forward sampled as greedy, give or take the draws."""
+    path = tmp_path / "decode.json"
+    args = ["bench", "decode", "--prompts", "2", "--rounds", "1", "--batch-sizes", "1"]
+    args += ["--sweep-prompts", "2"]
+    assert main([*args, "--methods", "ar,refusion", "--temperatures", "0.7", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^refusion~0\.7 / ar~0\.7\s+[\d.]+x$", out, re.M)
+    assert not re.search(r"^ar~0\.7 / ", out, re.M)
+    table = json.loads(path.read_text())["table"]
+    assert set(table) == {"ar", "refusion", "ar~0.7", "refusion~0.7"}
+    assert table["ar~0.7"]["vs_ar"] == 1.0 and table["refusion~0.7"]["tpf"] > 1.5
+    assert main([*args, "--methods", "ar", "--temperatures", "hot"]) == 2
+
+
 def test_bench_decode_rejects_an_unknown_suffix(model_dir, capsys):
     assert main(["bench", "decode", str(model_dir), "--methods", "ar+x", "--prompts", "1"]) == 2
     assert "a suffix is +c (compiled), +f (fixed draft widths) or +cf" in capsys.readouterr().err

@@ -32,6 +32,13 @@ def test_info_prints_the_facts(base, capsys):
     assert "none (run `refusion convert`)" in out
     assert "context length" in out and "512" in out
     assert "2 key/value" in out and "float32" in out
+    assert "lossless         no (lossless: ar_correction" in out  # DecodeConfig's defaults: the paper's rule
+
+
+def test_info_says_the_bundled_models_settings_are_lossless_at_any_temperature(capsys):
+    code, out, err = run_cli(capsys, "info")
+    assert code == 0, err
+    assert "lossless         yes, at any temperature: greedy token for token, sampled in distribution" in out
 
 
 def test_info_json(base, capsys, tokenizer_len):

@@ -113,8 +113,11 @@ def test_the_shipped_settings_are_the_ones_whose_output_cannot_change(bundled):
 
     shipped = recommended_of(model).decode_config()
     assert widths_keep_output(shipped)
+    # sampled, the widths keep the distribution; a seeded request keeps its widths so that it
+    # draws the same tokens alone or in any batch
+    assert widths_keep_output(shipped.replace(temperature=0.7))
     for change in [
-        dict(temperature=0.7),
+        dict(temperature=0.7, seed=1),
         dict(ar_correction=False),
         dict(first_token_check=False),
         dict(token_threshold=0.4),

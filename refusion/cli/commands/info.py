@@ -10,6 +10,8 @@ import argparse
 import json
 from typing import Any
 
+from ...settings.decode import DecodeConfig
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -57,7 +59,6 @@ def _memory(args: argparse.Namespace, info: dict[str, Any]) -> list[dict[str, An
     from ...io import DTYPES, load_metadata
     from ...model.sizing import memory_plan
     from ...parallel import check_divisible
-    from ...settings.decode import DecodeConfig
 
     if args.batch_size < 1 or args.context < 1 or args.split < 1:
         raise ConfigError("--batch-size, --context and --tensor-parallel-size take positive numbers")
@@ -137,6 +138,7 @@ def _decoding_rows(info: dict[str, Any]) -> list[tuple[str, Any]]:
             else "no decode_config.json: DecodeConfig's defaults",
         )
     ]
+    rows.append(("lossless", lossless_text(DecodeConfig(**(decode or {})))))
     if rec.get("about"):
         rows.append(("about", rec["about"]))
     if rec.get("single_turn"):
@@ -144,6 +146,17 @@ def _decoding_rows(info: dict[str, Any]) -> list[tuple[str, Any]]:
     if rec.get("examples"):
         rows.append(("examples", f"{len(rec['examples'])} prompts: `refusion generate --examples`"))
     return rows
+
+
+def lossless_text(cfg: DecodeConfig) -> str:
+    """Whether settings decode what AR decoding of the same weights does (`DecodeConfig.lossless`)."""
+    if cfg.lossless == "any temperature":
+        return (
+            "yes, at any temperature: greedy token for token, sampled in distribution (speculative sampling)"
+        )
+    if cfg.lossless == "temperature 0":
+        return "greedy only: token for token at temperature 0; sampled, not exact"
+    return "no (lossless: ar_correction, first_token_check, token_threshold >= 0.5, one slot per block)"
 
 
 def _memory_rows(info: dict[str, Any]) -> list[tuple[str, Any]]:

@@ -1,7 +1,7 @@
 """How much a ReFusion row drafts: the widths the engine sets each step, AR blocks, and
 the lossless first infilling round (docs/algorithm.md#adaptive-widths).
 
-None of it changes what a lossless row decodes (`widths.equals_greedy_ar`), only how many
+None of it changes what a lossless row decodes (`widths.drafts_keep_output`), only how many
 forwards it takes, so it stands apart from the paper's steps (`row.py`):
 
 - plan width: the plan drafts the first `width` tokens of the block's only slot, the rest
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from ..rows import Feed
-from ..widths import equals_greedy_ar
+from ..widths import drafts_keep_output
 
 if TYPE_CHECKING:
     from ..request import Request
@@ -124,9 +124,10 @@ def plan_drafts_first(f: Fork) -> bool:
     prefix (up to a window of them) instead of drafting afresh: one forward instead of
     two. The plan drafted them from MASKs, so the token that failed global verification
     never conditioned them, and they often still pass after its correction. Only for rows
-    whose output cannot depend on which drafts are verified (`equals_greedy_ar`: every
-    accepted token is the AR argmax, and each round accepts one at least)."""
-    if not equals_greedy_ar(f.row.req.cfg) or f.row.ends(f.tokens[: f.accepted]) is not None:
+    whose output cannot depend on which drafts are verified (`drafts_keep_output`: greedy,
+    every accepted token is the AR argmax; sampled, the plan's drafts are draws from the
+    plan's q as any drafts are; and each round accepts one at least)."""
+    if not drafts_keep_output(f.row.req.cfg) or f.row.ends(f.tokens[: f.accepted]) is not None:
         return False
     tail = f.tokens[f.accepted : f.accepted + f.row.rule.window]
     if f.row.mask_id in tail:  # a narrower plan left the rest of the slot undrafted

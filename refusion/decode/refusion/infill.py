@@ -17,14 +17,13 @@ reuse, no recomputation).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...model.kv_cache import KVCache
 from ..forward import Forward
-from ..sampling import token_probs
 from .drafting import plan_drafts_first
 
 if TYPE_CHECKING:
@@ -47,6 +46,10 @@ class Fork:
     complete: bool = False
     dropped: bool = False  # a slot at an earlier position accepted an EOS
     how: list[str] | None = None  # when tracing: how each accepted token was accepted (request.HOW)
+    # for a speculative verification (`judge.Speculative`): per position, q(x) of its draft and
+    # the logits (V,) it was drawn from (None where not recorded)
+    q: list[float | None] = field(default_factory=list)
+    q_logits: list[torch.Tensor | None] = field(default_factory=list)
 
 
 class Infill:
@@ -68,10 +71,9 @@ class Infill:
             work: ToInfill = row.to_infill
             slots, drafts, per_slot = work.slots, work.drafts, work.accepted
             hows = work.how if work.how is not None else [None] * len(slots)
-            forks += [
-                Fork(row, j, list(d), a, cache.lengths[b], how=h)
-                for j, d, a, h in zip(slots, drafts, per_slot, hows)
-            ]
+            for j, d, a, h, i in zip(slots, drafts, per_slot, hows, work.index):
+                q, q_logits = row.plan.q_of(i, row.s)
+                forks.append(Fork(row, j, list(d), a, cache.lengths[b], how=h, q=q, q_logits=q_logits))
             src_rows += [b] * len(slots)
         widest = max(r.s for r in rows)
         # rows grow by < s, feeds are <= s; the scratch storage of the last step is reused
@@ -116,8 +118,12 @@ class Infill:
                 # the accepted tokens this pass fed (causal: the MASKs after them do not
                 # touch their entries) stay cached, so the verify pass feeds only drafts
                 advance[-1], f.kept, f.head, lg = f.accepted - f.kept, f.accepted, lg[0].clone(), lg[1:]
-                drafts = f.row.req.sampler.pick(lg).tolist()
+                drawn, q = f.row.req.sampler.draw(lg)
+                drafts = drawn.tolist()
                 f.tokens[f.accepted : f.accepted + len(drafts)] = drafts
+                if f.row.judge.records_q and q is not None:  # what a speculative verification divides by
+                    f.q[f.accepted : f.accepted + len(drafts)] = q.tolist()
+                    f.q_logits[f.accepted : f.accepted + len(drafts)] = list(lg)
                 eos = f.row.ends(drafts)  # drafts after an EOS are never verified: none can be committed
                 f.drafted += len(drafts) if eos is None else eos + 1
         fcache.advance(advance)
@@ -164,11 +170,9 @@ class Infill:
             pred, off, targets = torch.cat([f.head[None], lg]), f.kept, toks
         else:
             pred, off, targets = lg, f.kept + 1, toks[1:]
-        scores = token_probs(
-            pred[: len(targets)], torch.tensor(targets, dtype=torch.long, device=lg.device)
-        ).tolist()
-        n, corrected = f.row.rule.passing(f, pred, off, scores)
-        f.how = f.row.trace.infilled(f.how, f.accepted, n, corrected, scores, off)
+        passes = self._judge(f, pred, off, targets)
+        n, corrected = f.row.rule.passing(f, pred, off, passes)
+        f.how = f.row.trace.infilled(f.how, f.accepted, n, corrected, passes, off)
         if f.row.trace.steps:
             f.row.reject([(f.slot, f.tokens[: f.drafted], n)])
         f.accepted = n
@@ -185,6 +189,20 @@ class Infill:
             f.kept, f.complete = min(f.length, valid), f.length <= valid
         else:
             f.kept = n - 1  # the last accepted token is fed again
+
+    @staticmethod
+    def _judge(f: Fork, pred: torch.Tensor, off: int, targets: list[int]) -> list[bool]:
+        """Whether verification passes each target (slot tokens off, off + 1, ...): judged
+        from the first not-yet-accepted token on, by the row's judge; the accepted ones
+        before it are final."""
+        start = min(max(f.accepted - off, 0), len(targets))
+        if start == len(targets):
+            return [True] * start
+        tokens = torch.tensor(targets[start:], dtype=torch.long, device=pred.device)
+        q = None
+        if f.row.judge.records_q:
+            q = torch.tensor(f.q[off + start : off + len(targets)], dtype=torch.float64)
+        return [True] * start + f.row.judge.passes(pred[start : len(targets)], tokens, q)
 
     @staticmethod
     def _drop_later_forks(f: Fork, forks: list[Fork]) -> None:

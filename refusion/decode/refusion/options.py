@@ -43,17 +43,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...settings.decode import DecodeConfig
-from ..sampling import token_probs
 
 if TYPE_CHECKING:
     from .infill import Fork
     from .row import ReFusionRow
 
 
-def passes_from(f: Fork, n: int, off: int, scores: list[float], tau: float) -> int:
-    """The fork's accepted length: n, then every drafted token from n on whose AR
-    probability (scores[i - off] for slot token i) exceeds the threshold."""
-    while n < f.drafted and scores[n - off] > tau:
+def passes_from(f: Fork, n: int, off: int, passes: list[bool]) -> int:
+    """The fork's accepted length: n, then every drafted token from n on that verification
+    passes (passes[i - off] for slot token i)."""
+    while n < f.drafted and passes[n - off]:
         n += 1
     return n
 
@@ -73,21 +72,23 @@ class ARCorrection:
         replaces token p and is accepted, as the fork's first verify pass would correct it.
         (A later slot's logits saw the unverified drafts fed before it: its fork corrects it.)"""
         p, old = per_slot[0], chunks[0][per_slot[0]]
-        chunks[0][p] = int(row.req.sampler.pick(logits[p - 1 : p])[0])
+        chunks[0][p] = row.judge.replace(logits[p - 1 : p], row.plan.q_logits(row.selected[0], p))
         per_slot[0] = p + 1
         row.trace.replaced(row.undecoded[row.selected[0]] * self.s + p, old, chunks[0][p])
 
-    def passing(self, f: Fork, pred: torch.Tensor, off: int, scores: list[float]) -> tuple[int, int | None]:
-        """An infilling verify pass: the first not-yet-accepted token is scored too, and the
+    def passing(self, f: Fork, pred: torch.Tensor, off: int, passes: list[bool]) -> tuple[int, int | None]:
+        """An infilling verify pass: the first not-yet-accepted token is judged too, and the
         first token that fails, or the one after the drafts (an infill window short of the
-        slot's end), is replaced by this round's AR prediction for it and accepted; not
-        past an accepted EOS. Returns the accepted length and the token replaced."""
-        n = passes_from(f, f.accepted, off, scores, self.tau)
+        slot's end), is replaced by this round's AR prediction for it (`judge`: a draw from
+        the residual where a draft was rejected) and accepted; not past an accepted EOS.
+        Returns the accepted length and the token replaced."""
+        n = passes_from(f, f.accepted, off, passes)
         if f.row.acceptance is not None and f.drafted > f.accepted:  # for the engine's draft widths
             f.row.acceptance.infill.add(n - f.accepted, f.drafted - f.accepted)
         if n == self.s or f.row.ends(f.tokens[:n]) is not None:
             return n, None
-        old, f.tokens[n] = f.tokens[n], int(f.row.req.sampler.pick(pred[n - off : n - off + 1])[0])
+        drafted = f.q_logits[n] if n < f.drafted else None  # past the drafts: a plain AR draw
+        old, f.tokens[n] = f.tokens[n], f.row.judge.replace(pred[n - off : n - off + 1], drafted)
         f.row.trace.replaced(f.slot * self.s + n, old, f.tokens[n])
         return n + 1, n
 
@@ -130,9 +131,10 @@ class FirstTokenCheck:
                 continue
             checked.append(i)
             draft = row.plan.drafts[i, :1]  # (1,)
-            if float(token_probs(ahead[None], draft)[0]) <= self.tau:
+            q = None if row.plan.q is None else row.plan.q[i, :1]
+            if not row.judge.passes(ahead[None], draft, q)[0]:
                 old = int(draft[0])  # before the view below changes
-                row.plan.drafts[i, 0] = row.req.sampler.pick(ahead[None])[0]
+                row.plan.drafts[i, 0] = row.judge.replace(ahead[None], row.plan.q_logits(i, 0))
                 row.trace.replaced(row.undecoded[i] * self.s, old, int(row.plan.drafts[i, 0]))
         return checked
 
@@ -236,7 +238,7 @@ class LeftCheck:
         if not self.corrects:
             return max(n, 1), False
         i = k * self.s + n - 1  # the logits that predict slot token n
-        old, chunks[k][n] = chunks[k][n], int(row.req.sampler.pick(logits[i : i + 1])[0])
+        old, chunks[k][n] = chunks[k][n], row.judge.replace(logits[i : i + 1], None)
         row.trace.replaced(slots[k] * self.s + n, old, chunks[k][n])
         return n + 1, True
 

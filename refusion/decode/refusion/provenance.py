@@ -50,7 +50,7 @@ class NoTrace:
         accepted: int,
         n: int,
         corrected: int | None,
-        scores: list[float],
+        passes: list[bool],
         off: int,
     ) -> list[str] | None:
         """How a fork's verify pass accepted its tokens accepted..n-1 (None: untraced)."""
@@ -117,16 +117,15 @@ class RowTrace(NoTrace):
         accepted: int,
         n: int,
         corrected: int | None,
-        scores: list[float],
+        passes: list[bool],
         off: int,
     ) -> list[str]:
         out = list(how or [])[:accepted]
         for i in range(accepted, n):
-            score = scores[i - off] if 0 <= i - off < len(scores) else None
             if i == corrected:
                 out.append("corrected")
             else:
-                out.append("infill" if score is not None and score > self.tau else "infill-first")
+                out.append("infill" if 0 <= i - off < len(passes) and passes[i - off] else "infill-first")
         return out
 
     def decided(self, path: str, slots: list[int]) -> list[bool]:

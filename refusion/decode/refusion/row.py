@@ -36,16 +36,36 @@ from ..rows import Feed
 from ..sampling import token_probs
 from ..widths import Acceptance
 from .drafting import DraftingRow
+from .judge import judge_for
 from .provenance import trace_of
 from .rule import Rule
 
 
 @dataclass
 class Plan:
-    """The plan step's drafts for one row: per undecoded slot, tokens and their confidences."""
+    """The plan step's drafts for one row: per undecoded slot, tokens and their confidences;
+    for a speculative verification (`judge.Speculative`) also the probability each was
+    drawn with and the logits it was drawn from."""
 
     drafts: torch.Tensor  # (n_undecoded, s) int64
     conf: torch.Tensor  # (n_undecoded, s) float32
+    q: torch.Tensor | None = None  # (n_undecoded, w) float64: q(draft)
+    logits: torch.Tensor | None = None  # (n_undecoded * w, V): the MASKs' logits
+
+    def q_logits(self, i: int, t: int) -> torch.Tensor | None:
+        """The logits (V,) slot i's draft at position t was drawn from (None: not recorded,
+        or nothing was drafted there)."""
+        if self.q is None or self.logits is None or t >= self.q.shape[1]:
+            return None
+        return self.logits[i * self.q.shape[1] + t]
+
+    def q_of(self, i: int, s: int) -> tuple[list[float | None], list[torch.Tensor | None]]:
+        """Slot i's drafts' q(x) and logits rows, per position of its s (None past the
+        drafted width, and without a speculative verification)."""
+        if self.q is None:
+            return [None] * s, [None] * s
+        w = self.q.shape[1]
+        return [*self.q[i].tolist(), *[None] * (s - w)], [self.q_logits(i, t) for t in range(s)]
 
 
 @dataclass
@@ -57,6 +77,7 @@ class ToInfill:
     drafts: list[list[int]]
     accepted: list[int]
     how: list[list[str]] | None
+    index: list[int]  # each slot's index into the row's undecoded list (its plan drafts)
 
 
 @dataclass
@@ -116,6 +137,7 @@ class ReFusionRow(DraftingRow):
         cfg = self.req.cfg
         self.s, self.tau = cfg.slot_size, cfg.token_threshold
         self.rule = Rule(cfg)
+        self.judge = judge_for(cfg, self.req.sampler)
         self.trace = trace_of(self.req, self.mask_id, self.tau)
         self.n_blocks, self.slots_per_block = cfg.serial_blocks, cfg.slots_per_block
         self.undecoded = self.block_slots(0)
@@ -165,12 +187,15 @@ class ReFusionRow(DraftingRow):
         """Each masked position's draft and its probability; a narrower plan's undrafted
         rest of the slot stays MASK, confidence 0."""
         w = self.plan_width
-        drafts = self.req.sampler.pick(logits).view(-1, w)  # (n, w)
-        conf = token_probs(logits, drafts.flatten()).view(-1, w)
+        flat, q = self.req.sampler.draw(logits)
+        drafts = flat.view(-1, w)  # (n, w)
+        conf = token_probs(logits, flat).view(-1, w)
         if w < self.s:
             drafts = torch.nn.functional.pad(drafts, (0, self.s - w), value=self.mask_id)
             conf = torch.nn.functional.pad(conf, (0, self.s - w))
-        return Plan(drafts, conf)
+        if not self.judge.records_q or q is None:
+            return Plan(drafts, conf)
+        return Plan(drafts, conf, q.view(-1, w), logits)
 
     def _count_draft_step(self, w: int) -> None:
         stats = self.req.stats
@@ -227,16 +252,23 @@ class ReFusionRow(DraftingRow):
 
     def _passing(self, logits: torch.Tensor, toks: list[int], slots: list[int]) -> list[bool]:
         """Per token of the selected slots, in feed order: whether global verification
-        passes it. A fed token passes when its AR probability exceeds token_threshold; a
+        passes it. A fed token passes as the row's judge says (`judge.py`: the paper's, when
+        its AR probability exceeds token_threshold); a
         slot's first token that the pass does not score (`rule.first_scored`) passes on the
         plan confidence that selected it; the unfed tail fails. One read of the scores."""
         target = torch.tensor(toks[1:], dtype=torch.long, device=logits.device)
-        scored = (token_probs(logits[: len(toks) - 1], target) > self.tau).tolist()
+        q = self._q_fed(len(toks))
+        scored = self.judge.passes(logits[: len(toks) - 1], target, None if q is None else q[1:])
         passing = [False, *scored] + [False] * (len(slots) * self.s - len(toks))
         for i, by_score in enumerate(self.rule.first_scored(slots)):
             if not by_score:
                 passing[i * self.s] = True
         return passing
+
+    def _q_fed(self, n: int) -> torch.Tensor | None:
+        """q(x) (n,) of the first n tokens global verification feeds (None: not recorded)."""
+        q = self.plan.q
+        return None if q is None else q[self.selected].flatten()[:n]
 
     def _commit_to_eos(self, v: Verified, eos: int, logits: torch.Tensor) -> int:
         """The passing prefix holds an EOS: the slots up to it are committed, the EOS's
@@ -269,7 +301,7 @@ class ReFusionRow(DraftingRow):
         if refill is not None:  # the slot fed after the committed ones is filled again in this step
             kept, corrected = refill
             h = None if how is None else [how[k][: kept - 1] + ["corrected"] if corrected else how[k][:kept]]
-            self.to_infill = ToInfill([slots[k]], [chunks[k]], [kept], h)
+            self.to_infill = ToInfill([slots[k]], [chunks[k]], [kept], h, [self.selected[k]])
         self.reject(
             [
                 (j, chunk[: self.plan_width], kept * (i == 0))
@@ -295,6 +327,7 @@ class ReFusionRow(DraftingRow):
             [chunks[i] for i in fill],
             [per_slot[i] for i in fill],
             None if how is None else [how[i] for i in fill],
+            [self.selected[i] for i in fill],
         )
 
     def reject(self, drafts: list[tuple[int, list[int], int]]) -> None:

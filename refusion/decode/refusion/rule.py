@@ -109,14 +109,14 @@ class Rule:
         return self.left.waits(slots) if self.left else [False] * len(slots)
 
     # ------------------------------------------------------------------ step 4: infill
-    def passing(self, f: Fork, pred: torch.Tensor, off: int, scores: list[float]) -> tuple[int, int | None]:
+    def passing(self, f: Fork, pred: torch.Tensor, off: int, passes: list[bool]) -> tuple[int, int | None]:
         """The fork's accepted length after a verify pass, and the index of the token the
         rule replaced (None: none). The paper: the first not-yet-accepted token passes, so
-        that every round accepts one token at least, then every drafted token that scores
-        above the threshold. pred[n - off] (V,) and scores[n - off] are slot token n's."""
+        that every round accepts one token at least, then every drafted token that passes
+        verification (`judge`). pred[n - off] (V,) and passes[n - off] are slot token n's."""
         if self.correction:
-            return self.correction.passing(f, pred, off, scores)
-        return passes_from(f, min(f.accepted + 1, f.drafted), off, scores, self.tau), None
+            return self.correction.passing(f, pred, off, passes)
+        return passes_from(f, min(f.accepted + 1, f.drafted), off, passes), None
 
     def commits(self, row: ReFusionRow, slot: int) -> bool:
         """Whether a slot being infilled is committed once complete (so an EOS it accepts

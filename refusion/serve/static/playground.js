@@ -325,8 +325,12 @@
   }
 
   function verdict(ar, rf) {
-    const same = ar.text === rf.text ? 'the same text' : 'different texts (these settings are not lossless)';
     const a = ar.final, r = rf.final;
+    const sampled = r && r.temperature > 0;
+    const same = ar.text === rf.text ? 'the same text'
+      : r && r.lossless === 'any temperature' && sampled
+        ? 'different draws of one distribution (lossless at any temperature: speculative sampling)'
+        : 'different texts (these settings are not lossless' + (r && r.lossless ? ' when sampled' : '') + ')';
     if (!a || !r) return same;
     const speed = a.tps > 0 ? (r.tps / a.tps).toFixed(2) + 'x the tokens/s of AR' : '';
     return 'Both wrote ' + same + '; ReFusion: NFE ' + r.nfe + ' against ' + a.nfe + ', ' + speed + '.';
