@@ -93,7 +93,9 @@ class ResultsDir:
         before = _read_json(run)
         before.setdefault("protocol", "robust")  # written before there were protocols
         before.setdefault("raw_predictions", False)
-        changed = [name for key, name in SETTINGS.items() if before.get(key) != settings.get(key)]
+        changed = [
+            f"{name} ({key})" for key, name in SETTINGS.items() if before.get(key) != settings.get(key)
+        ]
         if changed:
             raise ResumeMismatchError(
                 f"{self.path} holds a run with other settings ({', '.join(changed)} differ): its verdicts "

@@ -133,7 +133,7 @@ def test_another_models_files_are_refused_saying_why(tmp_path, gsm8k_file):  # n
     out = tmp_path / "out"
     common = dict(data=str(gsm8k_file), out_dir=out, progress=False, model="ckpt", config={"gen_length": 8})
     evaluate("gsm8k", FakeGenerate(), model_files="before", **common)
-    with pytest.raises(ResumeMismatchError, match="the model's files differ"):
+    with pytest.raises(ResumeMismatchError, match=r"the model's files \(model_files\) differ"):
         evaluate("gsm8k", FakeGenerate(), model_files="after", **common)
     assert evaluate("gsm8k", FakeGenerate(), model_files="before", **common)["resumed"] == 6
 
@@ -158,7 +158,7 @@ def test_other_sandbox_limits_are_refused_for_a_code_task(tmp_path):
     preds = predictions_file(tmp_path / "preds.jsonl", {11: RIGHT})
     out = tmp_path / "out"
     evaluate("mbpp", predictions=preds, data=str(data), out_dir=out, limits=Limits(timeout=5), progress=False)
-    with pytest.raises(ResumeMismatchError, match="the sandbox's limits differ"):
+    with pytest.raises(ResumeMismatchError, match=r"the sandbox's limits \(limits\) differ"):
         evaluate(
             "mbpp", predictions=preds, data=str(data), out_dir=out, limits=Limits(timeout=1), progress=False
         )
