@@ -104,7 +104,7 @@ def _check_decode(rec: Recommended, where: str) -> None:
     unknown = sorted(k for k in rec.decode if k not in names)
     if unknown:
         raise CheckpointError(
-            f'{where}: "decode" has settings DecodeConfig does not know: '
+            f'{where}: its "decode" settings are not a valid DecodeConfig: it has no setting '
             f"{', '.join(map(shown, unknown))}; {_FIX}"
         )
     try:
