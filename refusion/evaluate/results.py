@@ -85,8 +85,7 @@ class ResultsDir:
         if run.exists() and self.samples.exists():
             self._check_resume(run, settings)
         if writes and prepare:
-            with disk(run, "write"):
-                run.write_text(json.dumps(settings, indent=2, default=str) + "\n")
+            _replace(run, json.dumps(settings, indent=2, default=str) + "\n")
 
     def _check_resume(self, run: Path, settings: dict) -> None:
         """Refuse to add to a run made with other settings, naming what differs."""
@@ -111,9 +110,9 @@ class ResultsDir:
             raw = f.read()
         if raw and not raw.endswith(b"\n"):  # interrupted mid-line: cut back to the last whole line
             raw = raw[: raw.rfind(b"\n") + 1]
-            if self.writes and repair:
+            if self.writes and repair:  # in one call: a kill now leaves the file as it was, or cut
                 with disk(self.samples, "write"):
-                    self.samples.write_bytes(raw)
+                    os.truncate(self.samples, len(raw))
         records = {}
         for line in raw.decode("utf-8", "replace").splitlines():
             try:
@@ -135,16 +134,19 @@ class ResultsDir:
 
     def rewrite(self, records: Sequence[dict]) -> None:
         """samples.jsonl as exactly these records, in this order (atomically)."""
-        tmp = self.samples.with_suffix(".jsonl.tmp")
-        with disk(self.samples, "write"):
-            tmp.write_text(_lines(records), encoding="utf-8")
-            tmp.replace(self.samples)
+        _replace(self.samples, _lines(records))
 
     def write_summary(self, summary: dict) -> None:
-        tmp = self.summary.with_suffix(".tmp")
-        with disk(self.summary, "write"):
-            tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
-            tmp.replace(self.summary)
+        _replace(self.summary, json.dumps(summary, indent=2, default=str) + "\n")
+
+
+def _replace(path: Path, text: str) -> None:
+    """`path` with `text` as its content, atomically: a run killed while writing it leaves
+    the old file whole (run.json, rewritten by every resumed run, once read back empty)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with disk(path, "write"):
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
 
 
 _FIX = "choose another --out, or --overwrite to start it afresh"

@@ -6,6 +6,7 @@ sandbox folders a killed run leaves behind."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -66,13 +67,19 @@ def test_an_out_on_a_read_only_disk_is_one_line(tmp_path, capsys):
     assert_one_line(code, out, err, "/sys/refusion-eval-out", "choose a --out this user can write")
 
 
-@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, a disk that is always full")
-def test_an_out_on_a_full_disk_is_one_line(tmp_path, capsys):
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    (out_dir / "run.json").symlink_to("/dev/full")
-    code, out, err = run_eval(capsys, *eval_cli(tmp_path, out_dir))
-    assert_one_line(code, out, err, "run.json", "No space left", "free some space")
+@pytest.mark.parametrize("write", ["write_text", "fsync"], ids=["run.json", "samples.jsonl"])
+def test_an_out_on_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch, write):
+    """A disk that fills up as run.json or the first records are written."""
+    argv = eval_cli(tmp_path, tmp_path / "out")
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Path if write == "write_text" else os, write, full)
+    code, out, err = run_eval(capsys, *argv)
+    assert_one_line(
+        code, out, err, "run.json" if write == "write_text" else "samples.jsonl", "free some space"
+    )
 
 
 @pytest.mark.parametrize(
@@ -194,12 +201,13 @@ def test_an_eval_killed_at_random_moments_resumes_to_the_uninterrupted_result(tm
     whole = subprocess.run(script(tmp_path / "whole"), env=env, capture_output=True, text=True, timeout=300)
     assert whole.returncode == 0, whole.stderr[-2000:]
     killed_dir, rng = tmp_path / "killed", random.Random(0)
-    for _ in range(3):
+    for k in range(6):  # the first kills while it starts (run.json written), the others while it scores
         proc = subprocess.Popen(script(killed_dir), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 120
-        while not (killed_dir / "samples.jsonl").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(rng.uniform(0.0, 1.0))
+        if k >= 2:
+            deadline = time.monotonic() + 120
+            while not (killed_dir / "samples.jsonl").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 1.0) if k >= 2 else rng.uniform(1.0, 4.0))
         proc.send_signal(signal.SIGKILL)
         proc.communicate()
     resumed = subprocess.run(script(killed_dir), env=env, capture_output=True, text=True, timeout=300)
