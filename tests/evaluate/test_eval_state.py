@@ -220,6 +220,25 @@ def test_an_eval_killed_at_random_moments_resumes_to_the_uninterrupted_result(tm
     assert verdicts(killed_dir) == verdicts(tmp_path / "whole")
 
 
+def test_a_run_killed_while_it_writes_its_settings_resumes(tmp_path, gsm8k_file, monkeypatch):  # noqa: F811
+    """A kill in the middle of writing a file (here: the file opened, and so emptied, and
+    nothing written) leaves the file as it was before."""
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        evaluate("gsm8k", FakeGenerate(fail_after=3), data=str(gsm8k_file), out_dir=out, progress=False)
+    real_write = Path.write_text
+
+    def killed_while_writing(self, *args, **kwargs):
+        real_write(self, "")
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
+        patch.setattr(Path, "write_text", killed_while_writing)
+        evaluate("gsm8k", FakeGenerate(), data=str(gsm8k_file), out_dir=out, progress=False)
+    summary = evaluate("gsm8k", FakeGenerate(), data=str(gsm8k_file), out_dir=out, progress=False)
+    assert (summary["n"], summary["resumed"], summary["correct"]) == (6, 3, 3)
+
+
 # ---------------------------------------------------------------------------- sandbox folders left by a kill
 SLOW_CHECK = """
 from refusion.sandbox import Check, Limits, run_check
