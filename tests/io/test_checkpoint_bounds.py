@@ -208,8 +208,13 @@ BAD_TEMPLATES = {
     "a printf width": ("{{ '%999999999d' % 1 }}", "formatted"),
     "a format width": ("{{ '{:>999999999}'.format(1) }}", "formatted"),
     "replace that multiplies": ("{{ ('a' * 1000000)|replace('a', 'a' * 1000) }}", "characters"),
-    "join that multiplies": ("{{ (('a' * 4000)|list * 1000)|join('b' * 24000) }}", "characters"),
+    "join that multiplies": ("{{ (('a' * 4000)|list * 1000)|join('b' * 24000) }}", "chat template fails"),
     "a huge power": ("{{ 7 ** 999999 }}", "power"),
+    "a list of one long string, as text": ("{{ [('a' * 4000000)] * 1000 }}", "as text"),
+    "a dict of one long string, joined by ~": (
+        "{{ '' ~ dict.fromkeys(range(1000), 'a' * 4000000) }}",
+        "as text",
+    ),
 }
 
 
