@@ -159,7 +159,7 @@ def disk(path: Path, doing: str) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        if e.errno == errno.ENOSPC:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):  # a full disk, a quota, a file size limit
             fix = "free some space on its disk, or choose another --out"
         elif e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             fix = "choose a --out this user can write"
