@@ -67,13 +67,11 @@ def evaluate(
     post-processing the paper protocol gives a generation here (`paper_rules.finish`: the
     task's stop strings, special tokens removed with `tokenizer` when given, the
     python-block rule); by default a prediction is taken as the harness's finished
-    output (lm-eval's `resps`). `config` (a DecodeConfig or dict), `model` and
-    `model_files` (a fingerprint of its files, `refusion.io.checkpoint_fingerprint`) are
-    recorded, with a code task's sandbox `limits`, and a resumed run must match them;
-    a sample whose own inputs changed (its prompt, gold or tests, its prediction) is
-    scored again. `samples` overrides loading (tests, custom subsets). With `replicas`,
-    this process evaluates its share and the first replica's summary covers them all.
-    """
+    output (lm-eval's `resps`). `config` (a DecodeConfig or dict), `model`, `model_files`
+    (`refusion.io.checkpoint_fingerprint`) and a code task's `limits` are recorded, and a
+    resumed run must match them (a sample whose own inputs changed is scored again).
+    `samples` overrides loading. With `replicas`, this process evaluates its share and
+    the first replica's summary covers them all."""
     part = replicas or ReplicaShare()
     bench = get_benchmark(task) if isinstance(task, str) else task
     _check_source(bench, generate_fn, predictions, raw_predictions)
@@ -87,19 +85,12 @@ def evaluate(
     out = out_dir or Path("runs") / "eval" / bench.name
     results, written = open_results(out, settings, overwrite, part)
     keys = {s.id: record_key(s, given.get(s.id)) for s in samples}
-    done = {k: r for k, r in written.items() if k not in keys or r.get("key") == keys[k]}
+    done = _unchanged(written, keys)
     records = [done[s.id] for s in samples if s.id in done]
     chunk = max(1, batch_size) if predictions is None else 64  # predictions: batch the sandbox
     started = time.perf_counter()
-    score = functools.partial(
-        _batch_records,
-        bench,
-        complete=complete,
-        keys=keys,
-        limits=limits,
-        workers=workers,
-        timed=predictions is None,
-    )
+    score = functools.partial(_batch_records, bench, complete=complete, keys=keys, limits=limits)
+    score = functools.partial(score, workers=workers, timed=predictions is None)
     _run_pending(bench.name, samples, done, records, results, part, chunk, score, progress and part.first)
     records = all_records(results, samples, records, part)
     resumed = len({s.id for s in samples} & done.keys())
@@ -108,6 +99,12 @@ def evaluate(
         results.write_summary(summary)
     summary["line"] = one_line(bench.name, summary)
     return summary
+
+
+def _unchanged(written: dict[str, dict], keys: dict[str, str]) -> dict[str, dict]:
+    """The records a resumed run reuses: those of its samples whose inputs' key is the
+    one they were scored under (and those of other samples, which it only keeps)."""
+    return {k: r for k, r in written.items() if k not in keys or r.get("key") == keys[k]}
 
 
 def _check_source(
