@@ -26,6 +26,14 @@ class PromptError(ConfigError):
         self.code = code
 
 
+class TokenizerError(PromptError):
+    """The tokenizer failed on a text: the tokenizers library panicked (a pre-tokenizer
+    regex that backtracks past its engine's limit on this text, say)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "tokenizer_failed")
+
+
 class ChatTemplateError(ConfigError):
     """A checkpoint's chat template failed on a conversation (its own `raise_exception`, or
     an error in the template)."""

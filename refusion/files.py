@@ -8,20 +8,56 @@ kind can be, and JSON that Python's parser takes but turns into an exception fur
 (nesting deeper than the interpreter's recursion limit, integers of more digits than
 `int` converts). Readers call these with their own error class (`CheckpointError`,
 `DataError`, ...), so the message names the file and the failure keeps its type.
+
+Also the boundary of a checkpoint directory (`checkpoint_file`, `check_checkpoint_dir`):
+a file read through the directory must resolve inside it, so that a checkpoint cannot
+make a load read (and show, in prompts, `info` or the playground) a file elsewhere on the
+machine through a symlink.
 """
 
 from __future__ import annotations
 
 import errno
+import fnmatch
 import json
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from .errors import ReFusionError
+from .errors import CheckpointError, ReFusionError
 
-MAX_JSON_BYTES = 256 * 2**20  # a JSON file we parse whole (configs, indexes, tokenizer files)
+MAX_JSON_BYTES = 256 * 2**20  # a JSON file we parse whole (indexes, safetensors headers)
+
+
+@dataclass(frozen=True)
+class ParserLimits:
+    """The one table of limits on what a parser is given from a file a user hands us, each
+    far above what a real checkpoint needs and far below what would hang a load or fill
+    the memory: the parsers (the tokenizers library, the gguf package, Jinja) would
+    otherwise allocate or loop for whatever a file declares."""
+
+    config_bytes: int = 16 * 2**20  # config.json, decode_config.json
+    # tokenizer.json, tokenizer_config.json, vocab.json, ...: the largest real ones (256k-token
+    # vocabularies with their merges) are some 35 MB
+    tokenizer_json_bytes: int = 64 * 2**20
+    tokenizer_merges_per_token: int = 8  # BPE merges per token of the vocabulary (Llama 3's: 2.2)
+    tokenizer_other_bytes: int = 64 * 2**20  # tokenizer.model, merges.txt, a chat template file
+    # a GGUF header, walked before the gguf package parses it: real files hold a few dozen keys,
+    # a few hundred to thousands of tensors, arrays of a vocabulary's size (up to some 260k)
+    gguf_pairs: int = 65_536
+    gguf_tensors: int = 65_536
+    gguf_array: int = 2**19  # elements of one array
+    gguf_array_total: int = 2**20  # elements of every array together (Gemma 3 has some 790k)
+    # a chat template's render: the loop iterations (of every loop together), the characters
+    # of any value it builds or outputs, and the seconds it may take
+    template_iterations: int = 1_000_000
+    template_chars: int = 4 * 2**20
+    template_seconds: float = 5.0
+
+
+LIMITS = ParserLimits()
 
 _KINDS = {
     stat.S_ISDIR: "a directory",
@@ -149,3 +185,53 @@ def lone_surrogate(value: Any) -> bool:
     except (RecursionError, ValueError, TypeError):
         return False
     return False
+
+
+# ---------------------------------------------------------------------------- the checkpoint boundary
+# the files of a checkpoint directory that we or transformers may open, by name, and the
+# subfolders transformers reads (a tokenizer's extra chat templates)
+CHECKPOINT_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken", "*.pt")
+CHECKPOINT_SUBFOLDERS = ("additional_chat_templates",)
+
+
+def checkpoint_file(directory: str | os.PathLike, name: str) -> Path:
+    """`directory/name`, once it is known to resolve inside the checkpoint directory: the one
+    place a checkpoint's files are looked up. A symlink out of the directory (to
+    `/etc/shadow`, to another model's weights) is refused, naming the file; a link inside
+    it, a file that is absent (its reader says so) and a symlink loop (its reader says
+    so) pass. A Hugging Face cache snapshot links every file to a blob of its
+    repository's `blobs/` folder, which counts as inside."""
+    path = Path(directory) / name
+    if not os.path.lexists(path):
+        return path
+    target = Path(os.path.realpath(path))
+    if any(target == root or root in target.parents for root in _roots(Path(directory))):
+        return path
+    raise CheckpointError(
+        f"{path} links to {target}, outside the checkpoint directory: a checkpoint reads only its own "
+        "files; copy the file into the directory instead of linking it"
+    )
+
+
+def check_checkpoint_dir(directory: str | os.PathLike) -> None:
+    """Every file of `directory` that a load may open (`CHECKPOINT_PATTERNS`, at the top
+    and in `CHECKPOINT_SUBFOLDERS`) resolves inside it: checked before a library that opens
+    files by its own rules (transformers' tokenizer) is given the directory."""
+    for folder in (Path(directory), *(Path(directory) / sub for sub in CHECKPOINT_SUBFOLDERS)):
+        if folder != Path(directory):
+            checkpoint_file(directory, folder.name)
+            if not folder.is_dir():
+                continue
+        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+            if any(fnmatch.fnmatch(entry.name, p) for p in CHECKPOINT_PATTERNS):
+                checkpoint_file(directory, os.path.relpath(entry.path, directory))
+
+
+def _roots(directory: Path) -> list[Path]:
+    """The folders a checkpoint's files may resolve into: the directory itself, and for a
+    Hugging Face cache snapshot (`models--ORG--NAME/snapshots/REV`), the repository's blobs."""
+    real = Path(os.path.realpath(directory))
+    roots = [real]
+    if real.parent.name == "snapshots":
+        roots.append(real.parent.parent / "blobs")
+    return roots

@@ -12,6 +12,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..settings.decode import PRESETS, DecodeConfig, EngineConfig
 from ..settings.fields import check_value, field_kind
+from ..settings.serve import ServerLimits
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -148,6 +149,16 @@ def decode_config_from_args(
 
 def engine_config_from_args(args: argparse.Namespace, base: EngineConfig | None = None) -> EngineConfig:
     return (base or EngineConfig()).replace(**_given(args, EngineConfig))
+
+
+def add_server_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every `ServerLimits` flag: --header-timeout, --body-timeout, --min-body-rate,
+    --max-connections, --max-connections-per-client."""
+    _add_field_flags(parser.add_argument_group("connections (what one client may hold)"), ServerLimits)
+
+
+def server_limits_from_args(args: argparse.Namespace) -> ServerLimits:
+    return ServerLimits().replace(**_given(args, ServerLimits))
 
 
 def load_from_args(args: argparse.Namespace):

@@ -113,6 +113,19 @@ def trace_payload(
     return rows
 
 
+def script_json(value: Any) -> str:
+    """`value` as JSON safe to embed in a <script> element whatever text it holds: `<`,
+    `>` and `&` written as JSON escapes, so no `</script>`, `<!--` or `<script` in a prompt
+    or an output can end the element or switch the HTML parser into its script-escape
+    states (where the rest of the page is swallowed). JSON has these characters only
+    inside strings, where the escapes mean the same; json.dumps writes every non-ASCII
+    character (U+2028, which older JavaScript took for a line end, among them) as one."""
+    text = json.dumps(value)
+    for char, escape in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026")):
+        text = text.replace(char, escape)
+    return text
+
+
 def static_text(name: str) -> str:
     """A file of the drawing module (`slots.js`, `slots.css`)."""
     return (STATIC / name).read_text(encoding="utf-8")
@@ -124,7 +137,7 @@ def write_trace_html(
     """Write the replay page; needs outputs generated with `trace=True` (commits only) or
     `trace="steps"` (also what each step planned, corrected and rejected)."""
     slot_size = cfg.slot_size if cfg.method == "refusion" else 1
-    data = json.dumps(trace_payload(tokenizer, prompts, outs, slot_size)).replace("</", "<\\/")
+    data = script_json(trace_payload(tokenizer, prompts, outs, slot_size))
     conf = html.escape(
         f"method {cfg.method}, gen_length {cfg.gen_length}, slot_size {cfg.slot_size}, "
         f"serial_blocks {cfg.serial_blocks}, slot_threshold {cfg.slot_threshold}, "

@@ -17,3 +17,8 @@ class PredictionsError(ReFusionError):
 
 class ResumeMismatchError(ConfigError):
     """The output directory holds a run made with other settings."""
+
+
+class ResultsError(ReFusionError):
+    """The results directory (--out) cannot be written or read: a full or read-only disk,
+    a path that is not a directory, a damaged run.json."""

@@ -123,7 +123,9 @@ class ReFusionLM(LM):
         return chat_text(self.tokenizer, chat_history, add_generation_prompt, **options)
 
     def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        from ..model.prompts import tokenize
+
+        return tokenize(self.tokenizer, text, add_special_tokens=False)
 
     @property
     def _prefix_id(self) -> int:

@@ -90,16 +90,16 @@ def _prediction(raw: bytes, where: str) -> tuple[str | int, str]:
 
 def from_predictions(
     samples: list[Sample], path: str | os.PathLike
-) -> tuple[list[Sample], Callable[[list[Sample]], list[Completion]], int]:
-    """(the samples the file answers, what completes a batch of them from the file, how
-    many samples it leaves unanswered)."""
+) -> tuple[list[Sample], dict[str, str], int]:
+    """(the samples the file answers, each one's prediction by sample id, how many
+    samples it leaves unanswered)."""
     by_id, by_index = read_predictions(path)
     found = {s.id: by_id.get(s.id, by_index.get(s.index)) for s in samples}
     text = {key: t for key, t in found.items() if t is not None}
     kept = [s for s in samples if s.id in text]
     if not kept:
         raise PredictionsError(f"{path}: no prediction matches a sample of this task (by id or index)")
-    return kept, (lambda batch: [Completion(text[s.id]) for s in batch]), len(samples) - len(kept)
+    return kept, text, len(samples) - len(kept)
 
 
 def finishing(

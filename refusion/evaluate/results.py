@@ -1,17 +1,43 @@
 """A run's results directory and its replicas: OUT/samples.jsonl (append-only,
-resumable), summary.json and run.json, and how replicas share one run (`ReplicaShare`)."""
+resumable), summary.json and run.json, and how replicas share one run (`ReplicaShare`).
+
+What a record depends on is written with it, so that a resumed run never reuses a
+verdict whose inputs changed: run.json holds the run's settings (the task, the model and
+a fingerprint of its files, the decoding settings, the sandbox's limits), refused on
+resume if any differs; each record holds the key of its own inputs (the sample's prompt
+and gold, its prediction), and a record whose key no longer matches is scored again.
+Every failure of the disk (full, read-only, not a directory) is one ResultsError line.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import fcntl
+import hashlib
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
+from ..files import JSONProblem, open_regular, parse_json
 from .benchmarks import Sample
-from .errors import ResumeMismatchError
+from .errors import ResultsError, ResumeMismatchError
+
+# the settings a resumed run must share with the run that wrote OUT, and how they are named
+SETTINGS = {
+    "task": "the task",
+    "protocol": "the protocol",
+    "model": "the model",
+    "model_files": "the model's files",
+    "config": "the decoding settings",
+    "data": "the data",
+    "predictions": "the predictions file",
+    "raw_predictions": "--raw-predictions",
+    "limits": "the sandbox's limits",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,39 +74,47 @@ class ResultsDir:
         self.writes = writes
         settings = json.loads(json.dumps(settings, default=str))  # as a resumed run reads them back
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
         self.samples = self.path / "samples.jsonl"
         self.summary = self.path / "summary.json"
         run = self.path / "run.json"
-        if overwrite and prepare:
-            for f in (self.samples, self.summary, run):
-                f.unlink(missing_ok=True)
+        with disk(self.path, "write the results into"):
+            self.path.mkdir(parents=True, exist_ok=True)
+            if overwrite and prepare:
+                for f in (self.samples, self.summary, run):
+                    f.unlink(missing_ok=True)
         if run.exists() and self.samples.exists():
-            before = json.loads(run.read_text())
-            before.setdefault("protocol", "robust")  # written before there were protocols
-            before.setdefault("raw_predictions", False)
-            keys = ("task", "protocol", "model", "config", "data", "predictions", "raw_predictions")
-            if any(before.get(k) != settings.get(k) for k in keys):
-                changed = [k for k in keys if before.get(k) != settings.get(k)]
-                raise ResumeMismatchError(
-                    f"{self.path} holds a run with other settings ({', '.join(changed)} differ); "
-                    "pass --overwrite or another --out"
-                )
+            self._check_resume(run, settings)
         if writes and prepare:
-            run.write_text(json.dumps(settings, indent=2, default=str) + "\n")
+            _replace(run, json.dumps(settings, indent=2, default=str) + "\n")
+
+    def _check_resume(self, run: Path, settings: dict) -> None:
+        """Refuse to add to a run made with other settings, naming what differs."""
+        before = _read_json(run)
+        before.setdefault("protocol", "robust")  # written before there were protocols
+        before.setdefault("raw_predictions", False)
+        changed = [
+            f"{name} ({key})" for key, name in SETTINGS.items() if before.get(key) != settings.get(key)
+        ]
+        if changed:
+            raise ResumeMismatchError(
+                f"{self.path} holds a run with other settings ({', '.join(changed)} differ): its verdicts "
+                "would not be this run's; pass --overwrite or another --out"
+            )
 
     def done(self, repair: bool = True) -> dict[str, dict]:
         """Records already written, by id. A line cut short by an interrupt is dropped, and
         with `repair` cut from the file (never while other replicas may be appending)."""
         if not self.samples.exists():
             return {}
-        raw = self.samples.read_bytes()
+        with disk(self.samples, "read"), open_regular(self.samples, ResultsError, _FIX) as f:
+            raw = f.read()
         if raw and not raw.endswith(b"\n"):  # interrupted mid-line: cut back to the last whole line
             raw = raw[: raw.rfind(b"\n") + 1]
-            if self.writes and repair:
-                self.samples.write_bytes(raw)
+            if self.writes and repair:  # in one call: a kill now leaves the file as it was, or cut
+                with disk(self.samples, "write"):
+                    os.truncate(self.samples, len(raw))
         records = {}
-        for line in raw.decode("utf-8").splitlines():
+        for line in raw.decode("utf-8", "replace").splitlines():
             try:
                 record = json.loads(line)
                 records[str(record["id"])] = record
@@ -92,7 +126,7 @@ class ResultsDir:
         """Whole lines, under a lock: replicas append to the same file."""
         if not self.writes:
             return
-        with open(self.samples, "a", encoding="utf-8") as f:
+        with disk(self.samples, "write"), open(self.samples, "a", encoding="utf-8") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             f.write(_lines(records))
             f.flush()
@@ -100,14 +134,62 @@ class ResultsDir:
 
     def rewrite(self, records: Sequence[dict]) -> None:
         """samples.jsonl as exactly these records, in this order (atomically)."""
-        tmp = self.samples.with_suffix(".jsonl.tmp")
-        tmp.write_text(_lines(records), encoding="utf-8")
-        tmp.replace(self.samples)
+        _replace(self.samples, _lines(records))
 
     def write_summary(self, summary: dict) -> None:
-        tmp = self.summary.with_suffix(".tmp")
-        tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
-        tmp.replace(self.summary)
+        _replace(self.summary, json.dumps(summary, indent=2, default=str) + "\n")
+
+
+def _replace(path: Path, text: str) -> None:
+    """`path` with `text` as its content, atomically: a run killed while writing it leaves
+    the old file whole (run.json, rewritten by every resumed run, once read back empty)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with disk(path, "write"):
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+
+
+_FIX = "choose another --out, or --overwrite to start it afresh"
+
+
+@contextlib.contextmanager
+def disk(path: Path, doing: str) -> Iterator[None]:
+    """An OSError of the disk as one ResultsError line saying what to do, as `train` says
+    it of its output directory."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):  # a full disk, a quota, a file size limit
+            fix = "free some space on its disk, or choose another --out"
+        elif e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            fix = "choose a --out this user can write"
+        else:
+            fix = "choose another --out"
+        raise ResultsError(f"cannot {doing} {path} ({e.strerror or type(e).__name__}): {fix}") from None
+
+
+def _read_json(path: Path) -> dict:
+    """run.json, a JSON object; a ResultsError naming it otherwise."""
+    with disk(path, "read"), open_regular(path, ResultsError, _FIX) as f:
+        raw = f.read(2**24)
+    try:
+        value = parse_json(raw)
+    except JSONProblem as e:
+        raise ResultsError(f"{path} {e}; {_FIX}") from None
+    if not isinstance(value, dict):
+        raise ResultsError(f"{path} does not hold a JSON object; {_FIX}")
+    return value
+
+
+def record_key(sample: Sample, given: Any = None) -> str:
+    """The key of what a sample's verdict depends on besides the run's settings: its id,
+    prompt, request, gold and scoring data (a code task's tests), and `given` (its
+    prediction, when the completions come from a file). A resumed run reuses a record
+    only under the same key."""
+    request = (list(sample.request.messages), list(sample.request.until)) if sample.request else None
+    inputs = [sample.id, sample.prompt, request, sample.gold, sample.data, given]
+    text = json.dumps(inputs, default=str, ensure_ascii=False, sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def _lines(records: Sequence[dict]) -> str:

@@ -7,9 +7,12 @@ output has `.text` and optionally `.stats`; the eval command's binding of
 elsewhere (`predictions.py`). Results go to OUT/ (`results.py`):
 
 - samples.jsonl  one line per sample as soon as it is scored (prompt, output, extracted,
-                 gold, correct, stats); a rerun with the same settings skips these;
+                 gold, correct, stats, and the key of its inputs); a rerun with the same
+                 settings skips these, unless a sample's inputs (its prompt, gold, tests,
+                 prediction) changed since: those are scored again;
 - summary.json   accuracy with its Wilson 95% interval, speed, latency, the settings;
-- run.json       the settings, checked on resume so runs are never mixed.
+- run.json       the settings (the model's files and the sandbox's limits among them),
+                 checked on resume so runs are never mixed.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from .completion import Completion, as_completion
 from .predictions import finishing, from_predictions
 from .registry import get_benchmark
 from .report import GENERATION_ERROR, one_line, summarize
-from .results import ReplicaShare, ResultsDir, all_records, open_results
+from .results import ReplicaShare, ResultsDir, all_records, open_results, record_key
 
 GenerateFn = Callable[[list[str | Chat]], Sequence[Any]]
 
@@ -50,6 +53,7 @@ def evaluate(
     out_dir: str | os.PathLike | None = None,
     config: Any = None,
     model: str | None = None,
+    model_files: str | None = None,
     limits: Limits | None = None,
     workers: int | None = None,
     overwrite: bool = False,
@@ -63,26 +67,30 @@ def evaluate(
     post-processing the paper protocol gives a generation here (`paper_rules.finish`: the
     task's stop strings, special tokens removed with `tokenizer` when given, the
     python-block rule); by default a prediction is taken as the harness's finished
-    output (lm-eval's `resps`). `config` (a DecodeConfig or dict) and `model` are
-    recorded, and a resumed run must match them. `samples` overrides loading (tests,
-    custom subsets). With `replicas`, this process evaluates its share and the first
-    replica's summary covers them all.
-    """
+    output (lm-eval's `resps`). `config` (a DecodeConfig or dict), `model`, `model_files`
+    (`refusion.io.checkpoint_fingerprint`) and a code task's `limits` are recorded, and a
+    resumed run must match them (a sample whose own inputs changed is scored again).
+    `samples` overrides loading. With `replicas`, this process evaluates its share and
+    the first replica's summary covers them all."""
     part = replicas or ReplicaShare()
     bench = get_benchmark(task) if isinstance(task, str) else task
     _check_source(bench, generate_fn, predictions, raw_predictions)
-    samples, complete, missing = _samples_and_source(bench, samples, data, limit, generate_fn, predictions)
+    samples, complete, given, missing = _samples_and_source(
+        bench, samples, data, limit, generate_fn, predictions
+    )
     if raw_predictions:
         complete = finishing(complete, tokenizer)
     settings = _settings(bench, model, config, data, predictions, limit, raw_predictions)
+    settings |= {"model_files": model_files, "limits": _limits(bench, limits)}
     out = out_dir or Path("runs") / "eval" / bench.name
-    results, done = open_results(out, settings, overwrite, part)
+    results, written = open_results(out, settings, overwrite, part)
+    keys = {s.id: record_key(s, given.get(s.id)) for s in samples}
+    done = _unchanged(written, keys)
     records = [done[s.id] for s in samples if s.id in done]
     chunk = max(1, batch_size) if predictions is None else 64  # predictions: batch the sandbox
     started = time.perf_counter()
-    score = functools.partial(
-        _batch_records, bench, complete=complete, limits=limits, workers=workers, timed=predictions is None
-    )
+    score = functools.partial(_batch_records, bench, complete=complete, keys=keys, limits=limits)
+    score = functools.partial(score, workers=workers, timed=predictions is None)
     _run_pending(bench.name, samples, done, records, results, part, chunk, score, progress and part.first)
     records = all_records(results, samples, records, part)
     resumed = len({s.id for s in samples} & done.keys())
@@ -91,6 +99,12 @@ def evaluate(
         results.write_summary(summary)
     summary["line"] = one_line(bench.name, summary)
     return summary
+
+
+def _unchanged(written: dict[str, dict], keys: dict[str, str]) -> dict[str, dict]:
+    """The records a resumed run reuses: those of its samples whose inputs' key is the
+    one they were scored under (and those of other samples, which it only keeps)."""
+    return {k: r for k, r in written.items() if k not in keys or r.get("key") == keys[k]}
 
 
 def _check_source(
@@ -117,16 +131,25 @@ def _samples_and_source(
     limit: int | None,
     generate_fn: GenerateFn | None,
     predictions: str | os.PathLike | None,
-) -> tuple[list[Sample], Callable[[list[Sample]], list[Completion]], int]:
-    """(the samples to run, what completes a batch of them, how many samples have no
-    prediction): with a predictions file, only the samples it answers are run."""
+) -> tuple[list[Sample], Callable[[list[Sample]], list[Completion]], dict[str, str], int]:
+    """(the samples to run, what completes a batch of them, each one's prediction by id
+    where a file gives them, how many samples have no prediction): with a predictions
+    file, only the samples it answers are run."""
     if samples is None:
         samples = bench.load(data, limit)
     samples = _unique_ids(samples)
     if predictions is not None:
-        return from_predictions(samples, predictions)
+        kept, text, missing = from_predictions(samples, predictions)
+        return kept, (lambda batch: [Completion(text[s.id]) for s in batch]), text, missing
     assert generate_fn is not None  # evaluate takes exactly one of the two
-    return samples, _from_generate(generate_fn), 0
+    return samples, _from_generate(generate_fn), {}, 0
+
+
+def _limits(bench: Benchmark, limits: Limits | None) -> dict | None:
+    """The sandbox's limits as run.json records them: a code task's verdicts depend on them."""
+    if not isinstance(bench, CodeBenchmark):
+        return None
+    return dataclasses.asdict(limits or Limits())
 
 
 def _settings(
@@ -171,7 +194,7 @@ def _run_pending(
         if records:
             bar.write(
                 f"{name}: resuming {results.path}: "
-                f"{len(records)} of {len(samples)} samples already scored "
+                f"{len(records)} of {len(samples)} samples already scored with the same inputs "
                 "(--overwrite starts afresh)",
                 file=sys.stderr,
             )
@@ -190,18 +213,20 @@ def _batch_records(
     batch: list[Sample],
     *,
     complete: Callable[[list[Sample]], list[Completion]],
+    keys: dict[str, str],
     limits: Limits | None,
     workers: int | None,
     timed: bool,
 ) -> list[dict]:
-    """A batch completed, scored and recorded; when `timed` (the completions were
-    generated here), each record holds its share of the batch's generation time."""
+    """A batch completed, scored and recorded, each record with the key of its inputs;
+    when `timed` (the completions were generated here), each record holds its share of
+    the batch's generation time."""
     t0 = time.perf_counter()
     completions = complete(batch)
     gen_seconds = (time.perf_counter() - t0) if timed else None
     scored = _score(bench, batch, completions, limits, workers)
     share = None if gen_seconds is None else gen_seconds / len(batch)
-    return [_record(s, c, sc, share) for s, c, sc in zip(batch, completions, scored)]
+    return [_record(s, c, sc, share) | {"key": keys[s.id]} for s, c, sc in zip(batch, completions, scored)]
 
 
 def _summary(

@@ -33,6 +33,7 @@ _WHERE = {
     "BUNDLED_PREFIX": "resolve",
     "BUNDLED_ROOT": "resolve",
     "bundled_names": "resolve",
+    "checkpoint_fingerprint": "resolve",
 }
 __all__ = [
     "BUNDLED_DIR",
@@ -42,6 +43,7 @@ __all__ = [
     "MAX_SHARD_BYTES",
     "add_mask_token",
     "bundled_names",
+    "checkpoint_fingerprint",
     "convert",
     "describe",
     "drop_tied_head",
@@ -57,7 +59,7 @@ if TYPE_CHECKING:
     from .dtypes import DTYPES, parse_dtype
     from .loading import describe, load, load_metadata
     from .mask import add_mask_token, convert
-    from .resolve import BUNDLED_DIR, BUNDLED_PREFIX, BUNDLED_ROOT, bundled_names
+    from .resolve import BUNDLED_DIR, BUNDLED_PREFIX, BUNDLED_ROOT, bundled_names, checkpoint_fingerprint
     from .save import (
         MAX_SHARD_BYTES,
         drop_tied_head,

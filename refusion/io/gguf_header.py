@@ -1,7 +1,10 @@
 """A GGUF file's header walked and bounded before `transformers` (through the `gguf`
 package) parses it: every count and length it declares must fit in the bytes the file
 has, or the parser allocates arrays of absurd sizes, loops for hours, or raises deep
-inside numpy. Reads the header only, never the tensor data.
+inside numpy; and the counts of keys, tensors and array elements must be within
+`files.LIMITS` whatever the file's size, since the parser (and transformers after it) turns
+each one into a Python object: a 30 MB array or two million keys would take minutes.
+Reads the header only, never the tensor data.
 
 The layout walked (GGUF versions 2 and 3, either byte order): magic `GGUF`, version
 (u32), tensor count and key-value count (u64 each), then each key-value pair (a string
@@ -17,7 +20,7 @@ from pathlib import Path
 from typing import IO
 
 from ..errors import CheckpointError
-from ..files import check_regular, open_regular
+from ..files import LIMITS, check_regular, open_regular
 
 _FIX = "download or convert the GGUF file again"
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
@@ -34,6 +37,7 @@ class _Header:
 
     def __init__(self, fh: IO[bytes], size: int, file: Path) -> None:
         self.fh, self.size, self.file, self.pos, self.order = fh, size, file, 0, "<"
+        self.elements = 0  # array elements so far, of every array
 
     def damaged(self, detail: str) -> CheckpointError:
         return CheckpointError(f"{self.file}: the GGUF header is damaged: {detail}; {_FIX}")
@@ -59,11 +63,28 @@ class _Header:
     def u64(self, what: str) -> int:
         return struct.unpack(self.order + "Q", self.take(8, what))[0]
 
-    def count(self, what: str, least_bytes: int) -> int:
-        """A count of items of at least `least_bytes` each, which the rest of the file must hold."""
+    def count(self, what: str, least_bytes: int, most: int) -> int:
+        """A count of items of at least `least_bytes` each, which the rest of the file must
+        hold, and of at most `most` (a limit of `files.LIMITS`)."""
         n = self.u64(what)
         if n * least_bytes > self.left():
             raise self.damaged(f"{what}={n:,} is more than the {self.left():,} bytes left can hold")
+        if n > most:
+            raise CheckpointError(
+                f"{self.file}: the GGUF header's {what}={n:,} is over the {most:,} a model file needs "
+                f"(a limit of this reader); {_FIX}"
+            )
+        return n
+
+    def array_length(self, what: str, least_bytes: int) -> int:
+        """An array's length, within the limit for one array and for all of them together."""
+        n = self.count(f"the length of {what}", least_bytes, LIMITS.gguf_array)
+        self.elements += n
+        if self.elements > LIMITS.gguf_array_total:
+            raise CheckpointError(
+                f"{self.file}: the GGUF header's arrays hold over {LIMITS.gguf_array_total:,} elements "
+                f"together, more than a model file needs (a limit of this reader); {_FIX}"
+            )
         return n
 
     def string(self, what: str) -> str:
@@ -83,11 +104,9 @@ class _Header:
                 raise self.damaged(f"{what} nests arrays more than {_MAX_NESTING} deep")
             item = self.u32(f"the element type of {what}")
             if item in _SCALAR_BYTES:
-                self.skip(
-                    self.count(f"the length of {what}", _SCALAR_BYTES[item]) * _SCALAR_BYTES[item], what
-                )
+                self.skip(self.array_length(what, _SCALAR_BYTES[item]) * _SCALAR_BYTES[item], what)
                 return
-            for i in range(self.count(f"the length of {what}", 8 if item == _STRING else 12)):
+            for i in range(self.array_length(what, 8 if item == _STRING else 12)):
                 self.value(item, f"{what}[{i}]", depth + 1)
         else:
             raise self.damaged(f"{what} has the unknown value type {kind}")
@@ -105,8 +124,8 @@ def check_gguf_header(file: Path) -> None:
             h.order, version = ">", struct.unpack(">I", struct.pack("<I", version))[0]
         if version not in _VERSIONS:
             raise h.damaged(f"version {version} is not one of {', '.join(map(str, _VERSIONS))}")
-        tensors = h.count("tensor_count", _LEAST_TENSOR)
-        pairs = h.count("kv_count", _LEAST_KV)
+        tensors = h.count("tensor_count", _LEAST_TENSOR, LIMITS.gguf_tensors)
+        pairs = h.count("kv_count", _LEAST_KV, LIMITS.gguf_pairs)
         for i in range(pairs):
             key = h.string(f"key {i}")
             h.value(h.u32(f"the value type of {key!r}"), repr(key))

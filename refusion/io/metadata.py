@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, ConfigError, first_line
-from ..files import check_regular, read_json
+from ..files import LIMITS, check_checkpoint_dir, check_regular, checkpoint_file, read_json
 from ..model.prompts import chat_text, mask_id_of
 from ..settings.model import ModelConfig
 
@@ -32,9 +32,11 @@ _FIX_TOKENIZER = "use the tokenizer files the checkpoint was saved with"
 
 def read_metadata(directory: Path) -> tuple[ModelConfig, Any]:
     """The config (with the MASK id resolved) and tokenizer of a model directory, checked
-    against each other: what every reader of a safetensors checkpoint starts from."""
-    config = ModelConfig.from_json(directory / "config.json")
-    tokenizer = _load_tokenizer(directory)
+    against each other: what every reader of a safetensors checkpoint starts from. Every
+    file a load may open is first checked to resolve inside the directory."""
+    check_checkpoint_dir(directory)
+    config = ModelConfig.from_json(checkpoint_file(directory, "config.json"))
+    tokenizer = _load_tokenizer(directory, config.vocab_size)
     settle_vocabulary(config, tokenizer, where=str(directory))
     return config, tokenizer
 
@@ -45,16 +47,18 @@ def load_tokenizer(name: str | Path) -> Any:
     directory = Path(name).expanduser()
     if not directory.is_dir():
         return _from_pretrained(str(name), str(name))
+    check_checkpoint_dir(directory)
     tokenizer = _load_tokenizer(directory)
     if tokenizer is None:
         raise CheckpointError(f"no tokenizer files ({', '.join(_TOKENIZER_FILES)}) in {directory}")
     return tokenizer
 
 
-def _load_tokenizer(directory: Path) -> Any:
+def _load_tokenizer(directory: Path, vocab_size: int | None = None) -> Any:
     """The directory's tokenizer, or None where it has no tokenizer files; its files
-    checked first (`_check_tokenizer_files`) and its chat template tried."""
-    present = _check_tokenizer_files(directory)
+    checked first (`_check_tokenizer_files`, its entries against `vocab_size` when the
+    config gives one) and its chat template tried."""
+    present = _check_tokenizer_files(directory, vocab_size)
     if not present & set(_TOKENIZER_FILES):
         return None
     tokenizer = _from_pretrained(directory, str(directory))
@@ -73,20 +77,47 @@ def _from_pretrained(source: str | Path, where: str) -> Any:
         ) from None
 
 
-def _check_tokenizer_files(directory: Path) -> set[str]:
-    """The names of the tokenizer files present, each a regular file, the JSON ones
-    parseable (nesting, numbers, UTF-8), before transformers opens any: a FIFO there
-    would stall the load, and a bad file would raise from deep inside the library."""
+def _check_tokenizer_files(directory: Path, vocab_size: int | None) -> set[str]:
+    """The names of the tokenizer files present, each a regular file within its size
+    limit (`files.LIMITS`), the JSON ones parseable (nesting, numbers, UTF-8) and
+    tokenizer.json's entries within what the vocabulary can hold, before transformers
+    opens any: a FIFO there would stall the load, a bad file would raise from deep inside
+    the library, and a huge one would take minutes and gigabytes to be refused."""
     present = set()
     for name in _TOKENIZER_JSON + _TOKENIZER_OTHER:
-        path = directory / name
-        if path.exists() or path.is_symlink():
-            if name in _TOKENIZER_JSON:
-                read_json(path, CheckpointError, fix=_FIX_TOKENIZER)
-            else:
-                check_regular(path, CheckpointError, fix=_FIX_TOKENIZER)
-            present.add(name)
+        path = checkpoint_file(directory, name)
+        if not (path.exists() or path.is_symlink()):
+            continue
+        if name in _TOKENIZER_JSON:
+            data = read_json(path, CheckpointError, limit=LIMITS.tokenizer_json_bytes, fix=_FIX_TOKENIZER)
+            if name == "tokenizer.json" and vocab_size is not None:
+                _check_entries(path, data, vocab_size)
+        elif check_regular(path, CheckpointError, fix=_FIX_TOKENIZER) > LIMITS.tokenizer_other_bytes:
+            raise CheckpointError(
+                f"{path} is larger than {LIMITS.tokenizer_other_bytes:,} bytes, more than a tokenizer's "
+                f"file needs (a limit of this reader); {_FIX_TOKENIZER}"
+            )
+        present.add(name)
     return present
+
+
+def _check_entries(path: Path, data: Any, vocab_size: int) -> None:
+    """tokenizer.json's vocabulary and added tokens, each no more than the config's
+    vocab_size, and its merges no more than `LIMITS.tokenizer_merges_per_token` per token:
+    counted before the tokenizers library builds them."""
+    model = data.get("model") if isinstance(data, dict) else None
+    counts = {
+        "model.vocab": model.get("vocab") if isinstance(model, dict) else None,
+        "added_tokens": data.get("added_tokens") if isinstance(data, dict) else None,
+        "model.merges": model.get("merges") if isinstance(model, dict) else None,
+    }
+    for key, entries in counts.items():
+        most = vocab_size * (LIMITS.tokenizer_merges_per_token if key == "model.merges" else 1)
+        if isinstance(entries, (list, dict)) and len(entries) > most:
+            raise CheckpointError(
+                f"{path} has {len(entries):,} entries in {key}, more than the config's "
+                f"vocab_size={vocab_size} allows ({most:,}); {_FIX_TOKENIZER}"
+            )
 
 
 def _try_chat_template(tokenizer: Any, directory: Path) -> None:

@@ -233,9 +233,9 @@ def quantization_in(config_extra: dict[str, Any]) -> dict[str, Any] | None:
 def read_weights(directory: Path, record: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
     """The saved state dict, through `torch.load(weights_only=True)` (no code runs but
     torch's and torchao's tensor constructors), on `device`."""
-    from ..files import check_regular
+    from ..files import check_regular, checkpoint_file
 
-    file = directory / WEIGHTS_FILE
+    file = checkpoint_file(directory, WEIGHTS_FILE)
     if not (file.exists() or file.is_symlink()):
         raise CheckpointError(
             f"{directory} is a {record['scheme']} checkpoint but has no {WEIGHTS_FILE}; save it again "

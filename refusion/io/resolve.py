@@ -7,11 +7,14 @@ list the bundled models cheaply, and so that every reader accepts the same name 
 
 from __future__ import annotations
 
+import fnmatch
+import hashlib
 import os
 import re
 from pathlib import Path
 
 from ..errors import CheckpointError, first_line
+from ..files import CHECKPOINT_PATTERNS
 
 BUNDLED_ROOT = Path(__file__).parent.parent / "bundled"
 BUNDLED_DIR = BUNDLED_ROOT / "refusion-tiny"  # the default model
@@ -76,3 +79,25 @@ def _download(repo_id: str) -> Path:
             f"({reason}). To load offline, pass the path of a local model directory "
             "(config.json + *.safetensors) or of a .gguf file."
         ) from None
+
+
+def checkpoint_fingerprint(path: PathLike | None) -> str:
+    """A short digest of a checkpoint's files as they are now: for each file a load may
+    read, its name, size and modification time (a weight file rewritten in place, by a
+    training run that saved again, changes it; a name pointing to other files does too).
+    An evaluation records it, and refuses to resume over a model that changed."""
+    source = resolve_source(path)
+    files = (
+        [source]
+        if source.is_file()
+        else sorted(
+            f
+            for f in source.iterdir()
+            if any(fnmatch.fnmatch(f.name, p) for p in CHECKPOINT_PATTERNS) and f.is_file()
+        )
+    )
+    digest = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        digest.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:32]

@@ -3,7 +3,8 @@ then rename it into place, so a failure never leaves a half-written target.
 
 A save killed mid-write cannot clean up after itself; its staging directory carries its
 writer's host and pid, so the next save of the same target removes it once that writer
-is gone. The files get the modes any new file would, whatever the writer chose.
+is gone (`remove_dead_writers`, which the code sandbox uses for its folders too). The
+files get the modes any new file would, whatever the writer chose.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def _staging_prefix(out: Path) -> str:
     return f".{out.name}.partial-"
 
 
-def _writer_tag() -> str:
+def writer_tag() -> str:
     """This host and process, as staging names carry them. The host keeps a cleaner on one
     machine from judging, by its own process table, a writer on another that shares the
     filesystem."""
@@ -39,7 +40,7 @@ def make_staging(out: Path) -> Path:
     Made with os.mkdir(mode=0o777), so it gets the umask's mode as any new directory does
     (tempfile.mkdtemp's would be 0700, and the rename would carry that to out)."""
     while True:
-        staging = out.parent / f"{_staging_prefix(out)}{_writer_tag()}-{secrets.token_hex(4)}"
+        staging = out.parent / f"{_staging_prefix(out)}{writer_tag()}-{secrets.token_hex(4)}"
         try:
             staging.mkdir(mode=0o777)
             return staging
@@ -54,19 +55,37 @@ def remove_stale_staging(out: Path) -> None:
     A save killed mid-write (SIGKILL, out of memory, power) cannot clean up after itself,
     and leaves a staging directory as large as the checkpoint. Its name carries its
     writer's host and pid, so the next save of the same target can tell a dead writer's
-    directory from a live one's: a directory is removed only when its host is this one
-    and no process has its pid. A live writer's, another host's (its pids mean nothing
-    here), another target's, and any other name are left alone. The pid test was chosen
-    over a lock file (flock) because it needs no file inside the directory that would
-    have to be left out of the checkpoint, and keeps working where locks do not (some
-    network filesystems). A pid reused since the writer died only makes a leftover stay
-    for one more save; on systems without a safe pid probe nothing is removed.
+    directory from a live one's (`remove_dead_writers`). The pid test was chosen over a
+    lock file (flock) because it needs no file inside the directory that would have to
+    be left out of the checkpoint, and keeps working where locks do not (some network
+    filesystems).
     """
-    prefix = _staging_prefix(out)
-    pattern = re.compile(rf"{re.escape(prefix)}(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{{8}}")
-    host = _writer_tag().rsplit("-", 1)[0]
+    removed, freed = remove_dead_writers(out.parent, _staging_prefix(out))
+    if removed:
+        folders = "folder" if removed == 1 else "folders"
+        log.warning(
+            f"removed {removed} staging {folders} of {out} left by an interrupted save "
+            f"({freed / 1e6:,.1f} MB)"
+        )
+
+
+def remove_dead_writers(parent: Path, prefix: str) -> tuple[int, int]:
+    """Remove the directories of `parent` named `{prefix}{host}-{pid}-{suffix}` (as
+    `writer_tag` names them) whose writer is dead; (how many, their bytes).
+
+    A directory is removed only when its host is this one and no process has its pid. A
+    live writer's, another host's (its pids mean nothing here), and any other name are
+    left alone. A pid reused since the writer died only makes a leftover stay for one
+    more sweep; on systems without a safe pid probe nothing is removed.
+    """
+    pattern = re.compile(rf"{re.escape(prefix)}(?P<host>.+)-(?P<pid>\d+)-[0-9A-Za-z_]+")
+    host = writer_tag().rsplit("-", 1)[0]
     removed, freed = 0, 0
-    for entry in out.parent.iterdir():
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return 0, 0
+    for entry in entries:
         match = pattern.fullmatch(entry.name)
         if not match or match["host"] != host or entry.is_symlink() or not entry.is_dir():
             continue
@@ -76,12 +95,7 @@ def remove_stale_staging(out: Path) -> None:
         shutil.rmtree(entry, ignore_errors=True)
         if not entry.exists():
             removed, freed = removed + 1, freed + size
-    if removed:
-        folders = "folder" if removed == 1 else "folders"
-        log.warning(
-            f"removed {removed} staging {folders} of {out} left by an interrupted save "
-            f"({freed / 1e6:,.1f} MB)"
-        )
+    return removed, freed
 
 
 def _pid_alive(pid: int) -> bool:

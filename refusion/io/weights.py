@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import CheckpointError
-from ..files import check_regular, open_regular, parse_json, read_json
+from ..files import check_regular, checkpoint_file, open_regular, parse_json, read_json
 from ..model.sizing import stored_parameters
 from ..model.transformer import Transformer, rope_inv_freq, stored_shapes
 from ..settings.fields import shown
@@ -30,7 +30,7 @@ _IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 def weight_files(directory: Path) -> list[Path]:
     """The directory's safetensors files: the shards its index names, or its one file;
     each a regular file (a FIFO or `/dev/zero` in a shard's place would stall the read)."""
-    index = directory / "model.safetensors.index.json"
+    index = checkpoint_file(directory, "model.safetensors.index.json")
     if index.exists() or index.is_symlink():
         files = _index_shards(index, directory)
         for f in files:
@@ -38,7 +38,7 @@ def weight_files(directory: Path) -> list[Path]:
                 raise CheckpointError(f"{index} names the shard {f.name}, which is missing")
             check_regular(f, CheckpointError, fix=_FIX_WEIGHTS)
         return files
-    single = directory / "model.safetensors"
+    single = checkpoint_file(directory, "model.safetensors")
     if single.exists() or single.is_symlink():
         check_regular(single, CheckpointError, fix=_FIX_WEIGHTS)
         return [single]
@@ -74,7 +74,7 @@ def _index_shards(index: Path, directory: Path) -> list[Path]:
                 f"inside {directory}; {_FIX_WEIGHTS}"
             )
         names.add(name)
-    return sorted(directory / name for name in names)
+    return sorted(checkpoint_file(directory, name) for name in names)
 
 
 def check_config_fits(config: ModelConfig, files: list[Path], bits_per_value: int = 8) -> None:

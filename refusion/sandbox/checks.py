@@ -52,6 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
+from ..io.staging import remove_dead_writers, writer_tag
 from . import _cgroup
 from ._processes import kill_uid, run_pair
 from .errors import SandboxError
@@ -85,9 +86,15 @@ class _UidPool:
 _uids = _UidPool()
 
 
+FOLDER_PREFIX = "refusion-sandbox-"
+
+
 def _folder(files: dict[str, str | Path], uid: int | None) -> Path:
-    """A fresh 0700 folder with the given files (name -> text or a file to copy)."""
-    folder = Path(tempfile.mkdtemp(prefix="refusion-sandbox-"))
+    """A fresh 0700 folder with the given files (name -> text or a file to copy), named
+    after this host and process (`refusion-sandbox-HOST-PID-XXXXXXXX`) so that a later
+    run can tell it was left by a run that was killed (`remove_leftovers`)."""
+    remove_leftovers()
+    folder = Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{writer_tag()}-"))
     for name, content in files.items():
         if isinstance(content, Path):
             shutil.copyfile(content, folder / name)
@@ -97,6 +104,15 @@ def _folder(files: dict[str, str | Path], uid: int | None) -> Path:
         os.chown(folder, uid, uid)
     os.chmod(folder, 0o700)
     return folder
+
+
+@lru_cache(maxsize=1)
+def remove_leftovers() -> int:
+    """Remove, once per process, the check folders that an evaluation killed mid-check
+    left in the temporary folder: they hold a benchmark's test code, and the killed
+    process could not remove them. Only folders of this host whose process is gone."""
+    removed, _ = remove_dead_writers(Path(tempfile.gettempdir()), FOLDER_PREFIX)
+    return removed
 
 
 def _execute(check: Check, limits: Limits, iso: Isolation) -> ExecResult:

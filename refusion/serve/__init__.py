@@ -1,11 +1,11 @@
 """OpenAI-compatible HTTP serving: `create_app` (FastAPI) and `serve` (uvicorn).
 
 In layers, each over the next (docs/architecture.md#layers):
-- `server.py`: uvicorn's server with the shutdown order serving needs and the limits on a
-  request's head (`make_server`)
+- `server.py`: uvicorn's server with the shutdown order serving needs (`make_server`)
 - `app.py`: the app for one model, its parts wired together (`create_app`)
-- `http/`: what every request passes first: the API key and per-route metrics
-  (`observe.py`, `auth.py`), limits on bodies and the request threads (`limits.py`),
+- `http/`: what every request passes first: the limits on connections, on the time a
+  head and a body take and on a head's shape (`connection.py`), the API key and per-route
+  metrics (`observe.py`, `auth.py`), limits on bodies and the request threads (`limits.py`),
   errors in OpenAI's shape (`errors.py`), a client that goes away (`disconnect.py`)
 - `routes.py`: the routes (/v1/models, /v1/completions, /v1/chat/completions, /health,
   /metrics); a completion route is parse -> admit -> generate -> respond
@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..settings.decode import DecodeConfig
+from ..settings.serve import ServerLimits
 
 __all__ = ["create_app", "serve"]
 
@@ -49,13 +50,15 @@ def serve(
     shutdown_timeout: float = 30.0,
     log_level: str = "info",
     uds: str | None = None,
+    limits: ServerLimits | None = None,
     **kwargs: Any,
 ) -> None:
     """Run the server until interrupted. The first SIGINT/SIGTERM stops it taking work
     (new and queued requests get 503 `shutting_down`), lets running requests finish for
     up to `shutdown_timeout` seconds, then cuts what is left (streams end with an error
-    event and `[DONE]`); a second signal exits at once."""
+    event and `[DONE]`); a second signal exits at once. `limits`: the time a request's
+    head and body may take and the connections open at once (`ServerLimits`)."""
     from .server import make_server
 
     app = create_app(model, tokenizer, cfg, shutdown_timeout=shutdown_timeout, **kwargs)
-    make_server(app, host=host, port=port, log_level=log_level, uds=uds).run()
+    make_server(app, host=host, port=port, log_level=log_level, uds=uds, limits=limits).run()

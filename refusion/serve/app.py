@@ -25,6 +25,7 @@ from ..decode import DecodeConfig, Engine, EngineConfig
 from ..decode.follow import engine_for
 from ..errors import ReFusionError
 from .client import EngineClient
+from .http.auth import check_api_key
 from .http.errors import add_error_handlers
 from .http.limits import RequestThreads
 from .http.observe import Observe
@@ -52,6 +53,7 @@ def create_app(
     /health; `engine` replaces the engine made from the model (tests wrap its step)."""
     if tokenizer is None:
         raise ReFusionError("serving needs a tokenizer: this checkpoint has none")
+    check_api_key(api_key)
     engine = engine or engine_for(model, tokenizer, engine_config)
     cfg = cfg or engine.default_config
     metrics = Metrics()

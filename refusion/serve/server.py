@@ -11,10 +11,9 @@ until the app has drained, so a request sent meanwhile gets that 503 rather than
 refused or closed connection; then uvicorn's own drain runs, its timeout only a backstop,
 and a second signal exits at once.
 
-Limits on what a client sends before its body: a request's headers over
-`MAX_HEADER_BYTES` get a 431 (uvicorn's h11 refuses a head that large while it is still
-arriving; a head that arrives whole is measured here), and a connection whose request
-line and headers are not all in within `HEADER_TIMEOUT` seconds is closed.
+The limits on connections and on what a client sends before the app reads its request
+(the time a head and a body may take, the connections open at once, the head's size and
+shape) are kept by `http/connection.py`, with the figures of a `ServerLimits`.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import json
 import logging
 import os
 import signal
@@ -33,22 +31,16 @@ import time
 from types import FrameType
 from typing import Any
 
-import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .http.errors import error_response
-from .protocol.errors import APIError
+from ..settings.serve import ServerLimits
+from .http.connection import MAX_HEADER_BYTES, HeadChecks, fit_to_descriptors, protocol_for
 
 log = logging.getLogger("refusion.serve")
 
 # How long after the engine's deadline uvicorn still waits for connections before it
 # cancels their tasks: time for the cut requests' last step and their error events.
 BACKSTOP_SECONDS = 5.0
-# a request's header bytes (names and values): h11's own default, and far above what any client sends
-MAX_HEADER_BYTES = 16 * 1024
-# seconds from a connection's first byte (or its opening) to the end of its request's headers
-HEADER_TIMEOUT = 10.0
 
 
 class Server(uvicorn.Server):
@@ -129,18 +121,25 @@ def exit_now(sig: int) -> None:
 
 
 def make_server(
-    app: Any, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", uds: str | None = None
+    app: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    uds: str | None = None,
+    limits: ServerLimits | None = None,
 ) -> Server:
     """The server for `app`; `server.run()` serves until a signal (or `should_exit`).
     With `uds` it listens on that Unix socket instead of host:port, logs no access
-    lines and drains on SIGUSR1: a replica behind a front (which logs them)."""
+    lines and drains on SIGUSR1: a replica behind a front (which logs them). `limits`:
+    what a connection may hold (default: `ServerLimits()`)."""
     timeout = app.state.shutdown_timeout
     config = uvicorn.Config(
-        HeaderLimit(app),
+        HeadChecks(app),
         host=host,
         port=port,
         uds=uds,
-        http=HeadTimeoutProtocol,
+        http=protocol_for(fit_to_descriptors(limits or ServerLimits())),
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         access_log=uds is None,
         log_level=log_level,
@@ -148,87 +147,6 @@ def make_server(
         timeout_graceful_shutdown=timeout + BACKSTOP_SECONDS,
     )
     return Server(config, app.state, drain_on_usr1=uds is not None)
-
-
-class HeaderLimit:
-    """ASGI wrapper: a request whose headers add up to more than `MAX_HEADER_BYTES` gets
-    a 431 in OpenAI's error shape, before the app (and its body) is touched."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and header_bytes(scope) > MAX_HEADER_BYTES:
-            error = APIError(
-                431,
-                f"the request's headers are over {MAX_HEADER_BYTES} bytes; send shorter ones",
-                code="request_headers_too_large",
-                headers={"connection": "close"},
-            )
-            return await error_response(error)(scope, receive, send)
-        return await self.app(scope, receive, send)
-
-
-def header_bytes(scope: dict) -> int:
-    """The bytes of a request's header names and values, and its target."""
-    target = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
-    return target + sum(len(k) + len(v) for k, v in scope["headers"])
-
-
-class HeadTimeoutProtocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol, with a deadline for each request's head: a connection
-    that has not sent a whole request line and headers `HEADER_TIMEOUT` seconds after it
-    opened, or after the first byte of its next request, is closed (a 408 first when
-    part of a head came). uvicorn's keep-alive timeout covers the wait between requests.
-    It is the h11 protocol whether or not httptools is installed, so the limits hold
-    on every install."""
-
-    header_timeout = HEADER_TIMEOUT
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self.head_timer: asyncio.TimerHandle | None = None
-        self._arm()
-
-    def data_received(self, data: bytes) -> None:
-        if self.head_timer is None and self.conn.their_state is h11.IDLE:
-            self._arm()  # the first bytes of a kept-alive connection's next request
-        super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:
-            self._disarm()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
-
-    def _arm(self) -> None:
-        self.head_timer = self.loop.call_later(self.header_timeout, self._head_too_slow)
-
-    def _disarm(self) -> None:
-        if self.head_timer is not None:
-            self.head_timer.cancel()
-            self.head_timer = None
-
-    def _head_too_slow(self) -> None:
-        self.head_timer = None
-        if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
-            return
-        if self.conn.trailing_data[0]:
-            self.transport.write(_timeout_response(self.header_timeout))
-        self.transport.close()
-
-
-def _timeout_response(seconds: float) -> bytes:
-    """A 408 in OpenAI's error shape, written by hand: h11 has no request to answer."""
-    error = APIError(
-        408, f"the request line and headers did not arrive within {seconds:g} s", code="request_timeout"
-    )
-    body = json.dumps(error.body()).encode()
-    head = (
-        "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-        f"content-length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
 
 
 def _log_config(level: str) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ..errors import CheckpointError, UnsupportedArchitectureError
-from ..files import read_json
+from ..files import LIMITS, read_json
 from .fields import FieldError, check_scalar, shown
 
 _UNSET: Any = object()
@@ -141,7 +141,7 @@ class ModelConfig:
         path = Path(path)
         if not path.exists() and not path.is_symlink():
             raise CheckpointError(f"no config.json at {path}")
-        d = read_json(path, CheckpointError, limit=_MAX_CONFIG_BYTES, fix=FIX_CONFIG)
+        d = read_json(path, CheckpointError, limit=LIMITS.config_bytes, fix=FIX_CONFIG)
         if not isinstance(d, dict):
             raise CheckpointError(f"{path} does not hold a JSON object; {FIX_CONFIG}")
         return cls.from_hf_dict(d, where=str(path))
@@ -222,7 +222,6 @@ def _read_rope(d: dict[str, Any], check: _FieldCheck) -> tuple[float, dict[str, 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 MAX_SIZE = 2**31 - 1  # a size past int32 indexes no real tensor, and 5,000-digit ones stop here
 _TINY = 1e-30  # the least a value that must be positive may be
-_MAX_CONFIG_BYTES = 16 * 2**20
 FIX_CONFIG = "use the config.json the checkpoint was saved with"  # what to do about a bad config
 
 

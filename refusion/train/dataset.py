@@ -28,7 +28,7 @@ import torch
 
 from ..errors import DataError
 from ..files import JSONProblem, lone_surrogate, open_regular, parse_json
-from ..model.prompts import chat_text
+from ..model.prompts import chat_text, tokenize_batch
 from ..settings.train import DATA_FIX
 
 _CHUNK = 512  # records tokenised per tokenizer call
@@ -251,11 +251,11 @@ def _tokenise_chunk(tokenizer, chunk, eos_id: int) -> list[tuple[list[int], list
     if not chunk:
         return []
     texts = [chat_text(tokenizer, p) for _, p, _ in chunk]
-    # verbose=False: no "sequence length is longer than the specified maximum" from the
-    # tokenizer; records too long are counted and explained in DataStats instead.
-    prompts = tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]
-    responses = tokenizer([r for _, _, r in chunk], add_special_tokens=False, verbose=False)["input_ids"]
-    return [(list(p), list(r) + [eos_id]) for p, r in zip(prompts, responses)]
+    # without the tokenizer's "sequence length is longer than the specified maximum":
+    # records too long are counted and explained in DataStats instead.
+    prompts = tokenize_batch(tokenizer, texts, add_special_tokens=False)
+    responses = tokenize_batch(tokenizer, [r for _, _, r in chunk], add_special_tokens=False)
+    return [(p, r + [eos_id]) for p, r in zip(prompts, responses)]
 
 
 def split_eval(

@@ -94,6 +94,17 @@ def test_generate_trace_page_replays_the_commits(model_dir, tmp_path, capsys):
     assert "class SlotView" in html  # drawn by the slot view the playground uses
 
 
+@pytest.mark.parametrize("prompt", ["<!--<script>", "</script><script>alert(1)</script>", "a & b -->"])
+def test_the_trace_page_embeds_any_text_as_data(model_dir, tmp_path, prompt):
+    """No `<`, `>` or `&` in the embedded data, whatever the prompt or output: nothing an
+    HTML parser could take for markup inside the script element."""
+    page = tmp_path / "trace.html"
+    assert main(["generate", str(model_dir), prompt, "--gen-length", "8", "--trace", str(page)]) == 0
+    data = re.search(r"const DATA = (.*);\n", page.read_text()).group(1)
+    assert not set("<>&") & set(data)
+    assert json.loads(data)[0]["prompt"] == prompt
+
+
 def test_generate_preset_and_overrides_reach_the_config(model_dir, capsys):
     assert main(["generate", str(model_dir), "x", "--preset", "gsm8k", "--gen-length", "128", "--json"]) == 0
     cfg = json.loads(capsys.readouterr().out)["config"]

@@ -351,6 +351,18 @@ def test_the_trace_page_replays_in_the_browser(browser, bundled, tmp_path):
     assert set(page.cells(".view")) == set(committed_cells(bundled[1], out)) - last
 
 
+@pytest.mark.parametrize("prompt", ["<!--<script>", "</script><b>x</b>", "a & b <!-- c"])
+def test_the_trace_page_replays_any_prompt_text(browser, bundled, tmp_path, prompt):
+    """A prompt that looks like markup (`<!--<script>` puts an HTML parser in its
+    script-escape state, where the page's own end tag no longer ends the data) is shown
+    as text, and the replay is drawn."""
+    out = reference(bundled, example(bundled), STEPPED)
+    page_file = write_trace_html(tmp_path / "t.html", bundled[1], [prompt], [out], DecodeConfig(slot_size=8))
+    page = Page(browser, page_file.as_uri())
+    assert page.find("pre.text").text == prompt
+    assert page.cells(".view") == committed_cells(bundled[1], out)
+
+
 def test_the_page_streams_an_answer_and_its_slots(browser, bundled):
     # each step slowed, so that the page is seen while it decodes
     with serving(bundled, engine=GatedEngine(bundled, delay=0.3)) as server:

@@ -49,12 +49,12 @@ class LiveServer:
     """The server `refusion serve` runs, in a thread on a free loopback port (`stop` is
     its graceful shutdown, as on a first SIGTERM)."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, limits=None) -> None:
         self.app = app
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = make_server(app, log_level="warning")
+        self.server = make_server(app, log_level="warning", limits=limits)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         wait_for(lambda: self.server.started, what="server start")
@@ -77,8 +77,8 @@ class LiveServer:
 @contextmanager
 def live(loaded, **kwargs) -> Iterator[LiveServer]:
     model, tok = loaded
-    cfg = kwargs.pop("cfg", BASE)
-    server = LiveServer(create_app(model, tok, cfg, model_name=MODEL, **kwargs))
+    cfg, limits = kwargs.pop("cfg", BASE), kwargs.pop("limits", None)
+    server = LiveServer(create_app(model, tok, cfg, model_name=MODEL, **kwargs), limits)
     try:
         yield server
     finally:

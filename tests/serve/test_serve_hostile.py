@@ -28,6 +28,7 @@ from refusion.serve import create_app  # noqa: E402
 from refusion.serve.protocol.errors import APIError  # noqa: E402
 from refusion.serve.protocol.messages import for_template  # noqa: E402
 from refusion.serve.protocol.requests import parse_request  # noqa: E402
+from refusion.settings.serve import ServerLimits  # noqa: E402
 
 # test_serve's fixtures, shared here (one converted tiny model; one live server per module, in this
 # process and as a front over two replicas)
@@ -257,14 +258,11 @@ def test_a_header_over_the_limit_is_refused_before_the_app(server, size):
     assert ok.status_code == 200, ok.text
 
 
-def test_a_client_that_sends_its_headers_slowly_is_closed(loaded, monkeypatch):
+def test_a_client_that_sends_its_headers_slowly_is_closed(loaded):
     """One byte a second never finishes a head: the connection is closed at the header
     timeout, with a 408 (one that sends nothing is closed without one). A kept-alive
     connection idle between requests is not timed by it."""
-    from refusion.serve.server import HeadTimeoutProtocol
-
-    monkeypatch.setattr(HeadTimeoutProtocol, "header_timeout", 1.0)
-    with live(loaded) as s:
+    with live(loaded, limits=ServerLimits(header_timeout=1.0)) as s:
         host, port = s.url.removeprefix("http://").split(":")
         head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
         address = (host, int(port))

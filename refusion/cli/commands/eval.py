@@ -189,7 +189,7 @@ def _evaluate_model(args: argparse.Namespace, bench, common: dict) -> dict:
     from ...evaluate import evaluate
     from ...evaluate.benchmarks import Chat
     from ...evaluate.paper import finish_output
-    from ...io import load
+    from ...io import checkpoint_fingerprint, load
 
     args.preset = args.preset or bench.preset
     decode_config_from_args(args)  # bad flags fail before the model loads
@@ -226,6 +226,7 @@ def _evaluate_model(args: argparse.Namespace, bench, common: dict) -> dict:
         out_dir=out,
         config=cfg,
         model=args.model or "bundled",
+        model_files=checkpoint_fingerprint(args.model),
         replicas=_replicas(model),
         **common,
     )

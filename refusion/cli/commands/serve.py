@@ -12,9 +12,11 @@ from ..flags import (
     add_data_parallel_argument,
     add_decode_arguments,
     add_model_arguments,
+    add_server_limit_arguments,
     decode_config_from_args,
     engine_config_from_args,
     load_from_args,
+    server_limits_from_args,
 )
 
 
@@ -54,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--replica-socket", default=None, help=argparse.SUPPRESS
     )  # a replica: serve on this Unix socket
+    add_server_limit_arguments(parser)
     add_decode_arguments(parser)
 
 
@@ -89,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level,
         uds=args.replica_socket,
+        limits=server_limits_from_args(args),
     )
     return 0
 
@@ -99,8 +103,12 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ReFusionError("--max-queue must be >= 1 and --shutdown-timeout >= 0")
     if args.data_parallel_size < 1:
         raise ReFusionError("--data-parallel-size takes a positive number")
+    from ...serve.http.auth import check_api_key
+
+    check_api_key(args.api_key)
     decode_config_from_args(args)
     engine_config_from_args(args)
+    server_limits_from_args(args)
 
 
 def run_replicas(args: argparse.Namespace) -> int:
@@ -110,7 +118,7 @@ def run_replicas(args: argparse.Namespace) -> int:
 
     args.model = args.model or args.model_pos
     _check_flags(args)
-    return run_front(args, args._argv, served_name(args))
+    return run_front(args, args._argv, served_name(args), server_limits_from_args(args))
 
 
 def served_name(args: argparse.Namespace) -> str:

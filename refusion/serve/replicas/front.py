@@ -14,7 +14,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from ..http.errors import error_response
+from ..http.auth import check_api_key
+from ..http.errors import error_response, quiet_disconnects
 from ..protocol.errors import APIError
 from .metrics import merge_metrics
 from .pool import ReplicaPool
@@ -26,6 +27,7 @@ log = logging.getLogger("refusion.serve")
 
 def create_front(replicas: ReplicaPool, model_name: str, shutdown_timeout: float = 30.0) -> FastAPI:
     """The HTTP front over started, ready replicas."""
+    check_api_key(replicas.api_key)
     app = FastAPI(
         title="ReFusion",
         lifespan=_lifespan(replicas, shutdown_timeout),
@@ -54,6 +56,7 @@ def create_front(replicas: ReplicaPool, model_name: str, shutdown_timeout: float
     async def api_error(_request: Request, e: APIError) -> JSONResponse:
         return error_response(e)
 
+    quiet_disconnects(app)
     return app
 
 

@@ -7,14 +7,16 @@ import socket
 import sys
 
 from ...errors import ReFusionError
+from ...settings.serve import ServerLimits
 from ..server import make_server
 from .front import create_front
 from .pool import start_replicas
 
 
-def run_front(args: argparse.Namespace, argv: list[str], model_name: str) -> int:
+def run_front(args: argparse.Namespace, argv: list[str], model_name: str, limits: ServerLimits) -> int:
     """`refusion serve ... --data-parallel-size N` in this process: start the replicas,
-    wait until each answers, then serve the front until a signal."""
+    wait until each answers, then serve the front until a signal, with `limits` on the
+    clients' connections."""
     size, split = args.data_parallel_size, args.tensor_parallel_size or 1
     sock = _listen(args.host, args.port)  # a taken port fails before N models load
     print(
@@ -29,7 +31,13 @@ def run_front(args: argparse.Namespace, argv: list[str], model_name: str) -> int
         replicas.wait_ready()
         print(f"refusion serve: {size} replicas ready", file=sys.stderr, flush=True)
         app = create_front(replicas, model_name, args.shutdown_timeout)
-        app.state.server = make_server(app, host=args.host, port=args.port, log_level=args.log_level)
+        app.state.server = make_server(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            limits=limits,
+        )
         app.state.server.run(sockets=[sock])
     finally:
         replicas.stop()  # a replica that failed, a front that failed to start: no replica is left behind
