@@ -70,7 +70,7 @@ def create_app(
     _set_state(app, engine_loop, metrics, shutdown_timeout)
     add_status_routes(app, engine_loop, metrics, model_name)
     add_api_routes(app, completions)
-    add_playground_routes(app, model, cfg, model_name, engine.admission.context)
+    add_playground_routes(app, model, cfg, model_name, engine.admission.context, engine.widths.adaptive)
     add_error_handlers(app, metrics)
     app.add_middleware(Observe, metrics=metrics, api_key=api_key)
     return app

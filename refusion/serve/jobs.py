@@ -39,6 +39,18 @@ class ChoiceOutput:
         return self.finish_reason is not None
 
 
+def widths_used(stats: Any, adaptive: bool) -> dict[str, Any]:
+    """The draft widths a finished request drafted at: whether they followed the batch,
+    and its mean plan width (MASKs per slot) and infilling window over its drafting steps
+    (None when it drafted none: AR, MDM, or only AR blocks)."""
+    steps = stats.draft_steps
+    return {
+        "adaptive_widths": adaptive,
+        "plan_width": stats.plan_width_sum / steps if steps else None,
+        "infill_window": stats.window_sum / steps if steps else None,
+    }
+
+
 # what a job hands over: an output, or the error that ended it
 Notify = Callable[["ChoiceOutput | BaseException"], None]
 
@@ -92,10 +104,11 @@ class Job:
             if out.stats.nfe:
                 self.metrics.tpf.observe(out.stats.tpf)
 
-    def send_slots(self, req: Any, out: Any, tokenizer: Any) -> None:
+    def send_slots(self, req: Any, out: Any, tokenizer: Any, adaptive: bool = False) -> None:
         """The slot events this job's request recorded since the last ones sent (worker
         thread), with its forward count and seconds so far; at the end, its final counts.
-        `req` is the engine's request (None once it finished), `out` this step's output."""
+        `req` is the engine's request (None once it finished), `out` this step's output,
+        `adaptive` whether its draft widths followed the batch (the engine's WidthPolicy)."""
         trace = out.trace if out is not None else getattr(req, "trace", None)
         new = (trace or [])[self.events_sent :]
         if self.finished or not (new or (out is not None and out.finished)):
@@ -109,14 +122,13 @@ class Job:
             "elapsed": time.perf_counter() - started if started else stats.wall_time,
         }
         if out is not None and out.finished:
-            cfg = (
-                self.prepared.cfg
-            )  # whether its text is AR's own (DecodeConfig.lossless), and at what temperature
+            cfg = self.prepared.cfg  # is its text AR's own (DecodeConfig.lossless), at what temperature
             payload["stats"] = {
                 **stats.as_dict(),
                 "tokens": len(out.token_ids),
                 "lossless": cfg.lossless,
                 "temperature": cfg.temperature,
+                **widths_used(stats, adaptive),
             }
         self._send(ChoiceOutput(self.index, slots=payload))
 

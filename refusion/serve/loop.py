@@ -249,7 +249,8 @@ class EngineLoop:
         for job in self._jobs.values():
             if job.slots:
                 req = self.engine.requests.get(job.id)
-                job.send_slots(req, by_id.get(job.id), self.engine.tokenizer)
+                follows = self.engine.widths.follows(job.prepared.cfg)
+                job.send_slots(req, by_id.get(job.id), self.engine.tokenizer, follows)
 
     def _is_running(self, job: Job) -> bool:
         req = self.engine.requests.get(job.id)

@@ -22,7 +22,7 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException
 
 from ..decode.trace import STATIC as DRAWING
-from ..settings.decode import PRESETS, DecodeConfig
+from ..settings.decode import PRESETS, DecodeConfig, EngineConfig
 from ..settings.fields import field_kind
 from ..settings.recommended import recommended_of
 from .protocol.requests import DECODE_FIELDS
@@ -32,6 +32,7 @@ PAGE_DIR = Path(__file__).with_name("static")
 FILES = {
     "playground.js": PAGE_DIR / "playground.js",
     "playground.css": PAGE_DIR / "playground.css",
+    "replay.js": PAGE_DIR / "replay.js",
     "slots.js": DRAWING / "slots.js",
     "slots.css": DRAWING / "slots.css",
 }
@@ -45,9 +46,13 @@ def is_public(path: str) -> bool:
     return path == "/" or path.startswith("/static/")
 
 
-def add_playground_routes(app: FastAPI, model: Any, cfg: DecodeConfig, model_name: str, context: int) -> None:
-    """`/` (the page), `/static/NAME` (its files) and `/playground/settings` (its form)."""
+def add_playground_routes(
+    app: FastAPI, model: Any, cfg: DecodeConfig, model_name: str, context: int, adaptive_drafts: bool
+) -> None:
+    """`/` (the page), `/static/NAME` (its files) and `/playground/settings` (its form).
+    `adaptive_drafts`: whether the engine's draft widths follow the batch (its WidthPolicy)."""
     settings = settings_body(model, cfg, model_name, context)
+    settings["draft_widths"] = draft_widths(adaptive_drafts)
 
     @app.get("/", response_class=HTMLResponse)
     async def page() -> FileResponse:
@@ -76,6 +81,7 @@ def settings_body(model: Any, cfg: DecodeConfig, model_name: str, context: int) 
         "help": f"{gen.metadata['help']} (max_tokens of the request)",
         "lo": 1,
         "hi": context,
+        "bounds": bounds_text(1, context),
         "choices": None,
         "optional": True,
     }
@@ -100,9 +106,37 @@ def field_spec(f: dataclasses.Field) -> dict[str, Any]:
         "help": meta["help"],
         "lo": meta.get("lo"),
         "hi": meta.get("hi"),
+        "bounds": bounds_text(meta.get("lo"), meta.get("hi")),
         "choices": list(meta["choices"]) if meta.get("choices") else None,
         "optional": "None" in str(f.type),
     }
+
+
+def bounds_text(lo: float | None, hi: float | None) -> str | None:
+    """A field's range as a person writes it. A JSON number past 2^53 reaches a browser
+    rounded (2^63 - 1 shows as 9223372036854776000), so such a bound is written here, as
+    a power of two where it is one."""
+    if lo is None or hi is None:
+        return None
+    return f"[{_number_text(lo)}, {_number_text(hi)}]"
+
+
+def _number_text(x: float) -> str:
+    if not isinstance(x, int) or abs(x) <= 2**53:
+        return str(x)
+    sign = "\u2212" if x < 0 else ""
+    for off, tail in ((0, ""), (1, " \u2212 1")):  # 2^k or 2^k - 1
+        k = (abs(x) + off).bit_length() - 1
+        if abs(x) + off == 2**k:
+            return f"{sign}2^{k}{tail}"
+    return str(x)
+
+
+def draft_widths(adaptive: bool) -> dict[str, Any]:
+    """Which draft widths the engine uses (EngineConfig.adaptive_drafts), with its help:
+    the page shows it, and each finished request's stats say whether its row followed."""
+    meta = next(f for f in dataclasses.fields(EngineConfig) if f.name == "adaptive_drafts").metadata
+    return {"adaptive": adaptive, "help": meta["help"]}
 
 
 def request_values(cfg: DecodeConfig) -> dict[str, Any]:

@@ -371,7 +371,7 @@ def test_the_page_streams_an_answer_and_its_slots(browser, bundled):
         page.example("examples", "arithmetic")
         page.find("#send").click()
         wait_for(lambda: page.cells("#chat-view") and page.state("chat") == "running", 30, "a live commit")
-        assert page.find("#chat-stats").text.startswith("step ")
+        assert page.find("#chat-stats").text.startswith("steps ")
         assert page.finished("chat") == "done"
         ref = reference(bundled, example(bundled), STEPPED)
         assert page.all("#messages .assistant")[-1].text == ref.text.strip()

@@ -59,12 +59,27 @@
     state.settings = await resp.json();
     const s = state.settings;
     $('model').textContent = 'model: ' + s.model;
-    $('about').textContent = s.about || '';
+    showMarkup($('about'), s.about || '');
+    $('widths').textContent = s.draft_widths.adaptive
+      ? 'Draft widths: adaptive (the engine\u2019s adaptive_drafts is on). ' + s.draft_widths.help + '.'
+      : 'Draft widths: fixed (the server runs with adaptive drafts off): each request drafts at its ' +
+        'slot_size and infill_window.';
     buildForm(s.fields, s.defaults);
     buildPresets(s.presets);
     buildExamples($('examples'), s.examples, (p) => { $('prompt').value = p; $('prompt').focus(); });
     buildExamples($('race-examples'), s.examples, (p) => { $('race-prompt').value = p; });
     $('key-box').hidden = true;
+  }
+
+  /* Text with `code` spans (the checkpoint's own words): each piece set as text, never as
+     markup, the spans in <code>. */
+  function showMarkup(el, text) {
+    el.replaceChildren(...text.split('`').map((piece, i) => {
+      if (i % 2 === 0) return document.createTextNode(piece);
+      const code = document.createElement('code');
+      code.textContent = piece;
+      return code;
+    }));
   }
 
   function buildForm(fields, defaults) {
@@ -102,8 +117,7 @@
       }
       const help = document.createElement('span');
       help.className = 'help';
-      const range = f.lo !== null && f.hi !== null ? ' [' + f.lo + ', ' + f.hi + ']' : '';
-      help.textContent = f.help + range;
+      help.textContent = f.help + (f.bounds ? ' ' + f.bounds : '');
       row.appendChild(help);
       form.appendChild(row);
     }
@@ -157,8 +171,11 @@
     return out;
   }
 
+  /* A typed number as JSON sends it: an integer past 2^53 (a seed) goes as its digits, as
+     a JavaScript number would round it. */
   function number(raw) {
     const n = Number(raw);
+    if (/^-?\d+$/.test(raw) && !Number.isSafeInteger(n) && JSON.rawJSON) return JSON.rawJSON(raw);
     return raw !== '' && Number.isFinite(n) ? n : raw;
   }
 
@@ -180,6 +197,7 @@
     });
     const slotSize = settings.method === 'refusion' ? settings.slot_size : 1;
     lane.view.reset(regionLength(settings), slotSize);
+    lane.widths.textContent = '';
     const live = { text: '', nfe: 0, elapsed: 0, final: null, started: performance.now() };
     const resp = await fetch('/v1/chat/completions', {
       method: 'POST', headers: headers(), body: JSON.stringify(body), signal: signal,
@@ -205,6 +223,7 @@
       }
     }
     lane.view.settle();
+    lane.widths.textContent = widthsText(live.final, settings);
     return live;
   }
 
@@ -212,6 +231,7 @@
     if (chunk.error) throw new Error(chunk.error.message);
     if (chunk.slots) {
       lane.view.add(chunk.slots.events);
+      lane.frames.push({ t: chunk.slots.elapsed, events: chunk.slots.events });
       live.nfe = chunk.slots.nfe;
       live.elapsed = chunk.slots.elapsed;
       if (chunk.slots.stats) live.final = chunk.slots.stats;
@@ -224,8 +244,7 @@
       }
     }
     lane.stats.textContent = statsText(lane.view, live);
-    lane.step.textContent = lane.view.step >= 0 ? 'step ' + (lane.view.step + 1) + ': ' +
-      lane.view.summary(lane.view.step) : '';
+    lane.step.textContent = Replay.stepLine(lane.view);
   }
 
   function statsText(view, live) {
@@ -234,13 +253,31 @@
     const nfe = f ? f.nfe : live.nfe;
     const secs = f ? f.wall_time : live.elapsed;
     const tps = secs > 0 ? tokens / secs : 0;
-    return 'step ' + (view.step + 1) + ' \u00b7 NFE ' + nfe + ' \u00b7 TPF ' +
+    return 'steps ' + (view.step + 1) + ' \u00b7 NFE ' + nfe + ' (forward passes) \u00b7 TPF ' +
       (nfe ? (tokens / nfe).toFixed(2) : '0') + ' \u00b7 ' + tps.toFixed(1) + ' tokens/s \u00b7 ' +
       tokens + ' tokens' + (f ? ' \u00b7 done' : '');
   }
 
+  /* The draft widths a finished ReFusion request drafted at, as the server counted them. */
+  function widthsText(f, settings) {
+    if (!f) return '';
+    const method = settings.method || state.settings.defaults.method;
+    if (method !== 'refusion') return 'no drafts: ' + method.toUpperCase() + ' decodes without them';
+    const ar = f.ar_blocks ? ' \u00b7 ' + f.ar_blocks + ' block(s) decoded as AR' : '';
+    const mean = f.plan_width === null ? 'no drafting steps'
+      : 'mean plan width ' + f.plan_width.toFixed(1) + ' (slot_size ' + (settings.slot_size || '?') +
+        '), mean infilling window ' + f.infill_window.toFixed(1);
+    return 'draft widths: ' + (f.adaptive_widths
+      ? 'adaptive (chosen each block from the speed the engine measures): '
+      : 'fixed by these settings (the output could depend on them): ') + mean + ar;
+  }
+
   // ------------------------------------------------------------------ chat
   const chatView = new SlotView($('chat-view'), 0, 1);
+  const chatLane = {
+    view: chatView, stats: $('chat-stats'), step: $('chat-step'), widths: $('chat-widths'), frames: [], onText: null,
+  };
+  const chatReplay = new Replay($('chat-replay'), [chatLane]);
 
   function addMessage(role, text) {
     const el = document.createElement('div');
@@ -262,13 +299,13 @@
     const answer = addMessage('assistant', '');
     // a single-turn model answers each message on its own
     const messages = state.settings.single_turn ? state.history.slice(-1) : state.history.slice();
-    const lane = {
-      view: chatView, stats: $('chat-stats'), step: $('chat-step'), onText: (t) => { answer.textContent = t; },
-    };
+    chatLane.onText = (t) => { answer.textContent = t; };
+    chatReplay.clear();
     busy(true);
     try {
-      const live = await run(messages, settings, lane, state.abort.signal);
+      const live = await run(messages, settings, chatLane, state.abort.signal);
       state.history.push({ role: 'assistant', content: live.text });
+      chatReplay.finished();
       document.body.dataset.chat = 'done';
     } catch (e) {
       state.history.pop();
@@ -295,11 +332,14 @@
       view: new SlotView(box.querySelector('.view'), 0, 1),
       stats: box.querySelector('.stats'),
       step: box.querySelector('.step'),
+      widths: box.querySelector('.widths'),
+      frames: [],
       text: text,
       onText: (t) => { text.textContent = t; },
     };
   }
   const lanes = { ar: lane('lane-ar'), refusion: lane('lane-refusion') };
+  const raceReplay = new Replay($('race-replay'), [lanes.ar, lanes.refusion]);
 
   async function race(ev) {
     ev.preventDefault();
@@ -311,12 +351,14 @@
     const settings = readSettings();
     const messages = [{ role: 'user', content: prompt }];
     for (const l of Object.values(lanes)) { l.text.textContent = ''; l.stats.textContent = ''; }
+    raceReplay.clear();
     try {
       const [ar, rf] = await Promise.all([
         run(messages, Object.assign({}, settings, { method: 'ar' }), lanes.ar),
         run(messages, Object.assign({}, settings, { method: 'refusion' }), lanes.refusion),
       ]);
       $('race-verdict').textContent = verdict(ar, rf);
+      raceReplay.finished();
       document.body.dataset.race = 'done';
     } catch (e) {
       document.body.dataset.race = 'error';
@@ -352,12 +394,19 @@
     }
   }
 
+  // a phone's narrow screen opens on the chat, the settings folded above it
+  if (window.matchMedia('(max-width: 900px)').matches) $('settings-box').open = false;
   $('legend').appendChild(SlotView.legend());
   $('chat-form').onsubmit = send;
   $('race-form').onsubmit = race;
   $('prompt').onkeydown = (e) => { if (e.key === 'Enter' && e.ctrlKey) send(e); };
   $('stop').onclick = () => state.abort && state.abort.abort();
-  $('clear').onclick = () => { state.history = []; $('messages').replaceChildren(); chatView.reset(0, 1); };
+  $('clear').onclick = () => {
+    state.history = [];
+    $('messages').replaceChildren();
+    chatView.reset(0, 1);
+    chatReplay.clear();
+  };
   $('tab-chat').onclick = () => tab('chat');
   $('tab-race').onclick = () => tab('race');
   $('key-use').onclick = () => { state.key = $('key').value.trim() || null; $('key').value = ''; clearError(); start(); };
