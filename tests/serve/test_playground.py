@@ -207,6 +207,8 @@ def test_slot_events_are_the_decoders_trace_of_the_steps(server, bundled):
     # whether the text is AR decoding's own, as DecodeConfig.lossless says of the request's settings
     stepped = recommended_of(bundled[0]).decode_config(slot_size=8, serial_blocks=1, gen_length=96)
     assert stepped.lossless is None and (final["lossless"], final["temperature"]) == (None, 0.0)
+    # several slots per block: the draft widths stay the settings' (a whole slot planned each step)
+    assert (final["adaptive_widths"], final["plan_width"]) == (False, 8.0)
     # sent step by step, as the decoder went: each chunk holds one step's events, in order
     steps = [{e["step"] for e in s["events"]} for s in slots]
     assert all(len(st) == 1 for st in steps) and [min(st) for st in steps] == list(range(len(slots)))
