@@ -225,6 +225,20 @@ def test_the_readme_lists_the_bench_commands_the_cli_has():
     row = next(line for line in README.splitlines() if line.startswith("| `refusion bench "))
     named = {verb for group in re.findall(r"`refusion bench ([a-z\\|]+)", row) for verb in group.split("\\|")}
     assert named == set(BENCHES)
+    listed = subprocess.run(
+        [sys.executable, "-m", "refusion.cli", "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT
+    ).stdout
+    bench_line = " ".join(listed.split("bench", 1)[1].split("serve", 1)[0].split())
+    assert all(re.search(rf"\b{verb}\b", bench_line) for verb in named), bench_line  # `refusion --help`
+
+
+def test_the_stats_are_explained_where_they_first_appear():
+    """`nfe`, `tpf` and `tps` are what `--stats` prints in the Quick start: the README says
+    what each is before any later use of them."""
+    for name in ("nfe", "tpf", "tps"):
+        first = README.lower().index(name)
+        said = README.index(f"`{name}`")
+        assert said == first - 1 and said < README.index("## Use it"), name
 
 
 def test_the_results_pages_commands_parse():
