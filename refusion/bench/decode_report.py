@@ -21,6 +21,49 @@ def ar_partner(method: str) -> str:
     return "ar" + tilde + temperature
 
 
+MIN_ROUNDS = 3  # fewer rounds cannot show how far one round's ratio strays
+MAX_SPREAD = 0.25  # per-round ratios spread wider than this share of their median: a noisy run
+
+
+def print_summary(table: dict[str, dict[str, Any]], rounds: int) -> list[str]:
+    """The line the output leads with: the first method compared with AR, its speed-up at
+    batch size 1, its TPF against AR's and the rounds' spread; then a warning when the
+    rounds are too few, or spread too wide, for the ratio to be trusted. Returns the lines."""
+    lead = next((m for m, r in table.items() if "vs_ar" in r and m != ar_partner(m)), None)
+    if lead is None:
+        m, r = next(iter(table.items()))
+        lines = [f"{m}: TPF {r['tpf']:.2f} at batch size 1 (no AR row to compare tokens/s with)"]
+    else:
+        r, ar = table[lead], table[ar_partner(lead)]
+        lines = [
+            f"{lead}: {r['vs_ar']:.2f}x AR's tokens/s at batch size 1 (TPF {r['tpf']:.2f} vs "
+            f"{ar['tpf']:.2f}), median of {rounds} round{'s' * (rounds > 1)}, "
+            f"per-round ratios {r['vs_ar_low']:.2f}x-{r['vs_ar_high']:.2f}x"
+        ]
+        lines += noise_warnings(r, rounds)
+    for line in lines:
+        print(line)
+    print()
+    return lines
+
+
+def noise_warnings(r: dict[str, float], rounds: int) -> list[str]:
+    """Why a tokens/s ratio may be noise: too few rounds to see the spread, or a spread too
+    wide. TPF counts forwards, which noise does not move."""
+    if rounds < MIN_ROUNDS:
+        return [
+            f"warning: {rounds} round{'s' * (rounds > 1)} only: on a shared machine one round's ratio "
+            f"can be off by 2x or more; use --rounds {MIN_ROUNDS} or more (TPF is not noisy)"
+        ]
+    spread = (r["vs_ar_high"] - r["vs_ar_low"]) / r["vs_ar"]
+    if spread > MAX_SPREAD:
+        return [
+            f"warning: the per-round ratios spread over {spread:.0%} of their median: the machine's speed "
+            "varied during the run; use more --rounds or a quieter machine (TPF is not noisy)"
+        ]
+    return []
+
+
 def print_table(
     table: dict[str, dict[str, Any]], n_prompts: int, gen_length: int, rounds: int, threads: str, gpu: bool
 ) -> None:

@@ -174,6 +174,31 @@ def load_from_args(args: argparse.Namespace):
     )
 
 
+def check_mask_before_load(args: argparse.Namespace) -> None:
+    """A method that feeds MASK tokens, asked of a checkpoint that has none (an AR model,
+    before `refusion convert`), fails on the checkpoint's config and tokenizer: before its
+    weights load, which can take minutes, and naming the flag that decodes it as it is."""
+    from ..decode.methods import METHODS
+    from ..errors import MissingMaskTokenError
+    from ..io import load_metadata
+    from ..io.resolve import resolve_source
+    from ..settings.recommended import Recommended
+
+    source = resolve_source(args.model)
+    rec = Recommended() if source.suffix == ".gguf" else Recommended.read(source)
+    cfg = decode_config_from_args(args, base=rec.decode_config())
+    if not METHODS[cfg.method].needs_mask:
+        return
+    config, _ = load_metadata(source)
+    if config.mask_token_id is None:
+        name = args.model or "this model"
+        raise MissingMaskTokenError(
+            f"{name} has no MASK token (an autoregressive checkpoint), so method {cfg.method!r} cannot "
+            f"decode it: add --method ar, or make it a ReFusion model with `refusion convert {name} OUT` "
+            "then `refusion train --model OUT ...`"
+        )
+
+
 def engine_from_args(args: argparse.Namespace):
     """The model the flags name, loaded, in an engine with the flags' resources (what a
     rank that follows rank 0 of a split model runs)."""

@@ -7,12 +7,13 @@ inside the functions so that importing `refusion.io` stays cheap.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, first_line
+from ..errors import CheckpointError, MissingExtraError, first_line
 from ..model.transformer import Transformer, stored_shapes
 from ..settings.model import ModelConfig
 from .dtypes import config_dtype
@@ -33,9 +34,7 @@ def load_gguf(
     try:
         hf_model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name)
     except ImportError as e:
-        raise CheckpointError(
-            f"reading GGUF needs the gguf package (pip install 'refusion[gguf]'): {e}"
-        ) from None
+        raise MissingExtraError(f"{_NEEDS_GGUF} ({first_line(e)})") from None
     except _PARSE_ERRORS as e:
         raise CheckpointError(f"cannot import the GGUF file {file}: {first_line(e)}") from None
     model = Transformer.meta(config)
@@ -50,6 +49,19 @@ def load_gguf(
     return fill_model(model, state, device), tokenizer
 
 
+_NEEDS_GGUF = (
+    "reading a GGUF file needs the gguf package (the gguf extra): pip install 'refusion[gguf]', "
+    "or scripts/setup.sh gguf in a checkout"
+)
+
+
+def _require_gguf() -> None:
+    """The `gguf` package, asked for by its extra's name before transformers is given the
+    file (without it, transformers' own error names a package but not our extra)."""
+    if importlib.util.find_spec("gguf") is None:
+        raise MissingExtraError(_NEEDS_GGUF)
+
+
 # what the gguf package and transformers raise on a file they cannot take
 _PARSE_ERRORS = (OSError, ValueError, KeyError, TypeError, IndexError, RuntimeError, NotImplementedError)
 
@@ -60,6 +72,7 @@ def gguf_metadata(file: Path) -> tuple[ModelConfig, Any]:
     the file; the config is weighed against the file's size."""
     from transformers import AutoConfig
 
+    _require_gguf()
     check_gguf_header(file)
     try:
         hf_config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)

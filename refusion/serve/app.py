@@ -24,6 +24,7 @@ from fastapi import FastAPI
 from ..decode import DecodeConfig, Engine, EngineConfig
 from ..decode.follow import engine_for
 from ..errors import ReFusionError
+from ..settings.recommended import recommended_of
 from .client import EngineClient
 from .http.auth import check_api_key
 from .http.errors import add_error_handlers
@@ -59,7 +60,10 @@ def create_app(
     metrics = Metrics()
     engine_loop = EngineLoop(engine, max_queue=max_queue, metrics=metrics)
     threads = RequestThreads()
-    completions = Completions(engine.admission, cfg, model_name, EngineClient(engine_loop), threads)
+    chat_only = recommended_of(model).chat_only
+    completions = Completions(
+        engine.admission, cfg, model_name, EngineClient(engine_loop), threads, chat_only=chat_only
+    )
     app = FastAPI(
         title="ReFusion",
         lifespan=_lifespan(engine, engine_loop, threads, shutdown_timeout),

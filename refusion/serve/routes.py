@@ -10,6 +10,7 @@ the whole completion when it is done).
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -25,16 +26,24 @@ from .http.limits import RequestThreads, parse_json, read_body
 from .loop import EngineLoop, QueueFull, ShuttingDown
 from .metrics import Metrics
 from .protocol.errors import library_error
-from .protocol.requests import CompletionRequest, admit_request, check_model, parse_request
+from .protocol.requests import (
+    CompletionRequest,
+    admit_request,
+    check_model,
+    completion_warning,
+    parse_request,
+)
 from .protocol.responses import model_card
 from .protocol.streams import completion_body, completion_events
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+log = logging.getLogger("refusion.serve")
 
 
 class Completions:
     """The completion routes' work: the server's default settings, its model's name and
-    admission, and the engine client."""
+    admission, and the engine client. `chat_only`: the checkpoint knows text only through
+    its chat template, so a raw text completion is answered with a warning."""
 
     def __init__(
         self,
@@ -43,8 +52,10 @@ class Completions:
         name: str,
         client: EngineClient,
         threads: RequestThreads,
+        chat_only: bool = False,
     ) -> None:
         self.admission, self.cfg, self.name, self.client, self.threads = admission, cfg, name, client, threads
+        self.chat_only, self.warned = chat_only, False
         self.created = int(time.time())
 
     def model_card(self) -> dict[str, Any]:
@@ -65,7 +76,12 @@ class Completions:
         """The body parsed and checked, and each of its prompts admitted (a request thread)."""
         req = parse_request(parse_json(raw), kind)
         check_model(req.model, self.name)
-        return req, admit_request(req, self.admission, self.cfg)
+        prepared = admit_request(req, self.admission, self.cfg)
+        req.warning = completion_warning(req, self.chat_only)
+        if req.warning and not self.warned:  # once: every such response carries the warning itself
+            log.warning("a raw text completion: %s (logged once)", req.warning)
+            self.warned = True
+        return req, prepared
 
     async def respond(
         self, request: Request, req: CompletionRequest, outputs: Generation, prompt_tokens: int

@@ -5,8 +5,10 @@ The decode settings a model was tuned for belong to its weights, not to the comm
 happens to run them: `generate`, `chat`, `serve`, `eval` and `bench` start from them when
 the user gives none, `refusion info` shows them, and a save writes them back. The file
 also says what the model is for (`about`), whether it knows single turns only
-(`single_turn`: `chat` then keeps no history) and gives prompts to try (`examples`,
-label -> prompt). Every key is optional; a checkpoint without the file gets
+(`single_turn`: `chat` then keeps no history), whether it knows text only through its chat
+template (`chat_only`: a raw text prompt continued without it gives noise, so the server's
+`/v1/completions` says so in a `warning`) and gives prompts to try (`examples`, label ->
+prompt). Every key is optional; a checkpoint without the file gets
 `DecodeConfig()`'s defaults. Nothing here imports torch.
 
     {"decode": {"slot_size": 8, "serial_blocks": 4, "slot_threshold": 0.7},
@@ -27,7 +29,7 @@ from .decode import DecodeConfig
 from .fields import shown
 
 FILE = "decode_config.json"
-_KEYS = {"decode", "about", "single_turn", "examples"}
+_KEYS = {"decode", "about", "single_turn", "chat_only", "examples"}
 _FIX = "fix or delete the file"
 
 
@@ -38,6 +40,7 @@ class Recommended:
     decode: dict[str, Any] = field(default_factory=dict)
     about: str = ""
     single_turn: bool = False
+    chat_only: bool = False
     examples: dict[str, str] = field(default_factory=dict)
 
     def decode_config(self, **overrides: Any) -> DecodeConfig:
@@ -76,6 +79,7 @@ class Recommended:
             decode=_field(given, "decode", dict, "an object of decode settings", where),
             about=_field(given, "about", str, "a string", where),
             single_turn=_field(given, "single_turn", bool, "true or false", where),
+            chat_only=_field(given, "chat_only", bool, "true or false", where),
             examples=_field(given, "examples", dict, "an object of label -> prompt", where),
         )
         _check_decode(rec, where)
@@ -115,7 +119,13 @@ def _check_decode(rec: Recommended, where: str) -> None:
         ) from None
 
 
-_DEFAULTS: dict[str, Any] = {"decode": {}, "about": "", "single_turn": False, "examples": {}}
+_DEFAULTS: dict[str, Any] = {
+    "decode": {},
+    "about": "",
+    "single_turn": False,
+    "chat_only": False,
+    "examples": {},
+}
 
 
 def recommended_of(model: Any) -> Recommended:

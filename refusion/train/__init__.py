@@ -17,7 +17,7 @@ The output directory:
 
     OUT/                  the final model: config.json, model.safetensors, tokenizer files
     OUT/log.jsonl         one JSON record per log step, eval and event
-    OUT/.train.lock       flock'd by the trainer writing OUT (a second one is refused)
+    OUT/.train.lock       flock'd by the trainer writing OUT while it runs (a second one is refused)
     OUT/tensorboard/      the same scalars, when tensorboard is installed
     OUT/checkpoints/step-00000500/
                           a normal model directory too, plus train_state/ (weights,

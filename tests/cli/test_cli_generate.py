@@ -176,8 +176,18 @@ def test_bench_decode_prints_the_table(model_dir, capsys):
         == 0
     )
     out = capsys.readouterr().out
+    # it leads with one line: ReFusion against AR, and a warning that one round is too few
+    lead = re.search(
+        r"^refusion: ([\d.]+)x AR's tokens/s at batch size 1 \(TPF ([\d.]+) vs 1\.00\), median of 1 round, "
+        r"per-round ratios ([\d.]+)x-([\d.]+)x\nwarning: 1 round only",
+        out,
+        re.M,
+    )
+    assert lead and lead.group(1) == lead.group(3) == lead.group(4), out
+    assert out.index("refusion: ") < out.index("prompts, batch size 1")
     for method in ("ar", "refusion", "mdm"):
         assert re.search(rf"^{method}\s+\d+\s+\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+x", out, re.M)
+    assert re.search(rf"^refusion\s+\d+\s+\d+\s+{lead.group(2)}\s+[\d.]+\s+{lead.group(1)}x", out, re.M)
     assert "batch-size sweep" in out
     for method in ("ar", "refusion", "mdm"):  # what each asks of the machine, per batch size
         assert re.search(rf"^{method}\s+fed/token(\s+[\d.]+){{2}}\n\s+GFLOP/s(\s+[\d.]+){{2}}$", out, re.M)
@@ -185,6 +195,44 @@ def test_bench_decode_prints_the_table(model_dir, capsys):
     assert re.search(r"a matmul of the model's shapes reaches [\d.]+ GFLOP/s", out)
     for method in ("ar", "refusion", "mdm"):  # the linear layers' ceiling, against b=1 and the best batch
         assert re.search(rf"^{method}\s+[\d.]+\s+[\d.]+x\s+[\d.]+\s+[\d.]+%$", out, re.M)
+
+
+def _summary(ratios: list[float], tpf: float = 7.05) -> list[str]:
+    from refusion.bench.decode import median_ratio
+    from refusion.bench.decode_report import print_summary
+
+    table = {
+        "ar": {"tpf": 1.0, "vs_ar": 1.0, "vs_ar_low": 1.0, "vs_ar_high": 1.0},
+        "refusion": {
+            "tpf": tpf,
+            "vs_ar": median_ratio((1.0, x) for x in ratios),
+            "vs_ar_low": min(ratios),
+            "vs_ar_high": max(ratios),
+        },
+    }
+    return print_summary(table, len(ratios))
+
+
+def test_bench_decode_summary_warns_when_rounds_are_too_few_or_too_spread(capsys):
+    """The summary line, and the warning a reader needs beside a ratio: one round cannot
+    show its own noise (2.23x then 0.29x were seen for one comparison), and rounds that
+    disagree by more than a quarter of their median say the machine's speed moved."""
+    one = _summary([2.23])
+    assert one[0] == (
+        "refusion: 2.23x AR's tokens/s at batch size 1 (TPF 7.05 vs 1.00), median of 1 round, "
+        "per-round ratios 2.23x-2.23x"
+    )
+    assert len(one) == 2 and one[1].startswith("warning: 1 round only") and "--rounds 3" in one[1]
+    spread = _summary([2.23, 0.29, 3.1])
+    assert spread[0].startswith("refusion: 2.23x")
+    assert "median of 3 rounds, per-round ratios 0.29x-3.10x" in spread[0]
+    assert len(spread) == 2 and "spread over 126% of their median" in spread[1]
+    steady = _summary([3.3, 3.4, 3.5, 3.45, 3.38])
+    assert steady == [
+        "refusion: 3.40x AR's tokens/s at batch size 1 (TPF 7.05 vs 1.00), median of 5 rounds, "
+        "per-round ratios 3.30x-3.50x"
+    ]
+    assert capsys.readouterr().out.count("warning:") == 2
 
 
 def test_bench_decode_compares_compiled_and_eager(model_dir, capsys, tmp_path):

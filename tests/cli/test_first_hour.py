@@ -3,6 +3,7 @@ the model, and failures that are loud (empty prompts, broken weights, a prompt t
 the model, evaluations where nothing generated)."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -265,3 +266,95 @@ def test_convert_says_what_comes_next(make_hf_dir, tmp_path, capsys):
     assert "need ReFusion training first: refusion train --model" in capsys.readouterr().out
     assert main(["convert", str(tmp_path / "new"), str(tmp_path / "again")]) == 0  # already has its MASK
     assert "already had <|mask|>" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ your own model
+def test_generate_on_an_ar_checkpoint_names_method_ar_before_loading_weights(
+    make_hf_dir, monkeypatch, capsys
+):
+    base = make_hf_dir("qwen3")  # an AR checkpoint: no <|mask|> in its tokenizer or config
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr("refusion.io.load", no_weights)
+    assert main(["generate", str(base), "hello"]) == 2
+    err = capsys.readouterr().err
+    assert "has no MASK token" in err and "--method ar" in err and f"refusion convert {base} OUT" in err
+    monkeypatch.undo()
+    assert main(["generate", str(base), "hello", "--method", "ar", "--gen-length", "4"]) == 0
+
+
+def test_gguf_without_its_package_names_the_extra(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from refusion.errors import MissingExtraError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a)
+    )
+    file = tmp_path / "model.gguf"
+    file.write_bytes(b"GGUF" + bytes(60))
+    assert main(["info", str(file)]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'refusion[gguf]'" in err and "scripts/setup.sh gguf" in err and "Traceback" not in err
+    with pytest.raises(MissingExtraError, match="gguf extra"):
+        refusion.load(file)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Out:
+    """An output as `on_output` sees it: the final prefix and the forwards so far."""
+
+    def __init__(self, tokens: int, nfe: int) -> None:
+        self.token_ids = [0] * tokens
+        self.stats = type("S", (), {"nfe": nfe})()
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_progress_is_quiet_for_short_runs_and_counts_long_ones(tty):
+    import io
+
+    from refusion.cli import progress
+
+    stream, clock = io.StringIO(), _Clock()
+    stream.isatty = lambda: tty  # type: ignore[method-assign]
+    p = progress.Progress(64, stream=stream, clock=clock)
+    p(0, _Out(8, 2))
+    assert stream.getvalue() == ""  # short so far: nothing
+    clock.now = progress.QUIET_S + 1
+    p(0, _Out(16, 3))
+    p(1, _Out(8, 5))  # soon after: a terminal redraws, a log waits
+    clock.now += progress.LOG_EVERY_S
+    p(1, _Out(12, 6))
+    p.close()
+    text = stream.getvalue()
+    lines = text.replace("\r", "\n").replace("\x1b[K", "").split("\n")
+    shown = [line for line in lines if line]
+    assert shown[0] == "decoding: 16 of at most 64 tokens, 3 forwards, 3s"
+    last = progress.QUIET_S + 1 + progress.LOG_EVERY_S
+    assert shown[-1] == f"decoding: 28 of at most 64 tokens, 6 forwards, {last:.0f}s"
+    assert len(shown) == 2 and text.endswith("\r\x1b[K" if tty else "\n")
+
+
+def test_a_long_cli_generation_shows_progress_on_stderr(monkeypatch, capsys):
+    from refusion.cli import progress
+
+    monkeypatch.setattr(progress, "QUIET_S", 0.0)
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
+    assert main(["generate", "Find the largest number: 47, 38, 23", "--json"]) == 0
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out)
+    counts = re.findall(r"^decoding: (\d+) of at most 128 tokens, (\d+) forwards", captured.err, flags=re.M)
+    tokens, forwards = [int(t) for t, _ in counts], [int(f) for _, f in counts]
+    assert printed["text"].endswith("Answer: 47") and counts, captured.err
+    assert tokens == sorted(tokens) and forwards == sorted(forwards)  # live counts only grow
+    assert (tokens[-1], forwards[-1]) == (len(printed["token_ids"]), printed["stats"]["nfe"])

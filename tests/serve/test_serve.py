@@ -277,6 +277,44 @@ def test_prompt_list_gives_one_choice_each(server):
     assert streamed == alone
 
 
+def _sse(response) -> list[dict]:
+    return [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+
+
+def test_a_raw_completion_on_a_chat_only_model_says_so(loaded, capfd):
+    """The bundled model knows text only through its chat template (`chat_only` in its
+    decode_config.json): a raw text completion is answered with a `warning` (on the first
+    chunk of a stream) and one log line; `"chat_template": true` renders the prompt as a
+    chat would, and answers as the library does."""
+    model, tok = refusion.load()
+    prompt = "Find the largest number: 47, 38, 23"
+    with live((model, tok), cfg=None) as s:
+        url = s.url + "/v1/completions"
+        raw = [httpx.post(url, json={"prompt": prompt}, timeout=60).json() for _ in range(2)]
+        assert all("chat template" in r["warning"] and "chat_template" in r["warning"] for r in raw)
+        logged = [line for line in capfd.readouterr().err.splitlines() if "a raw text completion" in line]
+        assert len(logged) == 1 and logged[0].startswith("WARNING") and raw[0]["warning"] in logged[0]
+        rendered = httpx.post(url, json={"prompt": prompt, "chat_template": True}, timeout=60).json()
+        assert "warning" not in rendered
+        assert rendered["choices"][0]["text"] == generate(model, tok, [prompt])[0].text
+        assert rendered["choices"][0]["text"].endswith("Answer: 47")
+        chunks = _sse(httpx.post(url, json={"prompt": prompt, "stream": True}, timeout=60))
+        assert "chat template" in chunks[0]["warning"] and chunks[0]["choices"]
+        assert not any("warning" in c for c in chunks[1:])
+        ids = tok(prompt)["input_ids"]  # ids are the client's own rendering: no warning
+        assert "warning" not in httpx.post(url, json={"prompt": ids, "max_tokens": 8}, timeout=60).json()
+        chat = {"messages": [{"role": "user", "content": prompt}]}
+        assert "warning" not in httpx.post(s.url + "/v1/chat/completions", json=chat, timeout=60).json()
+        refused = httpx.post(url, json={"prompt": ids, "chat_template": True}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+
+
+def test_a_model_not_marked_chat_only_completes_without_a_warning(loaded):
+    with live(loaded) as s:
+        body = httpx.post(s.url + "/v1/completions", json={"prompt": "The cat sat"}, timeout=60).json()
+    assert body["choices"] and "warning" not in body
+
+
 # ---------------------------------------------------------------------------- bad input
 TOO_LONG = [5] * 520  # the tiny models have 512 positions
 CASES = [

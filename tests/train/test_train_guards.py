@@ -23,6 +23,7 @@ from refusion import cli
 from refusion.errors import ConfigError
 from refusion.io import load, load_metadata
 from refusion.train import TrainConfig, lr_factor, train
+from refusion.train.lock import LOCK_FILE, OutLock
 
 # test_train's fixtures: one thread and a fresh accelerate per test, the tiny model and copy data
 _one_thread_and_fresh_accelerate = test_train._one_thread_and_fresh_accelerate
@@ -161,6 +162,38 @@ def test_a_second_trainer_on_the_same_out_is_refused_until_the_first_exits(
     # a finished run lets go too: the next one (in this same process) proceeds
     resumed = train(scratch_cfg(workdir, tokenizer_dir, out, max_steps=1, resume=True))
     assert resumed.history[0]["event"] == "start"
+
+
+def test_no_lock_file_is_left_after_a_finished_or_a_failed_run(workdir, tokenizer_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli_train(workdir, tokenizer_dir, out, "--max-steps", "1") == 0
+    assert (out / "log.jsonl").is_file() and not (out / LOCK_FILE).exists()
+    fresh_accelerate()
+
+    def fail(step: int) -> None:
+        raise RuntimeError("a failure mid-run")
+
+    failed = tmp_path / "failed"
+    with pytest.raises(RuntimeError, match="mid-run"):
+        train(scratch_cfg(workdir, tokenizer_dir, failed, max_steps=3), on_step=fail)
+    assert (failed / "log.jsonl").is_file() and not (failed / LOCK_FILE).exists()
+
+
+def test_a_lock_file_deleted_as_it_is_opened_is_not_the_one_locked(tmp_path, monkeypatch):
+    """A trainer that opens the file just before the one ending deletes it locks the file
+    at the path, not the deleted one: else a third trainer would lock the new file too."""
+    first = OutLock(tmp_path)
+    assert first.acquire() is None
+    stale = os.open(first.path, os.O_RDWR)  # the second trainer opens it ...
+    first.release()  # ... as the first deletes it and lets go
+    opens, real_open = iter([stale]), os.open
+    monkeypatch.setattr(os, "open", lambda *a: next(opens, None) or real_open(*a))
+    second = OutLock(tmp_path)
+    assert second.acquire() is None and second.fd != stale
+    third = OutLock(tmp_path)
+    assert third.acquire() == str(os.getpid())  # refused: the second holds the file at the path
+    second.release()
+    assert not first.path.exists()
 
 
 # ------------------------------------------------------------------ records too long

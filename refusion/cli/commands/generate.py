@@ -15,10 +15,12 @@ from ...errors import CheckpointError, ConfigError
 from ..flags import (
     add_decode_arguments,
     add_model_arguments,
+    check_mask_before_load,
     decode_config_from_args,
     engine_config_from_args,
     load_from_args,
 )
+from ..progress import OnOutput, Progress, chained
 
 EPILOG = (
     "The bundled model answers single-turn prompts of four families only: arithmetic word problems, "
@@ -84,8 +86,10 @@ def split_inputs(args: argparse.Namespace) -> list[str]:
 
 
 def _load(args: argparse.Namespace):
-    """The model and tokenizer; a positional taken as the model that is none gets a hint."""
+    """The model and tokenizer (a method the checkpoint cannot decode refused before its
+    weights load); a positional taken as the model that is none gets a hint."""
     try:
+        check_mask_before_load(args)
         return load_from_args(args)
     except CheckpointError as e:
         if not getattr(args, "model_from_positional", False) or Path(args.model).exists():
@@ -126,8 +130,8 @@ def run(args: argparse.Namespace) -> int:
     prepared = _prepared(args, model, tokenizer, prompts, cfg)
     decode = _decoder(args, model, tokenizer, prepared, engine_cfg)
     if args.stats:
-        _warm_up(decode, engine_cfg)
-    outs = decode(_streamer(args, len(prompts)))
+        _warm_up(decode, engine_cfg, prepared)
+    outs = _with_progress(decode, prepared, "decoding", _streamer(args, len(prompts)))
     _print_outputs(args, prompts, outs, cfg)
     _write_trace(args, tokenizer, prompts, outs, cfg)
     return 0
@@ -172,7 +176,23 @@ def _decoder(args: argparse.Namespace, model, tokenizer, prepared: list, engine_
     return decode
 
 
-def _warm_up(decode: Callable[..., list], engine_cfg) -> None:
+def _with_progress(
+    decode: Callable[..., list],
+    prepared: list,
+    label: str,
+    streamer: OnOutput | None = None,
+) -> list:
+    """A decode with a live count of tokens and forwards on stderr once it runs long
+    (`cli.progress`); not while its text streams, which shows the progress itself."""
+    progress = None if streamer is not None else Progress(sum(p.cfg.gen_length for p in prepared), label)
+    try:
+        return decode(chained(streamer, progress))
+    finally:
+        if progress is not None:
+            progress.close()
+
+
+def _warm_up(decode: Callable[..., list], engine_cfg, prepared: list) -> None:
     """The first forwards of a process pay one-time setup (and compilation): a decode
     that the stats do not count."""
     if engine_cfg.compile:
@@ -180,7 +200,7 @@ def _warm_up(decode: Callable[..., list], engine_cfg) -> None:
             "compiling (a warm-up decode of the same prompts, not counted in the stats) ...",
             file=sys.stderr,
         )
-    decode()
+    _with_progress(decode, prepared, "warm-up decode (not counted in the stats)")
 
 
 def _streamer(args: argparse.Namespace, n_prompts: int) -> Callable[[int, Any], None] | None:

@@ -143,6 +143,8 @@ def _decoding_rows(info: dict[str, Any]) -> list[tuple[str, Any]]:
         rows.append(("about", rec["about"]))
     if rec.get("single_turn"):
         rows.append(("chat", "single turns only (`refusion chat` keeps no history)"))
+    if rec.get("chat_only"):
+        rows.append(("prompts", "through its chat template only (raw text completions give noise)"))
     if rec.get("examples"):
         rows.append(("examples", f"{len(rec['examples'])} prompts: `refusion generate --examples`"))
     return rows

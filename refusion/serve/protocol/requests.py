@@ -48,7 +48,7 @@ NEUTRAL = {
 }
 COMMON = {"model", "max_tokens", "stop", "stream", "preset", *DECODE_FIELDS, *IGNORED, *NEUTRAL}
 FIELDS = {
-    "completion": COMMON | {"prompt"},
+    "completion": COMMON | {"prompt", "chat_template"},
     "chat": COMMON | {"messages", "max_completion_tokens"},
 }
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", "include_slots"}
@@ -69,6 +69,8 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     include_slots: bool = False  # stream the decoder's per-step slot events (docs/playground.md#events)
+    chat_template: bool = False  # completion: each text prompt rendered as one user message through it
+    warning: str | None = None  # said in the response (`completion_warning`): why its text may be noise
     preset: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # DecodeConfig fields
 
@@ -100,6 +102,7 @@ def parse_request(body: Any, kind: str) -> CompletionRequest:
         if "prompt" not in body:
             raise bad("you must provide a prompt", "prompt", "missing_required_parameter")
         req.prompts = _prompts(body["prompt"])
+        req.chat_template = _chat_template(body, req.prompts)
     else:
         if "messages" not in body:
             raise bad("you must provide messages", "messages", "missing_required_parameter")
@@ -126,6 +129,33 @@ def parse_request(body: Any, kind: str) -> CompletionRequest:
         req.preset = own_value("preset", "str", body["preset"], choices=PRESETS)
     req.overrides = {name: decode_value(f, body[name]) for name, f in DECODE_FIELDS.items() if name in body}
     return req
+
+
+def _chat_template(body: dict[str, Any], prompts: list[str | list[int]]) -> bool:
+    """A completion's "chat_template": true renders its text prompts through the model's chat
+    template (token ids are fed as they are, so they cannot be rendered)."""
+    on = own_value("chat_template", "bool", body.get("chat_template", False))
+    if on and not all(isinstance(p, str) for p in prompts):
+        raise bad(
+            '"chat_template": true renders text prompts; token-id prompts are fed as they are',
+            "chat_template",
+        )
+    return on
+
+
+CHAT_ONLY_WARNING = (
+    "this model knows text only through its chat template, and a /v1/completions prompt is "
+    'continued raw: expect noise. Use /v1/chat/completions, or send "chat_template": true to '
+    "render each prompt as one user message"
+)
+
+
+def completion_warning(req: CompletionRequest, chat_only: bool) -> str | None:
+    """Why a request's text is likely noise: a text completion continued raw on a model whose
+    checkpoint marks it chat-only (`chat_only` in its decode_config.json). Token ids are
+    taken as the client's own rendering."""
+    raw_text = req.kind == "completion" and any(isinstance(p, str) for p in req.prompts or [])
+    return CHAT_ONLY_WARNING if chat_only and raw_text and not req.chat_template else None
 
 
 def _stream_slots(opts: dict[str, Any], stream: bool) -> bool:
@@ -178,7 +208,7 @@ def admit_request(req: CompletionRequest, admission: Admission, base: DecodeConf
     server's settings `base` and the request's on top (`request_config`)."""
     cfg = request_config(base, req)
     prompts, param = request_prompts(req, admission.tokenizer)
-    return [admit(admission, p, cfg, req.max_tokens, param) for p in prompts]
+    return [admit(admission, p, cfg, req.max_tokens, param, req.chat_template) for p in prompts]
 
 
 def request_prompts(req: CompletionRequest, tokenizer: Any) -> tuple[list[Any], str]:
@@ -190,14 +220,20 @@ def request_prompts(req: CompletionRequest, tokenizer: Any) -> tuple[list[Any], 
 
 
 def admit(
-    admission: Admission, prompt: Any, cfg: DecodeConfig, max_tokens: int | None, param: str
+    admission: Admission,
+    prompt: Any,
+    cfg: DecodeConfig,
+    max_tokens: int | None,
+    param: str,
+    chat: bool = False,
 ) -> PreparedRequest:
     """One prompt prepared by the engine's admission (max_tokens must fit as it is;
     omitted, the server's gen_length is lowered to what fits), or a 400 whose `param` is
-    the setting its advice changes (`param`, the prompt's field, when only the prompt can)."""
+    the setting its advice changes (`param`, the prompt's field, when only the prompt can).
+    `chat`: text rendered as one user message through the chat template (messages always are)."""
     try:
         return admission.prepare(
-            prompt, cfg, chat=False, length=max_tokens, lower=True, length_name="max_tokens"
+            prompt, cfg, chat=chat, length=max_tokens, lower=True, length_name="max_tokens"
         )
     except ReFusionError as e:
         raise library_error(e, param) from None

@@ -21,9 +21,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def response_body(
-    kind: str, rid: str, model: str, choices: list[tuple[str, str]], use: dict[str, int]
+    kind: str,
+    rid: str,
+    model: str,
+    choices: list[tuple[str, str]],
+    use: dict[str, int],
+    warning: str | None = None,
 ) -> dict[str, Any]:
-    """A whole (non-streamed) completion; choices = [(text, finish_reason), ...]."""
+    """A whole (non-streamed) completion; choices = [(text, finish_reason), ...]; a
+    `warning` (why the text may be noise) beside them when there is one."""
     if kind == "chat":
         items = [
             {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
@@ -35,7 +41,7 @@ def response_body(
             {"index": i, "text": t, "logprobs": None, "finish_reason": r} for i, (t, r) in enumerate(choices)
         ]
         obj = "text_completion"
-    return {
+    body = {
         "id": rid,
         "object": obj,
         "created": int(time.time()),
@@ -43,6 +49,7 @@ def response_body(
         "choices": items,
         "usage": use,
     }
+    return body | ({"warning": warning} if warning else {})
 
 
 def chunk_body(

@@ -45,15 +45,17 @@ async def completion_body(
         except RequestFailed as e:
             raise library_error(e.error) from None
     done = [("".join(t), r) for t, r in zip(texts, reasons)]
-    return response_body(req.kind, new_id(req.kind), model, done, usage(prompt_tokens, sum(tokens)))
+    use = usage(prompt_tokens, sum(tokens))
+    return response_body(req.kind, new_id(req.kind), model, done, use, req.warning)
 
 
 async def completion_events(
     req: CompletionRequest, outputs: Outputs[ChoiceOutput], model: str, prompt_tokens: int
 ) -> AsyncIterator[str]:
     """The stream: chat's role chunks first (a queued client knows it was accepted), then
-    each output's chunks as it comes, the usage last when asked for."""
-    kind, rid, tokens = req.kind, new_id(req.kind), 0
+    each output's chunks as it comes, the usage last when asked for. The request's warning,
+    if any, rides on the first text chunk (not a choiceless one: clients read choices[0])."""
+    kind, rid, tokens, warning = req.kind, new_id(req.kind), 0, req.warning
     async with aclosing(outputs):
         try:
             if kind == "chat":
@@ -62,6 +64,8 @@ async def completion_events(
             async for out in outputs:
                 tokens += out.completion_tokens if out.finished else 0
                 for chunk in _chunks(kind, rid, model, out):
+                    if warning and chunk["choices"]:
+                        chunk, warning = chunk | {"warning": warning}, None
                     yield event(chunk)
             if req.include_usage:
                 yield event(usage_chunk(kind, rid, model, usage(prompt_tokens, tokens)))
