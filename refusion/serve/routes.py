@@ -74,11 +74,14 @@ class Completions:
         it was accepted. A plain response waits for the whole completion; a client that
         left meanwhile gets a 499 and its choices are cancelled."""
         if req.stream:
-            events = completion_events(req, outputs, self.name, prompt_tokens)
+            events = completion_events(req, outputs, self.name, prompt_tokens, self.admission.tokenizer)
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
         watch = DisconnectWatch(request)
         try:
-            return JSONResponse(await completion_body(req, watch.guard(outputs), self.name, prompt_tokens))
+            tokenizer = self.admission.tokenizer
+            return JSONResponse(
+                await completion_body(req, watch.guard(outputs), self.name, prompt_tokens, tokenizer)
+            )
         except ClientGone:
             return Response(status_code=499)
         finally:

@@ -16,7 +16,7 @@ from typing import Any
 
 from ...decode.admit import Admission, PreparedRequest
 from ...errors import ReFusionError
-from ...settings.decode import PRESETS, DecodeConfig
+from ...settings.decode import MAX_TOP_LOGPROBS, PRESETS, DecodeConfig
 from ...settings.fields import shown
 from .checks import as_request_error, decode_value, is_int, is_number, own_value, text
 from .errors import APIError, bad, library_error
@@ -32,24 +32,21 @@ IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "
 NEUTRAL = {
     "n": lambda v: v == 1 and is_int(v),
     "best_of": lambda v: v == 1 and is_int(v),
-    "presence_penalty": lambda v: is_number(v) and v == 0,
-    "frequency_penalty": lambda v: is_number(v) and v == 0,
     "repetition_penalty": lambda v: is_number(v) and v == 1,
-    "logprobs": lambda v: v is False,
-    "top_logprobs": lambda v: is_int(v) and v == 0,
     "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
-    "logit_bias": lambda v: v == {},
     "tools": lambda v: v == [],
     "functions": lambda v: v == [],
     "tool_choice": lambda v: v in ("none", "auto"),
     "function_call": lambda v: v in ("none", "auto"),
     "response_format": lambda v: v == {"type": "text"},
 }
-COMMON = {"model", "max_tokens", "stop", "stream", "preset", *DECODE_FIELDS, *IGNORED, *NEUTRAL}
+_BIAS = next(f for f in dataclasses.fields(DecodeConfig) if f.name == "logit_bias")
+COMMON = {"model", "max_tokens", "stop", "stream", "preset", "logprobs", "logit_bias"}
+COMMON |= {*DECODE_FIELDS, *IGNORED, *NEUTRAL}
 FIELDS = {
     "completion": COMMON | {"prompt"},
-    "chat": COMMON | {"messages", "max_completion_tokens"},
+    "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs"},
 }
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", "include_slots"}
 MAX_PROMPTS = 64
@@ -125,7 +122,27 @@ def parse_request(body: Any, kind: str) -> CompletionRequest:
     if "preset" in body:
         req.preset = own_value("preset", "str", body["preset"], choices=PRESETS)
     req.overrides = {name: decode_value(f, body[name]) for name, f in DECODE_FIELDS.items() if name in body}
+    if "logit_bias" in body:
+        req.overrides["logit_bias"] = decode_value(_BIAS, body["logit_bias"])
+    top = _logprobs(body, kind)
+    if top is not None:
+        req.overrides["logprobs"] = top
     return req
+
+
+def _logprobs(body: dict[str, Any], kind: str) -> int | None:
+    """How many alternatives each token's log-probability comes with (None: none asked
+    for): chat's `logprobs` (a boolean) and `top_logprobs`, or a completion's `logprobs`
+    (an integer)."""
+    hi = MAX_TOP_LOGPROBS
+    if kind == "completion":
+        return own_value("logprobs", "int", body["logprobs"], lo=0, hi=hi) if "logprobs" in body else None
+    on = own_value("logprobs", "bool", body.get("logprobs", False))
+    top = body.get("top_logprobs")
+    top = None if top is None else own_value("top_logprobs", "int", top, lo=0, hi=hi)
+    if top and not on:
+        raise bad('top_logprobs needs "logprobs": true', "top_logprobs")
+    return (top or 0) if on else None
 
 
 def _stream_slots(opts: dict[str, Any], stream: bool) -> bool:

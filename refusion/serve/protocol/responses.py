@@ -21,18 +21,19 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def response_body(
-    kind: str, rid: str, model: str, choices: list[tuple[str, str]], use: dict[str, int]
+    kind: str, rid: str, model: str, choices: list[tuple[str, str, Any]], use: dict[str, int]
 ) -> dict[str, Any]:
-    """A whole (non-streamed) completion; choices = [(text, finish_reason), ...]."""
+    """A whole (non-streamed) completion; choices = [(text, finish_reason, logprobs), ...]."""
     if kind == "chat":
         items = [
-            {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
-            for i, (t, r) in enumerate(choices)
+            {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp, "finish_reason": r}
+            for i, (t, r, lp) in enumerate(choices)
         ]
         obj = "chat.completion"
     else:
         items = [
-            {"index": i, "text": t, "logprobs": None, "finish_reason": r} for i, (t, r) in enumerate(choices)
+            {"index": i, "text": t, "logprobs": lp, "finish_reason": r}
+            for i, (t, r, lp) in enumerate(choices)
         ]
         obj = "text_completion"
     return {
@@ -46,17 +47,25 @@ def response_body(
 
 
 def chunk_body(
-    kind: str, rid: str, model: str, index: int, text: str | None, finish: str | None, *, first: bool = False
+    kind: str,
+    rid: str,
+    model: str,
+    index: int,
+    text: str | None,
+    finish: str | None,
+    *,
+    first: bool = False,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One server-sent event of a streamed completion."""
+    """One server-sent event of a streamed completion (`logprobs`: of the tokens it adds)."""
     if kind == "chat":
         delta: dict[str, str] = (
             {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
         )
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
 

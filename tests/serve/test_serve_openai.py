@@ -1,0 +1,184 @@
+"""The OpenAI fields that change what a completion carries, through the official `openai`
+client against a live server on the bundled model: log-probabilities (checked against an
+independent forward over the returned tokens), several choices (`n`), and the penalties
+and logit bias (which change the text, and keep lossless ReFusion equal to AR)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+import torch  # noqa: E402
+from served import forward_logprobs  # noqa: E402
+from test_serve import LiveServer  # noqa: E402
+
+import refusion  # noqa: E402
+from refusion.model.prompts import chat_ids  # noqa: E402
+from refusion.serve import create_app  # noqa: E402
+from refusion.settings.recommended import recommended_of  # noqa: E402
+
+# the bundled model's shipped settings (lossless, greedy) and AR; the paper's rule beside them
+LOSSLESS = {"ar": {"method": "ar"}, "refusion": {}}
+NAME = "refusion-tiny"
+PAPER = {"first_token_check": False, "ar_correction": False, "token_threshold": 0.3, "slot_size": 8}
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return refusion.load()
+
+
+@pytest.fixture(scope="module")
+def server(bundled):
+    model, tok = bundled
+    s = LiveServer(create_app(model, tok, model_name=NAME))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def examples(bundled):
+    return list(recommended_of(bundled[0]).examples.values())
+
+
+def ask(prompt: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": prompt}]
+
+
+def token_ids(tok, spelled: list[str]) -> list[int]:
+    """The ids of tokens as the server spells them, one by one (the bundled vocabulary
+    spells every id it generates differently; the test says so if not)."""
+    by_text: dict[str, list[int]] = {}
+    for i in range(len(tok)):
+        by_text.setdefault(tok.decode([i]), []).append(i)
+    ids = [by_text[t] for t in spelled]
+    assert all(len(i) == 1 for i in ids), [t for t, i in zip(spelled, ids) if len(i) > 1]
+    return [i[0] for i in ids]
+
+
+# ---------------------------------------------------------------------------- log-probabilities
+@pytest.mark.parametrize("method", sorted(LOSSLESS))
+def test_chat_logprobs_are_the_models_over_the_returned_tokens(bundled, client, examples, method):
+    """AR and the shipped (lossless) ReFusion settings report, for every token, the model's
+    log-probability given exactly the tokens before it, as a plain forward computes it."""
+    model, tok = bundled
+    for prompt in examples:
+        r = client.chat.completions.create(
+            model=NAME,
+            messages=ask(prompt),
+            logprobs=True,
+            top_logprobs=3,
+            max_tokens=48,
+            extra_body=LOSSLESS[method],
+        )
+        content = r.choices[0].logprobs.content
+        assert len(content) == r.usage.completion_tokens
+        assert {c.model_extra["logprob_source"] for c in content} == {"model"}
+        gen = token_ids(tok, [c.token for c in content])
+        want = forward_logprobs(model, chat_ids(tok, ask(prompt)), gen)
+        got = torch.tensor([c.logprob for c in content])
+        assert torch.allclose(got, want.to(got.dtype), atol=1e-4, rtol=0), (got - want).abs().max()
+        for c in content:
+            tops = [t.logprob for t in c.top_logprobs]
+            assert len(tops) == 3 and tops == sorted(tops, reverse=True) and tops[0] >= c.logprob - 1e-6
+            assert c.bytes == list(c.token.encode())
+
+
+def test_streamed_logprobs_are_the_whole_responses_chunk_by_chunk(client, examples):
+    body = dict(model=NAME, messages=ask(examples[0]), logprobs=True, top_logprobs=2, max_tokens=48)
+    whole = client.chat.completions.create(**body).choices[0].logprobs.content
+    streamed, text = [], ""
+    for chunk in client.chat.completions.create(**body, stream=True):
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            if c.logprobs is not None:
+                streamed += c.logprobs.content
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in whole]
+    assert "".join(c.token for c in whole).startswith(text)
+
+
+def test_completion_logprobs_are_the_legacy_lists(bundled, client, examples):
+    """The completions route: an integer logprobs, parallel lists, offsets into the text."""
+    r = client.completions.create(model=NAME, prompt=examples[1], logprobs=2, max_tokens=32, stream=False)
+    lp = r.choices[0].logprobs
+    n = r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
+    for top, v in zip(lp.top_logprobs, lp.token_logprobs):
+        assert len(top) <= 2 and max(top.values()) >= v - 1e-6
+    assert set(lp.model_extra["logprob_source"]) == {"model"}
+
+
+def test_the_papers_rule_labels_the_probabilities_that_decided_its_tokens(client, examples):
+    """Without the lossless options a slot's first token is decided by the plan (MASKs in
+    its context): its log-probability is that plan's, labelled "plan"."""
+    r = client.chat.completions.create(
+        model=NAME, messages=ask(examples[0]), logprobs=True, max_tokens=48, extra_body=PAPER
+    )
+    content = r.choices[0].logprobs.content
+    assert "plan" in {c.model_extra["logprob_source"] for c in content}
+    assert all(c.logprob <= 0 and c.top_logprobs == [] for c in content)
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("chat", {"logprobs": 1}, "logprobs"),
+        ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("chat", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ("chat", {"top_logprobs": 3}, "top_logprobs"),
+        ("chat", {"logprobs": True, "top_logprobs": 2.5}, "top_logprobs"),
+        ("completions", {"logprobs": True}, "logprobs"),
+        ("completions", {"logprobs": 99}, "logprobs"),
+    ],
+)
+def test_bad_logprobs_are_400s_naming_the_field(client, path, body, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        if path == "chat":
+            client.chat.completions.create(model=NAME, messages=ask("hi"), max_tokens=4, extra_body=body)
+        else:
+            client.completions.create(model=NAME, prompt="hi", max_tokens=4, extra_body=body)
+    assert e.value.body["param"] == param, e.value.body
+
+
+# ---------------------------------------------------------------------------- penalties and bias
+def test_penalties_change_the_text_and_keep_refusion_equal_to_ar(client, examples):
+    def tokens(prompt: str, **fields) -> list[str]:
+        r = client.chat.completions.create(
+            model=NAME, messages=ask(prompt), logprobs=True, max_tokens=48, **fields
+        )
+        return [c.token for c in r.choices[0].logprobs.content]
+
+    pen = {"frequency_penalty": 1.0, "presence_penalty": 1.0, "logit_bias": {"224": -5}}
+    changed = 0
+    for prompt in examples:
+        ar = tokens(prompt, **pen, extra_body={"method": "ar"})
+        assert tokens(prompt, **pen) == ar  # the shipped ReFusion settings
+        changed += ar != tokens(prompt, extra_body={"method": "ar"})
+    assert changed
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"frequency_penalty": "1"}, "frequency_penalty"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"5": "x"}}, "logit_bias"),
+        ({"logit_bias": [5, 1]}, "logit_bias"),
+        ({"logit_bias": {"99999": 1}}, "logit_bias"),  # past the vocabulary
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ],
+)
+def test_bad_penalties_and_biases_are_400s_naming_the_field(client, body, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=ask("hi"), max_tokens=4, extra_body=body)
+    assert e.value.body["param"] == param, e.value.body
