@@ -59,7 +59,8 @@ class Completions:
             outputs = self.client.generate(prompts, slots=req.include_slots)
         except (QueueFull, ShuttingDown) as e:
             raise library_error(e) from None
-        return await self.respond(request, req, outputs, sum(len(p.ids) for p in prompts))
+        # the prompt tokens of each prompt once, however many choices decode it
+        return await self.respond(request, req, outputs, sum(len(p.ids) for p in prompts[:: req.n]))
 
     def prepare(self, raw: bytes, kind: str) -> tuple[CompletionRequest, list[PreparedRequest]]:
         """The body parsed and checked, and each of its prompts admitted (a request thread)."""

@@ -14,6 +14,7 @@ from served import forward_logprobs  # noqa: E402
 from test_serve import LiveServer  # noqa: E402
 
 import refusion  # noqa: E402
+from refusion.decode import generate  # noqa: E402
 from refusion.model.prompts import chat_ids  # noqa: E402
 from refusion.serve import create_app  # noqa: E402
 from refusion.settings.recommended import recommended_of  # noqa: E402
@@ -182,3 +183,56 @@ def test_bad_penalties_and_biases_are_400s_naming_the_field(client, body, param)
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=NAME, messages=ask("hi"), max_tokens=4, extra_body=body)
     assert e.value.body["param"] == param, e.value.body
+
+
+# ---------------------------------------------------------------------------- several choices
+def test_n_choices_sample_seed_plus_i_each_as_a_request_alone_would(bundled, client, examples):
+    model, tok = bundled
+    body = dict(model=NAME, messages=ask(examples[0]), max_tokens=40, temperature=3.0, seed=5)
+    r = client.chat.completions.create(**body, n=3, extra_body={"method": "ar"})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) > 1  # their own seeds: not one answer three times
+    cfg = recommended_of(model).decode_config(method="ar", gen_length=40, temperature=3.0)
+    ids = chat_ids(tok, ask(examples[0]))
+    want_out = generate(model, tok, [ids] * 3, [cfg.replace(seed=5 + i) for i in range(3)])
+    assert texts == [o.text for o in want_out]
+    assert r.usage.prompt_tokens == len(ids)  # the prompt counted once
+    assert r.usage.completion_tokens == sum(
+        len(o.token_ids) for o in generate(model, tok, [ids] * 3, [cfg.replace(seed=5 + i) for i in range(3)])
+    )
+
+
+def test_n_choices_stream_with_their_index(client, examples):
+    body = dict(model=NAME, messages=ask(examples[2]), max_tokens=40, temperature=3.0, seed=7, n=3)
+    whole = [c.message.content for c in client.chat.completions.create(**body).choices]
+    streamed, finished = ["", "", ""], set()
+    for chunk in client.chat.completions.create(**body, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished.add(c.index)
+    assert streamed == whole and finished == {0, 1, 2}
+
+
+def test_n_choices_of_several_prompts_come_prompt_after_prompt(client, examples):
+    r = client.completions.create(model=NAME, prompt=examples[:2], n=2, max_tokens=24, logprobs=0)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    alone = [
+        client.completions.create(model=NAME, prompt=p, max_tokens=24).choices[0].text for p in examples[:2]
+    ]
+    assert [c.text for c in r.choices] == [alone[0], alone[0], alone[1], alone[1]]  # greedy: n equal texts
+    assert all(len(c.logprobs.tokens) > 0 for c in r.choices)
+
+
+@pytest.mark.parametrize("n", [0, 17, 2.0, "3", True])
+def test_bad_n_is_a_400(client, n):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=ask("hi"), max_tokens=4, extra_body={"n": n})
+    assert e.value.body["param"] == "n"
+
+
+def test_n_times_the_prompts_is_bounded(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt=["hi"] * 9, n=16, max_tokens=4)
+    assert e.value.body["param"] == "n" and "128" in e.value.body["message"]

@@ -30,7 +30,6 @@ _STOP = next(f for f in dataclasses.fields(DecodeConfig) if f.name == "stop")
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options"}
 # accepted only at the value that means "off" (anything else would change the answer)
 NEUTRAL = {
-    "n": lambda v: v == 1 and is_int(v),
     "best_of": lambda v: v == 1 and is_int(v),
     "repetition_penalty": lambda v: is_number(v) and v == 1,
     "echo": lambda v: v is False,
@@ -42,7 +41,7 @@ NEUTRAL = {
     "response_format": lambda v: v == {"type": "text"},
 }
 _BIAS = next(f for f in dataclasses.fields(DecodeConfig) if f.name == "logit_bias")
-COMMON = {"model", "max_tokens", "stop", "stream", "preset", "logprobs", "logit_bias"}
+COMMON = {"model", "max_tokens", "stop", "stream", "preset", "logprobs", "logit_bias", "n"}
 COMMON |= {*DECODE_FIELDS, *IGNORED, *NEUTRAL}
 FIELDS = {
     "completion": COMMON | {"prompt"},
@@ -50,6 +49,8 @@ FIELDS = {
 }
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", "include_slots"}
 MAX_PROMPTS = 64
+MAX_N = 16  # choices per prompt
+MAX_CHOICES = 128  # choices per request: prompts x n
 MAX_TOKENS = 2**31 - 1  # beyond any context; keeps the numbers in length errors printable
 
 
@@ -68,11 +69,12 @@ class CompletionRequest:
     include_slots: bool = False  # stream the decoder's per-step slot events (docs/playground.md#events)
     preset: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # DecodeConfig fields
+    n: int = 1  # choices per prompt
 
     @property
     def choices(self) -> int:
-        """A completion has a choice per prompt, a chat one."""
-        return len(self.prompts or []) if self.kind == "completion" else 1
+        """A completion has n choices per prompt (prompt i's are i * n .. i * n + n - 1), a chat n."""
+        return (len(self.prompts or []) if self.kind == "completion" else 1) * self.n
 
 
 def parse_request(body: Any, kind: str) -> CompletionRequest:
@@ -106,6 +108,10 @@ def parse_request(body: Any, kind: str) -> CompletionRequest:
             req.max_tokens = own_value(name, "int", body[name], lo=1, hi=MAX_TOKENS)
     if "stop" in body:
         req.stop = list(decode_value(_STOP, body["stop"]))
+    if "n" in body:
+        req.n = own_value("n", "int", body["n"], lo=1, hi=MAX_N)
+        if req.choices > MAX_CHOICES:
+            raise bad(f"at most {MAX_CHOICES} choices per request (prompts x n), got {req.choices}", "n")
     req.stream = own_value("stream", "bool", body.get("stream", False))
     opts = body.get("stream_options")
     if opts is not None:
@@ -192,10 +198,22 @@ def request_config(base: DecodeConfig, req: CompletionRequest) -> DecodeConfig:
 
 def admit_request(req: CompletionRequest, admission: Admission, base: DecodeConfig) -> list[PreparedRequest]:
     """Each of the request's prompts prepared once by the engine's admission, with the
-    server's settings `base` and the request's on top (`request_config`)."""
+    server's settings `base` and the request's on top (`request_config`), then decoded as
+    n choices (`choice_seeds`), prompt after prompt."""
     cfg = request_config(base, req)
     prompts, param = request_prompts(req, admission.tokenizer)
-    return [admit(admission, p, cfg, req.max_tokens, param) for p in prompts]
+    ready = [admit(admission, p, cfg, req.max_tokens, param) for p in prompts]
+    return [dataclasses.replace(r, cfg=c) for r in ready for c in choice_seeds(r.cfg, req.n)]
+
+
+def choice_seeds(cfg: DecodeConfig, n: int) -> list[DecodeConfig]:
+    """The settings of n choices of one prompt: choice i samples with seed + i (wrapping
+    within the seed's range), so a seeded request gives the same n answers again and each
+    choice is what a request of that seed alone gives; without a seed each choice draws
+    its own at random. Greedy choices are the same text n times."""
+    if n == 1 or cfg.seed is None:
+        return [cfg] * n
+    return [cfg.replace(seed=(cfg.seed + i + 2**63) % 2**64 - 2**63) for i in range(n)]
 
 
 def request_prompts(req: CompletionRequest, tokenizer: Any) -> tuple[list[Any], str]:
