@@ -41,6 +41,26 @@ def test_sampled_lossless_refusion_reports_the_models_logprobs(bundled, shipped)
         assert torch.allclose(got, want, atol=1e-4, rtol=0)
 
 
+def test_logprobs_in_one_batch_of_mixed_settings_are_the_models(bundled, shipped):
+    """Batched together: the shipped settings, AR under a penalty (its log-probabilities
+    stay the raw model's), several slots per block with the left check (infilling forks),
+    and sampled ReFusion."""
+    model, tok = bundled
+    cfg, prompts = shipped
+    engine = Engine(model, tok)
+    cfgs = [
+        cfg.replace(logprobs=2),
+        cfg.replace(method="ar", logprobs=2, frequency_penalty=0.5),
+        cfg.replace(slot_size=8, serial_blocks=1, left_check=True, logprobs=1),
+        cfg.replace(temperature=1.5, seed=3, logprobs=0),
+    ]
+    ready = [engine.prepare(p, c) for p, c in zip(prompts, cfgs)]
+    for r, out in zip(ready, generate(model, tok, ready)):
+        assert {t.source for t in out.logprobs} == {"model"}
+        got = torch.tensor([t.logprob for t in out.logprobs])
+        assert torch.allclose(got, forward_logprobs(model, list(r.ids), out.token_ids), atol=1e-4, rtol=0)
+
+
 def test_mdm_labels_what_each_logprob_is(bundled, shipped):
     """MDM fixes a token from its MASK's prediction ("plan"); a token whose position a
     later step predicted from exactly the tokens before it has the model's own ("model",
