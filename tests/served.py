@@ -1,6 +1,7 @@
 """Helpers of the server's tests: a `refusion serve` process for the tests that need a real
 one (shutdown, replicas, tensor-parallel and quantized servers), the polling helper they
-wait with, and the server's fitting of one prompt by its length alone."""
+wait with, the server's fitting of one prompt by its length alone, and the plain forward
+that reported log-probabilities are checked against."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import torch
 
 from refusion.decode.admit import Admission
 from refusion.settings.decode import DecodeConfig
@@ -102,3 +104,14 @@ def fit_length(
         eos_token_id=2,
     )
     return admit(Admission(config, None, cfg), [1] * prompt_len, cfg, max_tokens, param).cfg
+
+
+def forward_logprobs(model, prompt: list[int], gen: list[int]) -> torch.Tensor:
+    """log p(gen[i] | prompt + gen[:i]) (len(gen),) by one plain forward over the whole
+    sequence, without a cache: the reference for a decoder's reported log-probabilities."""
+    ids = torch.tensor([prompt + gen])  # (1, n)
+    with torch.no_grad():
+        hidden = model.hidden(ids, torch.arange(ids.shape[1])[None], lengths=[ids.shape[1]])
+        lp = torch.log_softmax(model.lm_head(hidden).float()[0], dim=-1)  # (n, V)
+    P = len(prompt)
+    return lp[torch.arange(P - 1, P - 1 + len(gen)), torch.tensor(gen)]

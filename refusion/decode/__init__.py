@@ -22,6 +22,7 @@ _WHERE = {
     "RequestOutput": "request",
     "DecodeStats": "request",
     "TraceEvent": "request",
+    "TokenLogprob": "shaping",
     "StopText": "text",
     "TextDeltas": "text",
     "generate": "api",
@@ -37,6 +38,7 @@ __all__ = [
     "RequestOutput",
     "StopText",
     "TextDeltas",
+    "TokenLogprob",
     "TraceEvent",
     "generate",
     "stream",
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
     from .api import generate, stream
     from .engine import Engine
     from .request import DecodeStats, RequestOutput, TraceEvent
+    from .shaping import TokenLogprob
     from .text import StopText, TextDeltas
 
 __getattr__, __dir__ = lazy_attributes(__name__, _WHERE, __all__)

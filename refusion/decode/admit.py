@@ -22,6 +22,7 @@ from typing import Any, cast
 from ..errors import MissingMaskTokenError, PromptError
 from ..model.prompts import Prompt, chat_ids, encode_prompt, eos_ids_of, mask_id_of
 from ..settings.decode import DecodeConfig
+from ..settings.fields import FieldError
 from ..settings.model import ModelConfig
 from .fit import NoRoomError, fit_to_room
 
@@ -104,6 +105,9 @@ class Admission:
         return ids
 
     def _check_method(self, cfg: DecodeConfig) -> None:
+        top = cfg.logit_bias[-1][0] if cfg.logit_bias else -1  # its pairs are sorted by id
+        if top >= self.vocab:
+            raise FieldError("logit_bias", f"logit_bias token ids must be in [0, {self.vocab}), got {top}")
         if cfg.stop and self.tokenizer is None:
             raise PromptError("stop strings need a tokenizer (to read the text); pass stop_token_ids instead")
         if cfg.method in ("refusion", "mdm") and self.mask_id is None:

@@ -68,7 +68,7 @@ class Engine:
         # on rank 0 of a split model, what is added and aborted reaches the other ranks (follow.py)
         self.followers: Followers | None = None
         pad_id = self.mask_id if self.mask_id is not None else next(iter(self.eos_ids), 0)
-        self.fwd = Forward(model, pad_id, compiled_step() if config.compile else None)
+        self.fwd = Forward(model, pad_id, compiled_step() if config.compile else None, self.mask_id)
         self.infill = Infill(self.fwd)
         # draft widths that follow the batch (docs/algorithm.md#adaptive-widths); on a split model
         # each rank would time its own forwards and choose apart, so widths stay fixed there

@@ -120,6 +120,7 @@ class Forward:
     compiled: CompiledStep | None = (
         None  # the compiled forward (EngineConfig.compile), for forwards with a cache
     )
+    mask_id: int | None = None  # the model's MASK: fed, it is no token of a context (shaping.py)
 
     forwards: int = 0  # forward passes run so far
     seconds: float = 0.0  # and the time they took
@@ -132,7 +133,11 @@ class Forward:
         positions: Sequence[Sequence[int]],
         cache: KVCache | None,
         want: Sequence[tuple[int, int]],  # per row: logits for entries [a, b)
+        held: Sequence[dict[int, int] | None] | None = None,  # per row: slot tokens its cache holds
     ) -> list[torch.Tensor]:
+        """Each row's logits at its wanted entries, as its request shapes them (its
+        penalties and bias applied, its log-probabilities recorded: `shaping.py`; `held`
+        are an infilling fork's accepted tokens, which its cache holds but no feed shows)."""
         device = self.model.device
         t0 = time.perf_counter()
         if cache is not None:
@@ -160,7 +165,12 @@ class Forward:
             req.stats.nfe += 1
             req.stats.forward_time += seconds
             req.stats.forward_share += seconds / len(took_part)
-        return list(logits.split([e - a for a, e in want]))
+        parts = list(logits.split([e - a for a, e in want]))
+        for b, req in enumerate(reqs):
+            if req.shaping is not None and parts[b].shape[0]:
+                feed = (tokens[b], positions[b], want[b])
+                parts[b] = req.shaping(req, parts[b], feed, self.mask_id, held[b] if held else None)
+        return parts
 
     def time_shapes(self, shapes: Sequence[tuple[int, int, int]], repeats: int = 5) -> list[float]:
         """Seconds of a forward of each shape (rows, tokens per row, entries cached per row),

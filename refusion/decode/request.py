@@ -16,6 +16,7 @@ from typing import Any
 
 from ..settings.decode import DecodeConfig
 from .sampling import Sampler
+from .shaping import TokenLogprob, shaping_of
 from .text import StopText, TextDeltas
 
 
@@ -119,6 +120,8 @@ class RequestOutput:
     stats: DecodeStats
     prompt_tokens: int
     trace: list[TraceEvent] | None = None
+    # with DecodeConfig.logprobs: one per token of token_ids (shaping.py says what they are)
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Request:
@@ -156,6 +159,7 @@ class Request:
         self.deltas = TextDeltas(tokenizer) if tokenizer is not None else None
         self.stop_text = StopText(cfg.stop)
         self.text = ""
+        self.shaping = shaping_of(cfg)  # penalties, bias, log-probabilities (None: none asked)
 
     # ------------------------------------------------------------------ decoder side
     def start(self) -> None:
@@ -191,6 +195,8 @@ class Request:
         row, n, limit = self.filled, self.prefix_len, self.cfg.gen_length
         while n < limit and row[n] is not None and (n == 0 or row[n - 1] not in self.eos_ids):
             n += 1
+        if self.shaping is not None and self.shaping.logprobs is not None:
+            self.shaping.logprobs.settle(row, self.prefix_len, n)
         self.prefix_len = n
 
     def note(self, path: str, spans: Sequence[tuple[int, list[int]]]) -> None:
@@ -274,7 +280,14 @@ class Request:
             self.stats,
             len(self.prompt),
             self.trace,
+            self.logprobs_so_far(),
         )
+
+    def logprobs_so_far(self) -> list[TokenLogprob] | None:
+        """The final prefix's log-probabilities (None: not asked for)."""
+        if self.shaping is None or self.shaping.logprobs is None:
+            return None
+        return self.shaping.logprobs.tokens[: self.prefix_len]
 
     def _text(self, final: bool) -> tuple[str, bool]:
         if self.deltas is None:

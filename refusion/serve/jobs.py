@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..decode.admit import PreparedRequest
+from ..decode.shaping import TokenLogprob
 from ..decode.trace import event_dicts
 from .metrics import Metrics
 
@@ -33,6 +34,8 @@ class ChoiceOutput:
     slots: dict[str, Any] | None = None  # events, forward count and seconds so far; at the end, the stats
     finish_reason: str | None = None  # "stop", "length", "cancelled"; None while it runs
     completion_tokens: int = 0
+    # with logprobs asked for: the log-probabilities of the tokens final since the last output
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -72,6 +75,7 @@ class Job:
         self.finished = False
         self.emitted = False  # anything handed over
         self.completion_tokens = 0
+        self.logprobs_sent = 0  # tokens whose log-probabilities were handed over
         self.submitted = time.monotonic()
         self.started: float | None = None
         self.metrics: Metrics | None = None
@@ -91,7 +95,15 @@ class Job:
             self._count_finished(out)
         if out.delta or out.finished:
             reason = out.finish_reason if out.finished else None
-            self._send(ChoiceOutput(self.index, out.delta, None, reason, self.completion_tokens))
+            lp = self._logprobs(out)
+            self._send(ChoiceOutput(self.index, out.delta, None, reason, self.completion_tokens, lp))
+
+    def _logprobs(self, out: Any) -> tuple[TokenLogprob, ...] | None:
+        """The log-probabilities of the tokens final since the last ones handed over."""
+        if out.logprobs is None:
+            return None
+        new, self.logprobs_sent = tuple(out.logprobs[self.logprobs_sent :]), len(out.logprobs)
+        return new
 
     def _count_finished(self, out: Any) -> None:
         if self.metrics:

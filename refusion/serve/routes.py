@@ -70,7 +70,8 @@ class Completions:
             outputs = self.client.generate(prompts, slots=req.include_slots)
         except (QueueFull, ShuttingDown) as e:
             raise library_error(e) from None
-        return await self.respond(request, req, outputs, sum(len(p.ids) for p in prompts))
+        # the prompt tokens of each prompt once, however many choices decode it
+        return await self.respond(request, req, outputs, sum(len(p.ids) for p in prompts[:: req.n]))
 
     def prepare(self, raw: bytes, kind: str) -> tuple[CompletionRequest, list[PreparedRequest]]:
         """The body parsed and checked, and each of its prompts admitted (a request thread)."""
@@ -90,11 +91,14 @@ class Completions:
         it was accepted. A plain response waits for the whole completion; a client that
         left meanwhile gets a 499 and its choices are cancelled."""
         if req.stream:
-            events = completion_events(req, outputs, self.name, prompt_tokens)
+            events = completion_events(req, outputs, self.name, prompt_tokens, self.admission.tokenizer)
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
         watch = DisconnectWatch(request)
         try:
-            return JSONResponse(await completion_body(req, watch.guard(outputs), self.name, prompt_tokens))
+            tokenizer = self.admission.tokenizer
+            return JSONResponse(
+                await completion_body(req, watch.guard(outputs), self.name, prompt_tokens, tokenizer)
+            )
         except ClientGone:
             return Response(status_code=499)
         finally:

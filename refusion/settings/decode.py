@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from .fields import check_fields, knob
+from .fields import check_fields, check_value, knob
 
 METHODS = ("refusion", "ar", "mdm")
 
@@ -35,6 +35,8 @@ _PAPER = {
 }
 PRESETS = tuple(_PAPER)
 MAX_STOPS = 16
+MAX_BIASES = 300  # logit_bias entries, OpenAI's limit
+MAX_TOP_LOGPROBS = 20  # alternatives per token, OpenAI's limit
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,32 @@ class DecodeConfig:
         lo=-(2**63),
         hi=2**63 - 1,
     )
+    # --- shaping the distribution (OpenAI's semantics), applied to every forward's logits of the
+    # request (`decode/shaping.py`), so that ReFusion drafts and verifies with the same distribution
+    presence_penalty: float = knob(
+        0.0, "subtract this from the logit of every token already generated (OpenAI's)", lo=-2.0, hi=2.0
+    )
+    frequency_penalty: float = knob(
+        0.0, "subtract this times its count from the logit of each token already generated", lo=-2.0, hi=2.0
+    )
+    logit_bias: tuple[tuple[int, float], ...] = knob(
+        (),
+        "(token id, bias) pairs: the bias is added to that token's logit",
+        lo=-100.0,
+        hi=100.0,
+        most=MAX_BIASES,
+        flag=False,
+        http=False,
+    )
+    # --- what the outputs carry
+    logprobs: int | None = knob(
+        None,
+        "report each generated token's log-probability and this many most likely alternatives",
+        lo=0,
+        hi=MAX_TOP_LOGPROBS,
+        flag=False,
+        http=False,
+    )
     # --- when to stop
     stop: tuple[str, ...] = knob(
         (), "strings that end the text (not included in it)", most=MAX_STOPS, flag=False, http=False
@@ -115,6 +143,8 @@ class DecodeConfig:
         if isinstance(self.stop_token_ids, (int, list)):
             ids = [self.stop_token_ids] if isinstance(self.stop_token_ids, int) else self.stop_token_ids
             object.__setattr__(self, "stop_token_ids", tuple(ids))
+        if self.logit_bias:  # a dict (JSON's string keys too) stored as sorted (id, bias) pairs
+            object.__setattr__(self, "logit_bias", check_value(_field("logit_bias"), self.logit_bias))
         self.validate()
 
     def validate(self) -> DecodeConfig:
@@ -142,6 +172,11 @@ class DecodeConfig:
     def slots_per_block(self) -> int:
         """ReFusion: slots in each of the serial blocks of the region."""
         return self.region_length // self.slot_size // self.serial_blocks
+
+    @property
+    def shapes(self) -> bool:
+        """Whether its logits are changed before anything reads them (penalties, a bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -199,6 +234,10 @@ class DecodeConfig:
         """This config generating at most n tokens (a server's max_tokens, lm-eval's
         max_gen_toks): the method's region is n rounded up to whole units."""
         return self.replace(gen_length=n)
+
+
+def _field(name: str) -> dataclasses.Field:
+    return next(f for f in dataclasses.fields(DecodeConfig) if f.name == name)
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,8 @@ def check_value(f: dataclasses.Field, value: Any) -> Any:
     kind = field_kind(f)
     if kind == "tuple":
         return _check_items(f, value)
+    if kind == "pairs":
+        return _check_pairs(f, value)
     value = check_scalar(
         f.name,
         kind,
@@ -124,9 +126,34 @@ def _check_items(f: dataclasses.Field, value: Any) -> tuple:
     return tuple(items)
 
 
+def _check_pairs(f: dataclasses.Field, value: Any) -> tuple:
+    """A map field (token id -> number): a dict or (id, number) pairs, at most `most`
+    of them, ids >= 0, numbers within the field's bounds; stored as sorted pairs. JSON's
+    keys are strings: a key of decimal digits is taken as its id."""
+    name, meta, most = f.name, f.metadata, f.metadata.get("most")
+    items = list(value.items()) if isinstance(value, dict) else value
+    if not isinstance(items, (list, tuple)) or not all(
+        isinstance(p, (list, tuple)) and len(p) == 2 for p in items
+    ):
+        raise FieldError(name, f"{name} must map token ids to numbers, got {_what(value)}", wrong_type=True)
+    if most is not None and len(items) > most:
+        raise FieldError(name, f"{name} takes at most {most} entries, got {len(items)}")
+    pairs = {}
+    for key, number in items:
+        tid = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 12 else key
+        if not _is_kind("int", tid) or not 0 <= tid < 2**31:
+            raise FieldError(name, f"{name} keys must be token ids (integers >= 0), got {shown(key)}")
+        where = f"{name}[{shown(key)}]"
+        pairs[tid] = float(check_scalar(where, "float", number, lo=meta["lo"], hi=meta["hi"]))
+    return tuple(sorted(pairs.items()))
+
+
 def field_kind(f: dataclasses.Field) -> str:
-    """'bool', 'int', 'float', 'str' or 'tuple', from the field's annotation."""
+    """'bool', 'int', 'float', 'str', 'tuple' or 'pairs' (a map of ids to numbers), from
+    the field's annotation."""
     t = str(f.type)
+    if t.startswith("tuple[tuple"):
+        return "pairs"
     for kind in ("tuple", "bool", "float", "int", "str"):
         if t.startswith(kind):
             return kind

@@ -126,14 +126,33 @@ def test_an_assistant_message_may_leave_content_out_for_tool_calls_or_a_refusal(
     [("NaN", "NaN"), ("Infinity", "Infinity"), ("-Infinity", "-Infinity"), ("1e999", "Infinity")],
 )
 @pytest.mark.parametrize(
-    "param", ["temperature", "top_p", "slot_threshold", "max_tokens", "seed", "presence_penalty"]
+    "param",
+    ["temperature", "top_p", "slot_threshold", "max_tokens", "seed", "presence_penalty", "frequency_penalty"],
 )
 def test_non_finite_numbers_are_refused_naming_the_param(server, literal, shown, param):
     body = f'{{"prompt": "x", "max_tokens": 4, "{param}": {literal}}}'.encode()
     err = openai_error(post(server, "/v1/completions", body), 400)
     assert err["param"] == param
-    if param != "presence_penalty":  # refused as an unsupported value, quoting it
-        assert err["code"] == "invalid_type" and shown in err["message"], err
+    assert err["code"] == "invalid_type" and shown in err["message"], err
+
+
+@pytest.mark.parametrize(
+    "field,literal",
+    [
+        ("logit_bias", '{"5": NaN}'),
+        ("logit_bias", '{"5": 1e999}'),
+        ("logit_bias", '{"' + "9" * 5000 + '": 1}'),
+        ("logit_bias", '{"5": {"5": 1}}'),
+        ("top_logprobs", "1e999"),
+        ("n", "1e999"),
+    ],
+)
+def test_hostile_values_of_the_openai_fields_are_400s_naming_them(server, field, literal):
+    head = '{"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "logprobs": true'
+    body = f'{head}, "{field}": {literal}}}'
+    err = openai_error(post(server, "/v1/chat/completions", body.encode()), 400)
+    assert err["param"] == field, err
+    assert len(err["message"]) < 300
 
 
 def test_huge_integer_within_the_digit_limit_is_a_400_with_a_short_message(server):

@@ -105,7 +105,7 @@ def test_parse_accepts_neutral_and_null_fields():
         True,
         "gsm8k",
     )
-    assert req.overrides == {"slot_size": 4}
+    assert req.overrides == {"slot_size": 4, "presence_penalty": 0.0}
 
 
 @pytest.mark.parametrize(
@@ -154,6 +154,8 @@ def test_request_fields_are_derived_from_decode_config():
         "first_token_check",
         "infill_window",
         "left_check",
+        "presence_penalty",
+        "frequency_penalty",
     }
     for body, param in [
         ({"slot_size": 5000}, "slot_size"),

@@ -109,7 +109,7 @@ class Infill:
             for f in forks:
                 f.drafted, f.head = f.accepted, None
             return
-        logits = self.fwd.run([f.row.req for f in forks], tokens, positions, fcache, want)
+        logits = self.fwd.run([f.row.req for f in forks], tokens, positions, fcache, want, _held(forks))
         advance = []
         for f, lg in zip(forks, logits):
             f.drafted, f.head = f.accepted, None
@@ -142,7 +142,7 @@ class Infill:
             # the logits that score the fed tokens (each token's predict the next), and any the rule
             # reads past them
             want.append((0, len(toks) - 1 + f.row.rule.infill_next) if toks else (0, 0))
-        logits = self.fwd.run([f.row.req for f in forks], tokens, positions, fcache, want)
+        logits = self.fwd.run([f.row.req for f in forks], tokens, positions, fcache, want, _held(forks))
         advance = []
         for f, takes, toks, lg in zip(forks, taking, tokens, logits):
             before = f.kept
@@ -237,3 +237,11 @@ class Infill:
             # a traced row's forks all say how their tokens were accepted; an untraced row's none
             how = [f.how[: f.length] for _, f in fs if f.how is not None] or None
             row.commit("infill", [f.slot for _, f in fs], [f.tokens[: f.length] for _, f in fs], how)
+
+
+def _held(forks: list[Fork]) -> list[dict[int, int] | None] | None:
+    """Per fork, the slot tokens its cache holds that no feed shows (generation offset ->
+    token), for the requests that shape their logits (`shaping.py`); None when none does."""
+    if all(f.row.req.shaping is None for f in forks):
+        return None
+    return [{f.slot * f.row.s + i: t for i, t in enumerate(f.tokens[: f.kept])} for f in forks]

@@ -15,6 +15,7 @@ from ...errors import (
     PromptError,
     ReFusionError,
 )
+from ...settings.fields import FieldError
 from ..loop import QueueFull, ShuttingDown
 
 
@@ -63,6 +64,8 @@ def library_error(e: BaseException, param: str | None = None) -> APIError:
         return bad(str(e), param, e.code)
     if isinstance(e, ChatTemplateError):
         return bad(f"the chat template rejected the messages: {e}", param)
+    if isinstance(e, FieldError):  # a setting the model cannot take (a logit_bias id past its vocabulary)
+        return bad(str(e), e.field, "invalid_value")
     if isinstance(e, ReFusionError):
         return bad(str(e), None, _code(e))
     return APIError(500, f"decoding failed: {type(e).__name__}", type="server_error", code="internal_error")

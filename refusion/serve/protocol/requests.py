@@ -16,7 +16,7 @@ from typing import Any
 
 from ...decode.admit import Admission, PreparedRequest
 from ...errors import ReFusionError
-from ...settings.decode import PRESETS, DecodeConfig
+from ...settings.decode import MAX_TOP_LOGPROBS, PRESETS, DecodeConfig
 from ...settings.fields import shown
 from .checks import as_request_error, decode_value, is_int, is_number, own_value, text
 from .errors import APIError, bad, library_error
@@ -30,29 +30,27 @@ _STOP = next(f for f in dataclasses.fields(DecodeConfig) if f.name == "stop")
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options"}
 # accepted only at the value that means "off" (anything else would change the answer)
 NEUTRAL = {
-    "n": lambda v: v == 1 and is_int(v),
     "best_of": lambda v: v == 1 and is_int(v),
-    "presence_penalty": lambda v: is_number(v) and v == 0,
-    "frequency_penalty": lambda v: is_number(v) and v == 0,
     "repetition_penalty": lambda v: is_number(v) and v == 1,
-    "logprobs": lambda v: v is False,
-    "top_logprobs": lambda v: is_int(v) and v == 0,
     "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
-    "logit_bias": lambda v: v == {},
     "tools": lambda v: v == [],
     "functions": lambda v: v == [],
     "tool_choice": lambda v: v in ("none", "auto"),
     "function_call": lambda v: v in ("none", "auto"),
     "response_format": lambda v: v == {"type": "text"},
 }
-COMMON = {"model", "max_tokens", "stop", "stream", "preset", *DECODE_FIELDS, *IGNORED, *NEUTRAL}
+_BIAS = next(f for f in dataclasses.fields(DecodeConfig) if f.name == "logit_bias")
+COMMON = {"model", "max_tokens", "stop", "stream", "preset", "logprobs", "logit_bias", "n"}
+COMMON |= {*DECODE_FIELDS, *IGNORED, *NEUTRAL}
 FIELDS = {
     "completion": COMMON | {"prompt", "chat_template"},
-    "chat": COMMON | {"messages", "max_completion_tokens"},
+    "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs"},
 }
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", "include_slots"}
 MAX_PROMPTS = 64
+MAX_N = 16  # choices per prompt
+MAX_CHOICES = 128  # choices per request: prompts x n
 MAX_TOKENS = 2**31 - 1  # beyond any context; keeps the numbers in length errors printable
 
 
@@ -73,11 +71,12 @@ class CompletionRequest:
     warning: str | None = None  # said in the response (`completion_warning`): why its text may be noise
     preset: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # DecodeConfig fields
+    n: int = 1  # choices per prompt
 
     @property
     def choices(self) -> int:
-        """A completion has a choice per prompt, a chat one."""
-        return len(self.prompts or []) if self.kind == "completion" else 1
+        """A completion has n choices per prompt (prompt i's are i * n .. i * n + n - 1), a chat n."""
+        return (len(self.prompts or []) if self.kind == "completion" else 1) * self.n
 
 
 def parse_request(body: Any, kind: str) -> CompletionRequest:
@@ -112,6 +111,10 @@ def parse_request(body: Any, kind: str) -> CompletionRequest:
             req.max_tokens = own_value(name, "int", body[name], lo=1, hi=MAX_TOKENS)
     if "stop" in body:
         req.stop = list(decode_value(_STOP, body["stop"]))
+    if "n" in body:
+        req.n = own_value("n", "int", body["n"], lo=1, hi=MAX_N)
+        if req.choices > MAX_CHOICES:
+            raise bad(f"at most {MAX_CHOICES} choices per request (prompts x n), got {req.choices}", "n")
     req.stream = own_value("stream", "bool", body.get("stream", False))
     opts = body.get("stream_options")
     if opts is not None:
@@ -128,6 +131,11 @@ def parse_request(body: Any, kind: str) -> CompletionRequest:
     if "preset" in body:
         req.preset = own_value("preset", "str", body["preset"], choices=PRESETS)
     req.overrides = {name: decode_value(f, body[name]) for name, f in DECODE_FIELDS.items() if name in body}
+    if "logit_bias" in body:
+        req.overrides["logit_bias"] = decode_value(_BIAS, body["logit_bias"])
+    top = _logprobs(body, kind)
+    if top is not None:
+        req.overrides["logprobs"] = top
     return req
 
 
@@ -156,6 +164,21 @@ def completion_warning(req: CompletionRequest, chat_only: bool) -> str | None:
     taken as the client's own rendering."""
     raw_text = req.kind == "completion" and any(isinstance(p, str) for p in req.prompts or [])
     return CHAT_ONLY_WARNING if chat_only and raw_text and not req.chat_template else None
+
+
+def _logprobs(body: dict[str, Any], kind: str) -> int | None:
+    """How many alternatives each token's log-probability comes with (None: none asked
+    for): chat's `logprobs` (a boolean) and `top_logprobs`, or a completion's `logprobs`
+    (an integer)."""
+    hi = MAX_TOP_LOGPROBS
+    if kind == "completion":
+        return own_value("logprobs", "int", body["logprobs"], lo=0, hi=hi) if "logprobs" in body else None
+    on = own_value("logprobs", "bool", body.get("logprobs", False))
+    top = body.get("top_logprobs")
+    top = None if top is None else own_value("top_logprobs", "int", top, lo=0, hi=hi)
+    if top and not on:
+        raise bad('top_logprobs needs "logprobs": true', "top_logprobs")
+    return (top or 0) if on else None
 
 
 def _stream_slots(opts: dict[str, Any], stream: bool) -> bool:
@@ -205,10 +228,22 @@ def request_config(base: DecodeConfig, req: CompletionRequest) -> DecodeConfig:
 
 def admit_request(req: CompletionRequest, admission: Admission, base: DecodeConfig) -> list[PreparedRequest]:
     """Each of the request's prompts prepared once by the engine's admission, with the
-    server's settings `base` and the request's on top (`request_config`)."""
+    server's settings `base` and the request's on top (`request_config`), then decoded as
+    n choices (`choice_seeds`), prompt after prompt."""
     cfg = request_config(base, req)
     prompts, param = request_prompts(req, admission.tokenizer)
-    return [admit(admission, p, cfg, req.max_tokens, param, req.chat_template) for p in prompts]
+    ready = [admit(admission, p, cfg, req.max_tokens, param, req.chat_template) for p in prompts]
+    return [dataclasses.replace(r, cfg=c) for r in ready for c in choice_seeds(r.cfg, req.n)]
+
+
+def choice_seeds(cfg: DecodeConfig, n: int) -> list[DecodeConfig]:
+    """The settings of n choices of one prompt: choice i samples with seed + i (wrapping
+    within the seed's range), so a seeded request gives the same n answers again and each
+    choice is what a request of that seed alone gives; without a seed each choice draws
+    its own at random. Greedy choices are the same text n times."""
+    if n == 1 or cfg.seed is None:
+        return [cfg] * n
+    return [cfg.replace(seed=(cfg.seed + i + 2**63) % 2**64 - 2**63) for i in range(n)]
 
 
 def request_prompts(req: CompletionRequest, tokenizer: Any) -> tuple[list[Any], str]:

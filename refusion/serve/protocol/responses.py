@@ -24,21 +24,22 @@ def response_body(
     kind: str,
     rid: str,
     model: str,
-    choices: list[tuple[str, str]],
+    choices: list[tuple[str, str, Any]],
     use: dict[str, int],
     warning: str | None = None,
 ) -> dict[str, Any]:
-    """A whole (non-streamed) completion; choices = [(text, finish_reason), ...]; a
-    `warning` (why the text may be noise) beside them when there is one."""
+    """A whole (non-streamed) completion; choices = [(text, finish_reason, logprobs), ...];
+    a `warning` (why the text may be noise) beside them when there is one."""
     if kind == "chat":
         items = [
-            {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
-            for i, (t, r) in enumerate(choices)
+            {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp, "finish_reason": r}
+            for i, (t, r, lp) in enumerate(choices)
         ]
         obj = "chat.completion"
     else:
         items = [
-            {"index": i, "text": t, "logprobs": None, "finish_reason": r} for i, (t, r) in enumerate(choices)
+            {"index": i, "text": t, "logprobs": lp, "finish_reason": r}
+            for i, (t, r, lp) in enumerate(choices)
         ]
         obj = "text_completion"
     body = {
@@ -53,17 +54,25 @@ def response_body(
 
 
 def chunk_body(
-    kind: str, rid: str, model: str, index: int, text: str | None, finish: str | None, *, first: bool = False
+    kind: str,
+    rid: str,
+    model: str,
+    index: int,
+    text: str | None,
+    finish: str | None,
+    *,
+    first: bool = False,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One server-sent event of a streamed completion."""
+    """One server-sent event of a streamed completion (`logprobs`: of the tokens it adds)."""
     if kind == "chat":
         delta: dict[str, str] = (
             {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
         )
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
 

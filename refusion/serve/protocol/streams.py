@@ -15,9 +15,11 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
 from typing import Any
 
+from ...decode.shaping import TokenLogprob
 from ..client import Outputs, RequestFailed
 from ..jobs import ChoiceOutput
 from .errors import library_error
+from .logprobs import Speller, choice_logprobs
 from .requests import CompletionRequest
 from .responses import chunk_body, new_id, response_body, slots_chunk, usage, usage_chunk
 
@@ -30,32 +32,48 @@ def event(obj: dict[str, Any]) -> str:
 
 
 async def completion_body(
-    req: CompletionRequest, outputs: Outputs[ChoiceOutput], model: str, prompt_tokens: int
+    req: CompletionRequest,
+    outputs: Outputs[ChoiceOutput],
+    model: str,
+    prompt_tokens: int,
+    tokenizer: Any = None,
 ) -> dict[str, Any]:
-    """The whole completion: each choice's text and finish reason, and the usage."""
+    """The whole completion: each choice's text, finish reason and (when asked for)
+    log-probabilities, and the usage."""
     n = req.choices
     texts: list[list[str]] = [[] for _ in range(n)]
     reasons, tokens = [""] * n, [0] * n
+    logprobs: list[list[TokenLogprob] | None] = [None] * n
     async with aclosing(outputs):
         try:
             async for out in outputs:
                 texts[out.index].append(out.text)
+                if out.logprobs is not None:
+                    logprobs[out.index] = (logprobs[out.index] or []) + list(out.logprobs)
                 if out.finished:
                     reasons[out.index], tokens[out.index] = out.finish_reason or "", out.completion_tokens
         except RequestFailed as e:
             raise library_error(e.error) from None
-    done = [("".join(t), r) for t, r in zip(texts, reasons)]
+    spell = Speller(tokenizer)
+    done = [
+        ("".join(t), r, choice_logprobs(req.kind, spell, lp)) for t, r, lp in zip(texts, reasons, logprobs)
+    ]
     use = usage(prompt_tokens, sum(tokens))
     return response_body(req.kind, new_id(req.kind), model, done, use, req.warning)
 
 
 async def completion_events(
-    req: CompletionRequest, outputs: Outputs[ChoiceOutput], model: str, prompt_tokens: int
+    req: CompletionRequest,
+    outputs: Outputs[ChoiceOutput],
+    model: str,
+    prompt_tokens: int,
+    tokenizer: Any = None,
 ) -> AsyncIterator[str]:
     """The stream: chat's role chunks first (a queued client knows it was accepted), then
     each output's chunks as it comes, the usage last when asked for. The request's warning,
     if any, rides on the first text chunk (not a choiceless one: clients read choices[0])."""
     kind, rid, tokens, warning = req.kind, new_id(req.kind), 0, req.warning
+    chunks = _Chunks(kind, rid, model, Speller(tokenizer), req.choices)
     async with aclosing(outputs):
         try:
             if kind == "chat":
@@ -63,7 +81,7 @@ async def completion_events(
                     yield event(chunk_body(kind, rid, model, i, "", None, first=True))
             async for out in outputs:
                 tokens += out.completion_tokens if out.finished else 0
-                for chunk in _chunks(kind, rid, model, out):
+                for chunk in chunks(out):
                     if warning and chunk["choices"]:
                         chunk, warning = chunk | {"warning": warning}, None
                     yield event(chunk)
@@ -74,11 +92,22 @@ async def completion_events(
         yield DONE
 
 
-def _chunks(kind: str, rid: str, model: str, out: ChoiceOutput) -> Iterator[dict[str, Any]]:
-    """An output's chunks: its slot events, its text, its finish reason."""
-    if out.slots is not None:
-        yield slots_chunk(kind, rid, model, out.index, out.slots)
-    if out.text:
-        yield chunk_body(kind, rid, model, out.index, out.text, None)
-    if out.finished:
-        yield chunk_body(kind, rid, model, out.index, None, out.finish_reason)
+class _Chunks:
+    """An output's chunks: its slot events, its text with the log-probabilities of the
+    tokens it adds, its finish reason. Keeps each choice's characters streamed so far, for
+    the completions' `text_offset`."""
+
+    def __init__(self, kind: str, rid: str, model: str, spell: Speller, n: int) -> None:
+        self.kind, self.rid, self.model, self.spell = kind, rid, model, spell
+        self.offsets = [0] * n
+
+    def __call__(self, out: ChoiceOutput) -> Iterator[dict[str, Any]]:
+        kind, rid, model = self.kind, self.rid, self.model
+        if out.slots is not None:
+            yield slots_chunk(kind, rid, model, out.index, out.slots)
+        if out.text or out.logprobs:
+            lp = choice_logprobs(kind, self.spell, out.logprobs, self.offsets[out.index])
+            self.offsets[out.index] += len(out.text)
+            yield chunk_body(kind, rid, model, out.index, out.text, None, logprobs=lp)
+        if out.finished:
+            yield chunk_body(kind, rid, model, out.index, None, out.finish_reason)
