@@ -224,7 +224,16 @@ def choose(
     and verification forwards (an AR row commits a token in each). Other widths than the
     settings' own (slot, window) must promise `margin` times their rate, and drafting
     `margin` times the rate of AR blocks. `overheads`: seconds the step costs outside its
-    forwards (`StepOverhead`, at this batch's rows) when rows draft, and in AR blocks."""
+    forwards (`StepOverhead`, at this batch's rows) when rows draft, and in AR blocks.
+
+    A row alone in the batch keeps its settings' widths. The estimate picks them there when
+    its inputs are that row's own (`refusion bench decode` feeds as many tokens per
+    committed one at a batch of 1 adaptive as fixed), but it prices a row from acceptance
+    pooled over every request the model decoded and from step overheads fitted mostly at
+    other batch sizes: after a load of many clients, a server's lone client was narrowed
+    and took twice the forwards of the fixed widths."""
+    if rows + other_rows == 1:
+        return slot, window
     rates = {}
     windows = [*candidates(window), 0] if window else [0]
     for p in candidates(slot):

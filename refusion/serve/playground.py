@@ -45,9 +45,12 @@ def is_public(path: str) -> bool:
     return path == "/" or path.startswith("/static/")
 
 
-def add_playground_routes(app: FastAPI, model: Any, cfg: DecodeConfig, model_name: str, context: int) -> None:
-    """`/` (the page), `/static/NAME` (its files) and `/playground/settings` (its form)."""
-    settings = settings_body(model, cfg, model_name, context)
+def add_playground_routes(
+    app: FastAPI, model: Any, cfg: DecodeConfig, model_name: str, context: int, draft_widths: str
+) -> None:
+    """`/` (the page), `/static/NAME` (its files) and `/playground/settings` (its form, and
+    the engine's draft widths in words: `WidthPolicy.describe`)."""
+    settings = settings_body(model, cfg, model_name, context) | {"draft_widths": draft_widths}
 
     @app.get("/", response_class=HTMLResponse)
     async def page() -> FileResponse:

@@ -182,6 +182,14 @@ def test_settings_are_the_config_metadata_and_the_checkpoints(server, bundled):
     )
 
 
+def test_settings_say_which_draft_widths_are_in_force(server, bundled):
+    from refusion.decode import EngineConfig
+
+    assert httpx.get(server.url + "/playground/settings").json()["draft_widths"].startswith("adaptive")
+    with serving(bundled, engine_config=EngineConfig(adaptive_drafts=False)) as s:
+        assert httpx.get(s.url + "/playground/settings").json()["draft_widths"].startswith("fixed")
+
+
 def test_behind_a_key_the_page_is_public_and_the_api_is_not(bundled):
     with serving(bundled, api_key=KEY) as s:
         assert httpx.get(s.url + "/").status_code == 200
