@@ -48,6 +48,7 @@ class DraftingRow:
     ar_block: bool
     ar_next: int
     slots_per_block: int
+    planned: bool
 
     def block_slots(self, block: int) -> list[int]:
         """The slots of a block of the region."""
@@ -71,7 +72,8 @@ class DraftingRow:
 
     @property
     def adaptive(self) -> bool:
-        return self.acceptance is not None and not self.ar_block
+        # a row whose plan awaits its verification keeps that plan's widths
+        return self.acceptance is not None and not self.ar_block and not self.planned
 
     def fed_per_forward(self) -> int:
         return 1 if self.ar_block else self.s
