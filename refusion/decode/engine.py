@@ -229,10 +229,12 @@ class Engine:
         return drafted
 
     def _step_cached(self) -> bool | None:
-        """ReFusion's round (docs/algorithm.md#one-step) over the KV cache's rows: the
-        draft widths chosen, the plan forward, the verification forward, infilling; AR
-        rows take a token in each forward. Returns whether a row drafted (None: a step
-        that rows joined in, `_join`)."""
+        """ReFusion's round (docs/algorithm.md#one-step) over the KV cache's rows in two
+        steps: the draft widths chosen, the plan forward and the verification forward (AR
+        rows take a token in each); then, when verification left slots to infill, a step of
+        infilling. A request that arrives waits for a step to end before it joins, so the
+        round's halves each end a step. Returns whether a row drafted (None: a step that
+        rows joined in, `_join`)."""
         rows, cache = self.scheduler.rows, self.scheduler.cache
         assert cache is not None  # the scheduler gave the rows their cache
         self.widths.choose(rows, cache.lengths, self.fwd.time_shapes, self.config.max_batch_size)
@@ -241,11 +243,13 @@ class Engine:
         if any(joining):
             self._join(joining)
             return None
-        self._plan()
-        if not any(r.verifies for r in rows):  # AR rows alone: one forward, one token a row
-            return drafted
-        self._verify()
-        self._infill()
+        if any(r.infills() for r in rows):  # the last step's verification left slots to infill
+            self._infill()
+        else:
+            self._plan()
+            if not any(r.verifies for r in rows):  # AR rows alone: one forward, one token a row
+                return drafted
+            self._verify()
         for r in rows:
             r.end_step()
         return drafted

@@ -72,8 +72,9 @@ class DraftingRow:
 
     @property
     def adaptive(self) -> bool:
-        # a row whose plan awaits its verification keeps that plan's widths
-        return self.acceptance is not None and not self.ar_block and not self.planned
+        # a row whose plan awaits its verification, or its infilling, keeps that plan's widths
+        busy = self.planned or self.to_infill is not None
+        return self.acceptance is not None and not self.ar_block and not busy
 
     def fed_per_forward(self) -> int:
         return 1 if self.ar_block else self.s
