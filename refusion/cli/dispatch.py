@@ -26,7 +26,10 @@ VERBS = {
     "chat": "interactive chat that streams",
     "train": "train with the ReFusion objective (or plain AR)",
     "eval": "evaluate on a benchmark",
-    "bench": "benchmarks that print figures side by side: decode, train, speed, suite, curve, diagnose, load",
+    "bench": (
+        "benchmarks that print figures side by side: "
+        "decode, train, speed, suite, curve, diagnose, served, load"
+    ),
     "serve": "OpenAI-compatible HTTP server",
 }
 

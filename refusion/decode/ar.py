@@ -51,6 +51,10 @@ class ARRow:
     def fed_per_forward(self) -> int:
         return 1
 
+    @property
+    def joining(self) -> bool:
+        return self.n_done == 0
+
     def feed(self) -> Feed:
         """A joining row feeds its prompt at 0..P-1; a running row its last token at P+done-1."""
         n = len(self.pending)

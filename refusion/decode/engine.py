@@ -15,8 +15,9 @@ plan forward (ReFusion rows feed MASKs, AR rows take a token), the verification 
 (AR rows take another token), then infilling for the ReFusion rows that need it, every
 row answering the same phase interface (`rows.Row`); rows of methods that reuse no KV
 (MDM) run as their own group, one forward per step over their whole contexts; then each
-request reports what grew. A request added between steps joins at the next step (its
-prompt is prefilled in that step's first forward); a finished or aborted row frees its
+request reports what grew. A request added between steps joins at the next step, which
+is the joining rows' plan forward alone (their prompts prefilled; AR rows take a token in
+it), so that a lossless row's first token streams after it; a finished or aborted row frees its
 place at once.
 """
 
@@ -205,9 +206,9 @@ class Engine:
             self.finished_outputs = outputs + self.finished_outputs
             raise
         outputs += self._update()
-        self.widths.timed(
-            start, self.fwd.seconds - forward_seconds, self.rows_last_step, drafted, self.has_unfinished()
-        )
+        rows = self.rows_last_step if drafted is not None else 0  # a joining step is not a typical one
+        seconds = self.fwd.seconds - forward_seconds
+        self.widths.timed(start, seconds, rows, bool(drafted), self.has_unfinished())
         return outputs
 
     def _new_row(self, req: Request) -> Row:
@@ -216,30 +217,39 @@ class Engine:
             row.acceptance = self.widths.drafting.acceptance
         return row
 
-    def _execute(self) -> bool:
+    def _execute(self) -> bool | None:
         """One step of every row: the KV cache's rows, and the group of rows without a
         cache in one forward of their own. Returns whether a row drafted (the step's
-        timing is counted by kind)."""
-        drafted = False
+        timing is counted by kind; None: a step that rows joined in, not counted)."""
+        drafted: bool | None = False
         if self.scheduler.rows:
             drafted = self._step_cached()
         if self.scheduler.group:
             self._step_group()
         return drafted
 
-    def _step_cached(self) -> bool:
-        """ReFusion's round (docs/algorithm.md#one-step) over the KV cache's rows: the
-        draft widths chosen, the plan forward, the verification forward, infilling; AR
-        rows take a token in each forward. Returns whether a row drafted."""
+    def _step_cached(self) -> bool | None:
+        """ReFusion's round (docs/algorithm.md#one-step) over the KV cache's rows in two
+        steps: the draft widths chosen, the plan forward and the verification forward (AR
+        rows take a token in each); then, when verification left slots to infill, a step of
+        infilling. A request that arrives waits for a step to end before it joins, so the
+        round's halves each end a step. Returns whether a row drafted (None: a step that
+        rows joined in, `_join`)."""
         rows, cache = self.scheduler.rows, self.scheduler.cache
         assert cache is not None  # the scheduler gave the rows their cache
         self.widths.choose(rows, cache.lengths, self.fwd.time_shapes, self.config.max_batch_size)
         drafted = any(r.drafting for r in rows)
-        self._plan()
-        if not any(r.verifies for r in rows):  # AR rows alone: one forward, one token a row
-            return drafted
-        self._verify()
-        self._infill()
+        joining = [r.joining for r in rows]
+        if any(joining):
+            self._join(joining)
+            return None
+        if any(r.infills() for r in rows):  # the last step's verification left slots to infill
+            self._infill()
+        else:
+            self._plan()
+            if not any(r.verifies for r in rows):  # AR rows alone: one forward, one token a row
+                return drafted
+            self._verify()
         for r in rows:
             r.end_step()
         return drafted
@@ -248,6 +258,14 @@ class Engine:
         """Steps 1-2: MASKs for every undecoded slot of each ReFusion row's block (its
         prompt first, on its first step), then the slots to verify; AR rows take a token."""
         self._phase([r.plan_feed() for r in self.rows], lambda r, lg, f: r.take_plan(lg, f))
+
+    def _join(self, joining: list[bool]) -> None:
+        """Rows joined: this step is their plan forward alone (their prompts prefilled), with
+        the AR rows taking a token in it, so that their first tokens stream after one short
+        forward and not after a whole drafting step of the rows running (docs/algorithm.md#
+        joining). A ReFusion row verifies its plan in the next step, beside the others'."""
+        feeds = [r.plan_feed() if j or not r.verifies else None for r, j in zip(self.rows, joining)]
+        self._phase(feeds, lambda r, lg, f: r.take_plan(lg, f))
 
     def _verify(self) -> None:
         """Step 3: global verification of the selected drafts, fast-path commits; AR rows

@@ -39,6 +39,11 @@ class Row(Protocol):
     # part in one when another row asks, else the step is its first forward alone
     verifies: bool
 
+    @property
+    def joining(self) -> bool:
+        """Whether it has fed nothing yet: its prompt goes into the cache in its first forward."""
+        ...
+
     def plan_feed(self) -> Feed | None:
         """What it feeds the step's first forward (None: nothing)."""
         ...

@@ -27,6 +27,15 @@ class WidthPolicy:
         self._last_step_end = 0.0  # when the last step ended, while requests remained
         self._not_step = 0.0  # seconds of this step that are no step's own work (a calibration)
 
+    def describe(self) -> str:
+        """The widths in force, in words (a server's startup line and its settings)."""
+        if self.adaptive:
+            return (
+                "adaptive: lossless ReFusion rows draft as wide as pays at the batch's load, "
+                "a row alone at its settings' widths (--no-adaptive-drafts: fixed)"
+            )
+        return "fixed: every row drafts at its settings' widths (--adaptive-drafts: adaptive)"
+
     def follows(self, cfg: DecodeConfig) -> bool:
         """Whether a row of these settings drafts at the widths this policy chooses."""
         return self.adaptive and widths_keep_output(cfg)

@@ -224,7 +224,16 @@ def choose(
     and verification forwards (an AR row commits a token in each). Other widths than the
     settings' own (slot, window) must promise `margin` times their rate, and drafting
     `margin` times the rate of AR blocks. `overheads`: seconds the step costs outside its
-    forwards (`StepOverhead`, at this batch's rows) when rows draft, and in AR blocks."""
+    forwards (`StepOverhead`, at this batch's rows) when rows draft, and in AR blocks.
+
+    A row alone in the batch keeps its settings' widths. The estimate picks them there when
+    its inputs are that row's own (`refusion bench decode` feeds as many tokens per
+    committed one at a batch of 1 adaptive as fixed), but it prices a row from acceptance
+    pooled over every request the model decoded and from step overheads fitted mostly at
+    other batch sizes: after a load of many clients, a server's lone client was narrowed
+    and took twice the forwards of the fixed widths."""
+    if rows + other_rows == 1:
+        return slot, window
     rates = {}
     windows = [*candidates(window), 0] if window else [0]
     for p in candidates(slot):
@@ -258,7 +267,8 @@ def block_rate(
     global verification each feed p tokens a row; their first token is the AR prediction
     (first-token check), then the drafts pass as measured and the first failure is
     corrected; infilling rounds commit the same way from w drafts (window 0: one token, one
-    forward, as AR decoding). The block is one step, which costs `overhead` seconds besides."""
+    forward, as AR decoding). The block is one step, and a second when it infills (`Engine`),
+    each costing `overhead` seconds besides."""
     everyone = rows + other_rows
     seconds = 2 * cost(rows * p + other_fed, everyone)
     passed, whole = acceptance.plan.expected(p - 1)
@@ -271,14 +281,14 @@ def block_rate(
     # forks' copies the estimate also leaves out, turned half the blocks at a batch of 16 to
     # drafting, which measured slower than AR blocks there
     infill = cost(rows, rows) if w == 0 else cost(rows * (1 + w), rows) + cost(rows * w, rows)
-    seconds += rounds * infill + overhead  # one step a block
+    seconds += rounds * infill + overhead * (1 + (rounds > 0))  # a step, and one more to infill
     return (rows * slot + 2 * other_rows) / max(seconds, 1e-12)
 
 
 class StepOverhead:
     """Seconds a step spends outside its forwards: the decoder's bookkeeping, the requests'
     text, and the driver's own work between steps (a server's streaming). A block decoded
-    as AR takes a step per two tokens where drafting takes one step, so this is what
+    as AR takes a step per two tokens where drafting takes one or two, so this is what
     drafting saves beside forwards. Some of it comes once a step, some once a row, so it is
     fitted as e + f * rows (non-negative least squares) over the median seconds of the
     latest steps at each batch size seen: steps measured at one batch size alone give a

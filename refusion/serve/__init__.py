@@ -58,7 +58,20 @@ def serve(
     up to `shutdown_timeout` seconds, then cuts what is left (streams end with an error
     event and `[DONE]`); a second signal exits at once. `limits`: the time a request's
     head and body may take and the connections open at once (`ServerLimits`)."""
+    import logging
+
     from .server import make_server
 
     app = create_app(model, tokenizer, cfg, shutdown_timeout=shutdown_timeout, **kwargs)
-    make_server(app, host=host, port=port, log_level=log_level, uds=uds, limits=limits).run()
+    server = make_server(app, host=host, port=port, log_level=log_level, uds=uds, limits=limits)
+    # after make_server: uvicorn's logging config, which prints this logger's lines, is in place
+    where = f"on {uds}" if uds else f"at http://{_url_host(host)}:{port}/ (the playground; the API under /v1)"
+    logging.getLogger("refusion.serve").info("serving %s; draft widths %s", where, app.state.draft_widths)
+    server.run()
+
+
+def _url_host(host: str) -> str:
+    """The host as a browser takes it: IPv6 in brackets, a wildcard as this machine."""
+    if host in ("0.0.0.0", "::", ""):
+        return "127.0.0.1" if host != "::" else "[::1]"
+    return f"[{host}]" if ":" in host else host

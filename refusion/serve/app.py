@@ -72,12 +72,20 @@ def create_app(
         openapi_url=None,
     )
     _set_state(app, engine_loop, metrics, shutdown_timeout)
+    app.state.draft_widths = draft_widths(engine)
     add_status_routes(app, engine_loop, metrics, model_name)
     add_api_routes(app, completions)
-    add_playground_routes(app, model, cfg, model_name, engine.admission.context, engine.widths.adaptive)
+    widths = engine.widths.adaptive, app.state.draft_widths
+    add_playground_routes(app, model, cfg, model_name, engine.admission.context, widths)
     add_error_handlers(app, metrics)
     app.add_middleware(Observe, metrics=metrics, api_key=api_key)
     return app
+
+
+def draft_widths(engine: Engine) -> str:
+    """The engine's draft widths in words (an engine a test wraps may have no policy)."""
+    policy = getattr(engine, "widths", None)
+    return policy.describe() if policy is not None else "the engine's own"
 
 
 def _lifespan(

@@ -17,7 +17,8 @@ the server batches together. `--methods ar,refusion` runs each client count once
 method (the request's `method`, the rest from the checkpoint's settings) and prints, per
 count, the second method's tokens/s over the first's. --rounds N repeats the phases
 interleaved and reports each phase's median round; a method ratio is then the median of
-each round's own ratio.
+each round's own ratio. `--against URL`: a second server (other code, other flags) takes
+each phase right after the first, and a table sets their figures side by side.
 """
 
 from __future__ import annotations
@@ -148,7 +149,10 @@ async def run_phase(
     mixed: bool = False,
     label: str = "",
     extra: dict | None = None,
+    url: str | None = None,
 ) -> Phase:
+    """One phase of `clients` clients against `url` (default: --url)."""
+    url = url or args.url
     phase = Phase(clients, args.seconds, label)
     prompts = suite_prompts() if args.suite else PROMPTS
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -174,7 +178,7 @@ async def run_phase(
                     **(extra or {}),
                     **(MIXED[k % len(MIXED)] if mixed else {}),
                 }
-                await one_request(client, args.url, body, phase)
+                await one_request(client, url, body, phase)
                 i += 1
 
         await asyncio.gather(*(worker(k) for k in range(clients)))
@@ -234,6 +238,13 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m refusion.serve.loadtest", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument(
+        "--against",
+        default=None,
+        metavar="URL",
+        help="a second server (the same model, other code or flags): each phase runs against --url, "
+        "then against this one, and the figures are printed per server",
+    )
     p.add_argument("--clients", type=int, default=32, help="concurrent streaming clients")
     p.add_argument("--seconds", type=float, default=60.0, help="how long clients start new requests")
     p.add_argument(
@@ -285,27 +296,50 @@ def main(argv: list[str] | None = None) -> int:
     before = rss_kib(args.pid)
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
-    runs = [
-        [
-            asyncio.run(run_phase(args, model, n, mixed, label, extra)).summary()
-            for label, n, mixed, extra in phases_spec
-        ]
-        for _ in range(args.rounds if args.compare else 1)
+    urls = [args.url, *([args.against] if args.against else [])]
+    runs = run_rounds(args, model, phases_spec, urls)
+    reports = [
+        _report(
+            args, model, runs[url], *((before, rss_kib(args.pid)) if url == args.url else (None, None)), url
+        )
+        for url in urls
     ]
-    report = _report(args, model, runs, before, rss_kib(args.pid))
-    if args.json:
-        print(json.dumps(report))
-    else:
-        _print_report(args, report, len(runs))
-    failed = sum(ph["incomplete"] + sum(ph["errors"].values()) for r in runs for ph in r)
+    for report in reports:
+        if args.json:
+            print(json.dumps(report))
+        else:
+            _print_report(args, report, len(runs[report["url"]]))
+    if len(reports) == 2 and not args.json:
+        _print_side_by_side(*reports)
+    failed = sum(
+        ph["incomplete"] + sum(ph["errors"].values()) for rs in runs.values() for r in rs for ph in r
+    )
     return 1 if failed else 0
 
 
-def _report(args: argparse.Namespace, model: str, runs: list[list[dict]], before: Any, after: Any) -> dict:
+def run_rounds(
+    args: argparse.Namespace, model: str, phases_spec: list[tuple[str, int, bool, dict]], urls: list[str]
+) -> dict[str, list[list[dict]]]:
+    """Per server, its rounds of phase summaries; within a round each phase runs against
+    each server in turn, so that the figures compared are taken moments apart."""
+    runs: dict[str, list[list[dict]]] = {url: [] for url in urls}
+    for _ in range(args.rounds if args.compare else 1):
+        for url in urls:
+            runs[url].append([])
+        for label, n, mixed, extra in phases_spec:
+            for url in urls:
+                phase = asyncio.run(run_phase(args, model, n, mixed, label, extra, url))
+                runs[url][-1].append(phase.summary())
+    return runs
+
+
+def _report(
+    args: argparse.Namespace, model: str, runs: list[list[dict]], before: Any, after: Any, url: str
+) -> dict:
     """The figures of every phase (its median round), and the ratios asked for."""
     phases = [median_phase([r[i] for r in runs]) for i in range(len(runs[0]))]
     report = {
-        "url": args.url,
+        "url": url,
         "model": model,
         "max_tokens": args.max_tokens,
         "phases": phases,
@@ -327,7 +361,7 @@ def _report(args: argparse.Namespace, model: str, runs: list[list[dict]], before
 def _print_report(args: argparse.Namespace, report: dict, rounds: int) -> None:
     """The report as a few lines of text."""
     phases, before, after = report["phases"], report["rss_kib_before"], report["rss_kib_after"]
-    print(f"model {report['model']} at {args.url}, max_tokens {args.max_tokens}")
+    print(f"model {report['model']} at {report['url']}, max_tokens {args.max_tokens}")
     for ph in phases:
         print(
             f"{ph['phase']:>6} ({ph['clients']} clients): {ph['requests_ok']} ok in {ph['seconds']} s "
@@ -351,6 +385,19 @@ def _print_report(args: argparse.Namespace, report: dict, rounds: int) -> None:
         print(
             f"server RSS before {before['VmRSS'] / 1024:.1f} MiB, after {after['VmRSS'] / 1024:.1f} MiB "
             f"(peak {after['VmHWM'] / 1024:.1f} MiB)"
+        )
+
+
+def _print_side_by_side(a: dict, b: dict) -> None:
+    """--against: each phase's tokens/s and TTFT on both servers, as a markdown table."""
+    print(f"\nA = {a['url']}, B = {b['url']} (each phase's median round)\n")
+    print("| phase | tokens/s A | tokens/s B | B / A | TTFT p50 A | TTFT p50 B | TTFT p95 A | TTFT p95 B |")
+    print("|---|---|---|---|---|---|---|---|")
+    for pa, pb in zip(a["phases"], b["phases"]):
+        ratio = f"{pb['tokens_per_s'] / pa['tokens_per_s']:.2f}x" if pa["tokens_per_s"] else "-"
+        print(
+            f"| {pa['phase']} | {pa['tokens_per_s']} | {pb['tokens_per_s']} | {ratio} | {pa['ttft_p50_s']} | "
+            f"{pb['ttft_p50_s']} | {pa['ttft_p95_s']} | {pb['ttft_p95_s']} |"
         )
 
 

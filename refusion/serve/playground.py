@@ -47,12 +47,13 @@ def is_public(path: str) -> bool:
 
 
 def add_playground_routes(
-    app: FastAPI, model: Any, cfg: DecodeConfig, model_name: str, context: int, adaptive_drafts: bool
+    app: FastAPI, model: Any, cfg: DecodeConfig, model_name: str, context: int, widths: tuple[bool, str]
 ) -> None:
     """`/` (the page), `/static/NAME` (its files) and `/playground/settings` (its form).
-    `adaptive_drafts`: whether the engine's draft widths follow the batch (its WidthPolicy)."""
+    `widths`: whether the engine's draft widths follow the batch (its WidthPolicy), and the
+    widths in force in words (`WidthPolicy.describe`)."""
     settings = settings_body(model, cfg, model_name, context)
-    settings["draft_widths"] = draft_widths(adaptive_drafts)
+    settings["draft_widths"] = draft_widths(*widths)
 
     @app.get("/", response_class=HTMLResponse)
     async def page() -> FileResponse:
@@ -132,11 +133,12 @@ def _number_text(x: float) -> str:
     return str(x)
 
 
-def draft_widths(adaptive: bool) -> dict[str, Any]:
-    """Which draft widths the engine uses (EngineConfig.adaptive_drafts), with its help:
-    the page shows it, and each finished request's stats say whether its row followed."""
+def draft_widths(adaptive: bool, in_force: str) -> dict[str, Any]:
+    """Which draft widths the engine uses (EngineConfig.adaptive_drafts), with its help and
+    the widths in force in words: the page shows it, and each finished request's stats say
+    whether its row followed."""
     meta = next(f for f in dataclasses.fields(EngineConfig) if f.name == "adaptive_drafts").metadata
-    return {"adaptive": adaptive, "help": meta["help"]}
+    return {"adaptive": adaptive, "help": meta["help"], "in_force": in_force}
 
 
 def request_values(cfg: DecodeConfig) -> dict[str, Any]:

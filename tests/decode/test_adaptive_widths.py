@@ -261,6 +261,47 @@ def test_choice_follows_the_cost_of_a_forward():
     )
 
 
+def drafts_that_fail() -> Acceptance:
+    """Acceptance as other requests left it: drafts that hardly ever pass."""
+    acc = Acceptance()
+    for _ in range(100):
+        acc.plan.add(0, 31)
+        acc.infill.add(0, 12)
+    return acc
+
+
+def test_a_row_alone_keeps_its_settings_widths_whatever_the_estimate():
+    """Alone in the batch, a row drafts at its settings' widths even where the estimate
+    (pooled acceptance, a cost per token) would narrow it; with a second row the estimate
+    decides again."""
+    token_heavy = lambda n, r: 1e-4 + 1e-4 * n  # noqa: E731
+    assert choose(1, 0, 0, 32, 12, drafts_that_fail(), token_heavy) == (32, 12)
+    assert choose(1, 1, 1, 32, 12, drafts_that_fail(), token_heavy) != (32, 12)
+    assert choose(2, 0, 0, 32, 12, drafts_that_fail(), token_heavy) != (32, 12)
+
+
+def test_a_lone_request_takes_the_fixed_widths_forwards_after_a_load(bundled, monkeypatch):
+    """With the pooled measurements a load of other requests can leave (drafts that fail,
+    forwards priced per token), one request alone decodes in the forwards of fixed widths."""
+    from refusion.decode.widths import drafting_of
+    from refusion.settings.recommended import recommended_of
+    from refusion.tasks import load_test_items
+
+    model, tok = bundled
+    cost = ForwardCost()
+    cost.coef, cost.when = (1e-4, 1e-4, 0.0, 0.0), float("inf")  # priced per token, never stale
+    monkeypatch.setattr(drafting_of(model), "cost", cost)
+    monkeypatch.setattr(drafting_of(model), "acceptance", drafts_that_fail())
+    cfg = recommended_of(model).decode_config()
+    prompt = load_test_items()[0].prompt
+    alone = generate(model, tok, [prompt], cfg)[0]
+    fixed = generate(model, tok, [prompt], cfg, engine_config=EngineConfig(adaptive_drafts=False))[0]
+    assert alone.token_ids == fixed.token_ids and alone.stats.nfe == fixed.stats.nfe
+    assert alone.stats.ar_blocks == 0 and alone.stats.draft_steps > 0
+    two = generate(model, tok, [prompt, prompt], cfg, engine_config=EngineConfig(max_batch_size=2))
+    assert two[0].stats.nfe > fixed.stats.nfe  # in a batch, the same estimate narrows them
+
+
 def test_a_costly_step_keeps_drafting_where_forwards_alone_would_not():
     """Where a step's own work (bookkeeping, a server's streaming) is costly, AR blocks,
     which take a step per two tokens, lose to drafting, which takes one step a block."""

@@ -92,6 +92,52 @@ def test_requests_added_while_others_run_join_at_the_next_step(tiny, method):
     assert outs["3"].stats.nfe == alone[3].stats.nfe
 
 
+LOSSLESS = dict(ar_correction=True, first_token_check=True, token_threshold=0.5)
+
+
+SAMPLED = {"temperature": 1.0, "top_p": 0.9, "seed": 3}
+
+
+@pytest.mark.parametrize("sampling", [{}, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("method", ["ar", "refusion"])
+def test_a_joining_request_streams_its_first_token_after_one_forward(tiny, method, sampling):
+    """The step a request joins in is its prefill forward alone (a running ReFusion row
+    waits through it, a running AR row takes a token in it), and the joining row's first
+    token (a lossless row's: the AR prediction the first-token check read at its prompt's
+    end) is reported after that one forward; then every output still equals its request
+    decoded alone."""
+    # one slot per block: lossless at any temperature
+    cfg = golden_config(CASES[0], method=method, serial_blocks=8, **LOSSLESS, **sampling)
+    assert cfg.lossless_now and cfg.slots_per_block == 1
+    first, later = CASES[0]["prompt_ids"], CASES[5]["prompt_ids"]
+    engine = Engine(tiny, None, EngineConfig(max_batch_size=2))
+    engine.add_request(first, cfg, request_id="0")
+    with torch.inference_mode():
+        engine.step()
+        engine.add_request(later, cfg, request_id="1")
+        before = engine.forwards
+        joined = {o.request_id: o for o in engine.step()}
+    assert engine.forwards == before + 1
+    assert len(joined["1"].token_ids) == 1
+    assert ("0" in joined) == (method == "ar")  # an AR row takes a token in any forward; a ReFusion row waits
+    done = run(engine) | {k: o for k, o in joined.items() if o.finished}
+    alone = [generate(tiny, None, [p], cfg)[0] for p in (first, later)]
+    assert [done[str(i)].token_ids for i in range(2)] == [o.token_ids for o in alone]
+    assert joined["1"].token_ids == alone[1].token_ids[:1]
+
+
+def test_a_lossy_row_commits_nothing_before_its_verification(tiny):
+    """Settings that are not lossless (the paper's rule) keep their first token until
+    verification decides it: the step a row joins in reports nothing of it."""
+    cfg = golden_config(CASES[0], method="refusion", ar_correction=False, first_token_check=False)
+    engine = Engine(tiny, None, EngineConfig(max_batch_size=2))
+    engine.add_request(CASES[0]["prompt_ids"], cfg, request_id="0")
+    with torch.inference_mode():
+        engine.step()
+        engine.add_request(CASES[5]["prompt_ids"], cfg, request_id="1")
+        assert [o.request_id for o in engine.step()] == []
+
+
 def test_abort_frees_the_row_and_the_others_go_on(tiny):
     """An aborted request leaves the batch (and its cache row) at once; the next step
     reports it cancelled with the tokens it had; the rows beside it decode as alone."""

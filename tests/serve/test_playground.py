@@ -91,9 +91,14 @@ def test_tracing_the_steps_changes_nothing_decoded(bundled):
     assert [e for e in steps.trace if e.committed] == plain.trace
     kinds = collections.Counter(e.path for e in steps.trace)
     assert set(kinds) == {"plan", "fast", "infill", "correction", "rejected"}
-    # one plan per step, of whole slots; each correction's token is the one committed there
+    # one plan a step, of whole slots; the steps between plans verify the plan of the step
+    # a row joined in, or infill (a round is plan and verification, then infilling when
+    # verification left slots); each correction's token is the one committed there
     last = steps.trace[-1].step
-    assert [e.step for e in steps.trace if e.path == "plan"] == list(range(last + 1))
+    plans = [e.step for e in steps.trace if e.path == "plan"]
+    assert plans == sorted(set(plans)) and plans[0] == 0
+    for k in set(range(last + 1)) - set(plans):
+        assert {e.path for e in steps.trace if e.step == k} <= {"fast", "infill", "correction", "rejected"}
     committed = {
         s + i: (e.step, t[i])
         for e in plain.trace
@@ -105,7 +110,9 @@ def test_tracing_the_steps_changes_nothing_decoded(bundled):
             assert all(s % 8 == 0 and n == 8 for s, n in e.spans)
         if e.path == "correction":
             ((pos, _),), ((tok,),) = e.spans, e.tokens
-            assert committed.get(pos, (e.step, tok)) == (e.step, tok)
+            # committed in that step, or in the infilling step after its verification
+            step, committed_tok = committed.get(pos, (e.step, tok))
+            assert committed_tok == tok and step in (e.step, e.step + 1)
 
 
 def test_tracing_the_steps_under_the_checkpoints_settings(bundled):
@@ -180,6 +187,17 @@ def test_settings_are_the_config_metadata_and_the_checkpoints(server, bundled):
         False,
         None,
     )
+
+
+def test_settings_say_which_draft_widths_are_in_force(server, bundled):
+    from refusion.decode import EngineConfig
+
+    def in_force(url: str) -> str:
+        return httpx.get(url + "/playground/settings").json()["draft_widths"]["in_force"]
+
+    assert in_force(server.url).startswith("adaptive")
+    with serving(bundled, engine_config=EngineConfig(adaptive_drafts=False)) as s:
+        assert in_force(s.url).startswith("fixed")
 
 
 def test_behind_a_key_the_page_is_public_and_the_api_is_not(bundled):

@@ -18,6 +18,10 @@ BENCHES = {
         "where a setting's answers part from greedy AR decoding of the same weights, and which "
         "code path of the decoder committed the first differing token"
     ),
+    "served": (
+        "the server at one client (adaptive draft widths) against the engine with fixed widths, "
+        "the same prompts interleaved: forwards and tokens/s"
+    ),
     "load": "load a random Qwen3-8B-shaped checkpoint (bf16, sharded): time and peak memory, TP=1 and TP=2",
 }
 

@@ -48,6 +48,7 @@ class DraftingRow:
     ar_block: bool
     ar_next: int
     slots_per_block: int
+    planned: bool
 
     def block_slots(self, block: int) -> list[int]:
         """The slots of a block of the region."""
@@ -71,7 +72,9 @@ class DraftingRow:
 
     @property
     def adaptive(self) -> bool:
-        return self.acceptance is not None and not self.ar_block
+        # a row whose plan awaits its verification, or its infilling, keeps that plan's widths
+        busy = self.planned or self.to_infill is not None
+        return self.acceptance is not None and not self.ar_block and not busy
 
     def fed_per_forward(self) -> int:
         return 1 if self.ar_block else self.s

@@ -85,6 +85,8 @@ class Infill:
             self._draft(forks, fcache)
             self._verify(forks, fcache)
         self._commit(forks, fcache, cache, src_rows)
+        for row in rows:  # done: the next step plans (the engine infills in a step of its own)
+            row.to_infill = None
 
     @staticmethod
     def _feed(f: Fork, tail: list[int]) -> tuple[list[int], list[int]]:

@@ -34,7 +34,7 @@ import torch
 from ..request import Request
 from ..rows import Feed
 from ..sampling import token_probs
-from ..widths import Acceptance
+from ..widths import Acceptance, drafts_keep_output
 from .drafting import DraftingRow
 from .judge import judge_for
 from .provenance import trace_of
@@ -129,6 +129,7 @@ class ReFusionRow(DraftingRow):
     acceptance: Acceptance | None = None
     ar_block: bool = False  # the current block is decoded as AR decoding would (drafting.py)
     ar_next: int = 0  # its next offset
+    planned: bool = False  # its plan awaits its verification (a joining row plans in a step of its own)
 
     stops_early = True  # finished once its output is final (EOS or gen_length), whatever slots are left
     verifies = True  # every step runs its global verification forward
@@ -149,6 +150,8 @@ class ReFusionRow(DraftingRow):
         on the first step, the last token of an AR block); in an AR block, its next token."""
         if self.ar_block:
             return self.ar_feed()
+        if self.planned:  # it planned in the step it joined in: it verifies now
+            return None
         P, s, w = len(self.req.prompt), self.s, self.plan_width
         head, at = self.pending, self.pending_at
         mask_pos = [P + j * s + i for j in self.undecoded for i in range(w)]
@@ -181,7 +184,24 @@ class ReFusionRow(DraftingRow):
             after = self.plan.drafts[self.selected, 0].tolist()
             slots = [self.undecoded[i] for i in self.selected]
             self.trace.first_tokens(slots, before, after, [i in checked for i in self.selected])
+        self.planned = True
+        self._commit_first_token(checked)
         return len(feed.tokens) - logits.shape[0]
+
+    @property
+    def joining(self) -> bool:
+        return not self.pending_at and bool(self.pending)  # its prompt, not yet fed
+
+    def _commit_first_token(self, checked: set[int]) -> None:
+        """On a lossless row's first plan, the generation's first token is final once the
+        first-token check has it (the AR prediction read at the prompt's last token, or the
+        draft that passed against it: speculative sampling when sampled): it is committed
+        now, so that it streams after the forward that prefilled the prompt (`Engine`:
+        the step a request joins in is that forward), and its slot commits it again with
+        the rest. Not for a traced request, whose trace records each commit once."""
+        first = self.block == 0 and self.selected[:1] == [0] and self.undecoded[:1] == [0]
+        if first and 0 in checked and drafts_keep_output(self.req.cfg) and not self.req.tracing:
+            self.req.commit("fast", [(0, [int(self.plan.drafts[0, 0])])])
 
     def _draft(self, logits: torch.Tensor) -> Plan:
         """Each masked position's draft and its probability; a narrower plan's undrafted
@@ -228,6 +248,7 @@ class ReFusionRow(DraftingRow):
         entries kept. In an AR block: its token."""
         if self.ar_block:
             return self.take_ar(logits)
+        self.planned = False
         v = self._verify(logits, feed.tokens)
         self.to_infill = None
         eos = self.ends(v.toks[: v.prefix])
