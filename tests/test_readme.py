@@ -228,7 +228,7 @@ def test_the_readme_lists_the_bench_commands_the_cli_has():
     listed = subprocess.run(
         [sys.executable, "-m", "refusion.cli", "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT
     ).stdout
-    bench_line = " ".join(listed.split("bench", 1)[1].split("serve", 1)[0].split())
+    bench_line = " ".join(re.split(r"\n\s+serve\s", listed.split("bench", 1)[1])[0].split())
     assert all(re.search(rf"\b{verb}\b", bench_line) for verb in named), bench_line  # `refusion --help`
 
 

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
             for p in prompts:
                 rows["served"].append(ask(url, p, args.max_tokens))
                 rows["fixed"].append(decode(fixed, p, args.max_tokens))
-        info = _get(url, "/playground/settings")["draft_widths"]
+        info = _get(url, "/playground/settings")["draft_widths"]["in_force"]
     report(rows, info, args)
     return 0
 
