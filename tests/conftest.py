@@ -237,7 +237,15 @@ def model_dir(make_hf_dir: Callable[..., Path], tmp_path: Path) -> Path:
 def tiny_model() -> Transformer:
     """A small random ReFusion `Transformer` built in memory (Qwen3 shape: GQA, q/k norm),
     float32, eval mode. Vocabulary of 64; no tokenizer."""
-    config = ModelConfig(
+    model = Transformer(tiny_config())
+    randomise_(model, seed=0)
+    return model.eval()
+
+
+def tiny_config(**changes: Any) -> ModelConfig:
+    """The tests' small Qwen3-shaped config (GQA, q/k norm; vocabulary of 64, EOS 1), with
+    `changes` on top (a MASK id, a smaller vocabulary, a shorter context)."""
+    fields: dict[str, Any] = dict(
         model_type="qwen3",
         vocab_size=64,
         hidden_size=32,
@@ -250,9 +258,7 @@ def tiny_model() -> Transformer:
         max_position_embeddings=256,
         eos_token_id=1,
     )
-    model = Transformer(config)
-    randomise_(model, seed=0)
-    return model.eval()
+    return ModelConfig(**(fields | changes))
 
 
 @pytest.fixture

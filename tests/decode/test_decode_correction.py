@@ -15,7 +15,7 @@ layout (several slots per block, decided in parallel)."""
 
 import pytest
 import torch
-from conftest import randomise_
+from conftest import randomise_, tiny_config
 from golden_data import CASES, golden_config, load_tiny
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -24,7 +24,6 @@ from test_decode_refusion import CheckingEngine, decode_alone
 from refusion.decode import DecodeConfig, generate
 from refusion.decode.refusion.options import ARCorrection, FirstTokenCheck
 from refusion.model.transformer import Transformer
-from refusion.settings.model import ModelConfig
 
 BOTH = dict(ar_correction=True, first_token_check=True)
 LEFT = dict(BOTH, left_check=True)
@@ -198,20 +197,7 @@ def sharp_random_model(seed: int) -> Transformer:
     """A random model whose output head is scaled up, so that its AR probabilities often
     pass a threshold of 0.5 (a plain random model's are near uniform: every token would
     be an AR correction)."""
-    config = ModelConfig(
-        model_type="qwen3",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        qk_norm=True,
-        max_position_embeddings=256,
-        eos_token_id=1,
-        mask_token_id=63,
-    )
+    config = tiny_config(mask_token_id=63)
     model = Transformer(config)
     randomise_(model, seed=seed)
     with torch.no_grad():

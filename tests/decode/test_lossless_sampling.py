@@ -16,6 +16,7 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import tiny_config
 from golden_data import CASES, golden_config, load_tiny
 
 import refusion
@@ -23,7 +24,6 @@ from refusion.decode import DecodeConfig, EngineConfig, generate
 from refusion.decode.refusion import judge
 from refusion.decode.sampling import Sampler
 from refusion.model.transformer import Transformer
-from refusion.settings.model import ModelConfig
 
 LOSSLESS = dict(ar_correction=True, first_token_check=True, token_threshold=0.5)
 V = 8  # the enumerated model's vocabulary (6: EOS, 7: MASK)
@@ -35,20 +35,7 @@ def enumerable() -> Transformer:
     """A random ReFusion model of 8 tokens, weights large enough that its MASK drafts and its
     AR predictions part (so drafts are rejected and the residual draws are exercised)."""
     torch.manual_seed(0)
-    config = ModelConfig(
-        model_type="qwen3",
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        qk_norm=True,
-        max_position_embeddings=64,
-        eos_token_id=6,
-        mask_token_id=7,
-    )
+    config = tiny_config(vocab_size=V, max_position_embeddings=64, eos_token_id=6, mask_token_id=7)
     model = Transformer(config)
     with torch.no_grad():
         for p in model.parameters():
