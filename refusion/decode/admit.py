@@ -25,6 +25,7 @@ from ..settings.decode import DecodeConfig
 from ..settings.fields import FieldError
 from ..settings.model import ModelConfig
 from .fit import NoRoomError, fit_to_room
+from .grammar import check_grammar, requires_order
 
 # a conversation: OpenAI-style messages ({"role": ..., "content": ...}), rendered by the chat template
 Messages = Sequence[Mapping[str, Any]]
@@ -110,11 +111,24 @@ class Admission:
             raise FieldError("logit_bias", f"logit_bias token ids must be in [0, {self.vocab}), got {top}")
         if cfg.stop and self.tokenizer is None:
             raise PromptError("stop strings need a tokenizer (to read the text); pass stop_token_ids instead")
+        if cfg.grammar is not None:
+            self._check_grammar(cfg)
         if cfg.method in ("refusion", "mdm") and self.mask_id is None:
             raise MissingMaskTokenError(
                 f"method {cfg.method!r} needs a MASK token and this model has none: "
                 "run `refusion convert BASE OUT` (then train), or use method='ar'"
             )
+
+    def _check_grammar(self, cfg: DecodeConfig) -> None:
+        """A grammar needs settings that commit in order (`grammar.requires_order`), a
+        tokenizer (the tokens' text), and must compile."""
+        assert cfg.grammar is not None
+        why = requires_order(cfg)
+        if why is not None:
+            raise FieldError("grammar", why)
+        if self.tokenizer is None:
+            raise FieldError("grammar", "a grammar needs the model's tokenizer (the text of its tokens)")
+        check_grammar(cfg.grammar)
 
     def _check_text_size(self, size: int) -> None:
         """Refuse, before tokenising it, text that cannot fit the context: no token spells

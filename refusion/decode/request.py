@@ -159,7 +159,8 @@ class Request:
         self.deltas = TextDeltas(tokenizer) if tokenizer is not None else None
         self.stop_text = StopText(cfg.stop)
         self.text = ""
-        self.shaping = shaping_of(cfg)  # penalties, bias, log-probabilities (None: none asked)
+        # penalties, bias, a grammar, log-probabilities (None: none asked)
+        self.shaping = shaping_of(cfg, tokenizer, eos_ids)
 
     # ------------------------------------------------------------------ decoder side
     def start(self) -> None:
@@ -195,8 +196,8 @@ class Request:
         row, n, limit = self.filled, self.prefix_len, self.cfg.gen_length
         while n < limit and row[n] is not None and (n == 0 or row[n - 1] not in self.eos_ids):
             n += 1
-        if self.shaping is not None and self.shaping.logprobs is not None:
-            self.shaping.logprobs.settle(row, self.prefix_len, n)
+        if self.shaping is not None:
+            self.shaping.settle(row, self.prefix_len, n)
         self.prefix_len = n
 
     def note(self, path: str, spans: Sequence[tuple[int, list[int]]]) -> None:

@@ -1,6 +1,7 @@
 """What a request does with its logits before any row reads them: it records their
-log-probabilities (`Logprobs`, when it asks for them) and applies its penalties and logit
-bias (`Penalties`). `Forward.run` calls its `Shaping` once per forward, on the logits
+log-probabilities (`Logprobs`, when it asks for them), applies its penalties and logit
+bias (`Penalties`), then masks what its grammar forbids (`grammar.Constraint`).
+`Forward.run` calls its `Shaping` once per forward, on the logits
 rows the request asked for, so every reader (a ReFusion plan, its verification, its
 infilling, an AR pick, an MDM step) sees the same penalised distribution: greedy
 ReFusion with the lossless settings still commits the AR argmax, now of the penalised
@@ -22,13 +23,14 @@ decided it, with MASKs or drafts in its context (`source` "plan": the paper's ru
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..settings.decode import DecodeConfig
+from .grammar import Constraint
 
 if TYPE_CHECKING:
     from .request import Request
@@ -146,12 +148,15 @@ class Logprobs:
 
 
 class Shaping:
-    """A request's hook on its logits: `Logprobs` when asked for, `Penalties` when set."""
+    """A request's hook on its logits: `Logprobs` when asked for, `Penalties` when set, its
+    grammar's `Constraint` when it has one (which needs the tokenizer's token texts)."""
 
-    def __init__(self, cfg: DecodeConfig) -> None:
+    def __init__(self, cfg: DecodeConfig, tokenizer: Any = None, eos_ids: Iterable[int] = ()) -> None:
         self.region = cfg.region_length
         self.logprobs = Logprobs(cfg.logprobs) if cfg.logprobs is not None else None
-        self.penalties = Penalties(cfg) if cfg.shapes else None
+        penalised = cfg.presence_penalty or cfg.frequency_penalty or cfg.logit_bias
+        self.penalties = Penalties(cfg) if penalised else None
+        self.constraint = Constraint(cfg.grammar, tokenizer, eos_ids) if cfg.grammar else None
 
     def __call__(
         self,
@@ -165,9 +170,18 @@ class Shaping:
         rows = contexts(req, *feed, mask_id, held)
         if self.logprobs is not None:
             self.logprobs.observe(logits, rows, self.region)
-        return logits if self.penalties is None else self.penalties(logits, rows)
+        if self.penalties is not None:
+            logits = self.penalties(logits, rows)
+        return logits if self.constraint is None else self.constraint(logits, rows)
+
+    def settle(self, filled: Sequence[int | None], start: int, end: int) -> None:
+        """The final prefix grew over offsets [start, end)."""
+        if self.logprobs is not None:
+            self.logprobs.settle(filled, start, end)
+        if self.constraint is not None:
+            self.constraint.advance(filled, start, end)
 
 
-def shaping_of(cfg: DecodeConfig) -> Shaping | None:
+def shaping_of(cfg: DecodeConfig, tokenizer: Any = None, eos_ids: Iterable[int] = ()) -> Shaping | None:
     """A request's shaping (None: it asks for nothing that needs one)."""
-    return Shaping(cfg) if cfg.shapes or cfg.logprobs is not None else None
+    return Shaping(cfg, tokenizer, eos_ids) if cfg.shapes or cfg.logprobs is not None else None

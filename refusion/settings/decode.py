@@ -116,6 +116,13 @@ class DecodeConfig:
         flag=False,
         http=False,
     )
+    # --- structured outputs (`decode/grammar.py`, docs/structured-outputs.md)
+    grammar: str | None = knob(
+        None,
+        "constrain the output to this grammar: Lark text in llguidance's dialect, which embeds "
+        "JSON schemas and regexes (docs/structured-outputs.md); AR and ReFusion's lossless settings",
+        http=False,
+    )
     # --- what the outputs carry
     logprobs: int | None = knob(
         None,
@@ -175,8 +182,8 @@ class DecodeConfig:
 
     @property
     def shapes(self) -> bool:
-        """Whether its logits are changed before anything reads them (penalties, a bias)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+        """Whether its logits are changed before anything reads them (penalties, a bias, a grammar)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.grammar)
 
     @property
     def greedy(self) -> bool:
