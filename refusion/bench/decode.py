@@ -29,6 +29,7 @@ from ..cli.flags import (
     load_from_args,
 )
 from ..decode import DecodeConfig, EngineConfig, generate
+from ..decode.grammar import requires_order
 from ..errors import ConfigError
 from ..timing import median_ratio, sync
 from .decode_report import (
@@ -109,8 +110,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def method_config(base: DecodeConfig, engine: EngineConfig, name: str) -> tuple[DecodeConfig, EngineConfig]:
     """The configs of a method name: `refusion`; `refusion+c` for the same compiled,
     `refusion+f` with fixed draft widths, `refusion+cf` both; `refusion~0.7` sampled at
-    temperature 0.7; an `@int8` tail names the model (`model_of`), not a setting."""
-    spec, tilde, temperature = name.partition("@")[0].partition("~")
+    temperature 0.7; `refusion#g` under the grammar given (--grammar, --json-schema),
+    which every other row leaves out; an `@int8` tail names the model (`model_of`), not a
+    setting."""
+    spec, hash_, _ = name.partition("@")[0].partition("#")
+    spec, tilde, temperature = spec.partition("~")
     if tilde:
         try:
             base = base.replace(temperature=float(temperature))
@@ -118,6 +122,7 @@ def method_config(base: DecodeConfig, engine: EngineConfig, name: str) -> tuple[
             raise ConfigError(
                 f"method {name!r}: a temperature is a number, as in --temperatures 0.7,1.0"
             ) from None
+    base = base.replace(grammar=base.grammar if hash_ else None)
     method, plus, flags = spec.partition("+")
     if plus and (not flags or set(flags) - {"c", "f"}):
         raise ConfigError(
@@ -243,6 +248,10 @@ def draft_widths(outs) -> dict[str, float]:
         "plan_width": sum(o.stats.plan_width_sum for o in outs) / max(steps, 1),
         "window": sum(o.stats.window_sum for o in outs) / max(steps, 1),
         "ar_block_share": ar / max(steps + ar, 1),
+        # the grammar's own seconds per committed token (masking logits rows, following the prefix)
+        "grammar_ms_per_token": 1e3
+        * sum(o.stats.grammar_time for o in outs)
+        / max(sum(o.stats.tokens for o in outs), 1),
     }
 
 
@@ -268,6 +277,8 @@ def _run(args: argparse.Namespace, report: bool) -> int:
     methods += [
         f"{m}~{t}" for t in filter(None, args.temperatures.split(",")) for m in args.methods.split(",")
     ]
+    if base.grammar is not None:  # every method that can take the grammar, also under it
+        methods += [f"{m}#g" for m in methods if requires_order(method_config(base, engine, m)[0]) is None]
     for m in methods:
         method_config(base, engine, m)  # a bad name (or temperature) fails before any timing
     models = quantized_models(model, args.quantized)

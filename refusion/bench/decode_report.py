@@ -15,10 +15,11 @@ Sweep = dict[str, dict[int, dict[str, float]]]  # method -> batch size -> figure
 
 
 def ar_partner(method: str) -> str:
-    """The AR row a method is compared with: AR at its temperature (`ar~0.7` for
-    `refusion~0.7`), else `ar`."""
-    tilde, temperature = method.partition("@")[0].partition("~")[1:]
-    return "ar" + tilde + temperature
+    """The AR row a method is compared with: AR at its temperature and under its grammar
+    (`ar~0.7#g` for `refusion+c~0.7#g`), else `ar`."""
+    spec = method.partition("@")[0]
+    cut = min((i for i in (spec.find("~"), spec.find("#")) if i >= 0), default=len(spec))
+    return "ar" + spec[cut:]
 
 
 MIN_ROUNDS = 3  # fewer rounds cannot show how far one round's ratio strays

@@ -112,6 +112,13 @@ def add_decode_arguments(
         "checkpoint's; `eval` uses the task's own unless told",
     )
     _add_field_flags(g, DecodeConfig)
+    g.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        default=None,
+        help="constrain the output to JSON valid under the schema in FILE (sets --grammar; AR and "
+        "ReFusion's lossless settings; docs/structured-outputs.md)",
+    )
     if engine:
         _add_field_flags(parser.add_argument_group("engine (resources)"), EngineConfig)
     parser.set_defaults(_default_method=default_method)
@@ -144,7 +151,28 @@ def decode_config_from_args(
         base = recommended_of(model).decode_config()
     base = base or DecodeConfig(method=getattr(args, "_default_method", "refusion"))
     cfg = DecodeConfig.preset(args.preset, base) if getattr(args, "preset", None) else base
-    return cfg.replace(**_given(args, DecodeConfig))
+    given = _given(args, DecodeConfig)
+    if getattr(args, "json_schema", None):
+        if "grammar" in given:
+            raise ConfigError("give --grammar or --json-schema, not both")
+        given["grammar"] = _schema_grammar(args.json_schema)
+    return cfg.replace(**given)
+
+
+def _schema_grammar(path: str) -> str:
+    """The grammar of JSON valid under the schema in the file at `path`."""
+    import json
+
+    from ..decode.grammar import json_schema_grammar
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            schema = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--json-schema {path}: cannot read a JSON schema there ({e})") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ConfigError(f"--json-schema {path}: a JSON schema is an object, got {type(schema).__name__}")
+    return json_schema_grammar(schema)
 
 
 def engine_config_from_args(args: argparse.Namespace, base: EngineConfig | None = None) -> EngineConfig:

@@ -68,24 +68,29 @@ class Admission:
         length: int | None = None,
         lower: bool = False,
         length_name: str = "gen_length",
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> PreparedRequest:
         """`prompt` tokenised and checked with `cfg` (None: the default), its gen_length
         fitted: `length` (a user's number, `length_name` in the advice: a server's
         max_tokens) must fit as it is; without it, cfg's own gen_length must fit as it
         is, or with `lower` (a preset's or a checkpoint's length, not asked for by number)
         is lowered to the longest that fits. Raises PromptError, MissingMaskTokenError,
-        NoRoomError (a ContextLengthError, with advice) or ConfigError, before any compute."""
+        NoRoomError (a ContextLengthError, with advice) or ConfigError, before any compute.
+        `tools` (OpenAI's function tools) go to the chat template with a conversation."""
         cfg = cfg or self.default
         self._check_method(cfg)
-        ids = self.encode(prompt, chat)
+        ids = self.encode(prompt, chat, tools)
         asked = length if length is not None or lower else cfg.gen_length  # None: lowered to fit
         fitted = fit_to_room(cfg, len(ids), self.context, asked, name=length_name)
         eos = frozenset(cfg.stop_token_ids) if cfg.stop_token_ids is not None else self.eos_ids
         return PreparedRequest(tuple(ids), fitted, eos, cfg.gen_length if length is None else length)
 
-    def encode(self, prompt: Prompt | Messages, chat: bool = True) -> list[int]:
-        """The prompt's token ids: a conversation through the chat template, text as one
-        user message through it (chat=True) or as it is, ids as they are; each checked."""
+    def encode(
+        self, prompt: Prompt | Messages, chat: bool = True, tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
+        """The prompt's token ids: a conversation through the chat template (with `tools`,
+        when given), text as one user message through it (chat=True) or as it is, ids as
+        they are; each checked."""
         if isinstance(prompt, str):
             self._check_text_size(len(prompt))
             ids = encode_prompt(self.tokenizer, prompt, chat)
@@ -94,7 +99,8 @@ class Admission:
             self._check_text_size(sum(len(str(m.get("content") or "")) for m in messages))
             if self.tokenizer is None:
                 raise PromptError("a conversation needs a tokenizer (its chat template)", "invalid_value")
-            ids = chat_ids(self.tokenizer, messages)
+            options: dict[str, Any] = {"tools": list(tools)} if tools else {}
+            ids = chat_ids(self.tokenizer, messages, **options)
         else:
             ids = [int(t) for t in cast("Sequence[int]", prompt)]
             if any(not 0 <= t < self.vocab for t in ids):

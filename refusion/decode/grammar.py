@@ -130,27 +130,31 @@ class Constraint:
         self.broken: str | None = None  # why the final prefix left the grammar (never, where it is enforced)
 
     def __call__(self, logits: torch.Tensor, rows: list[tuple[int, Context, bool]]) -> torch.Tensor:
-        """logits (n, V), one row per entry of `rows` (target, context, is MASK), with the
-        tokens the grammar forbids after each exact context extending the prefix at -inf."""
+        """logits (n, V), one row per entry of `rows` (target, context, is MASK), in position
+        order, with the tokens the grammar forbids after each row's context at -inf.
+
+        A context must extend the final prefix. Where it holds MASKs of the same feed, each
+        counts as the token its row would draft greedily (the argmax of its row, masked in
+        turn): so a plan's or an infilling's drafts follow the grammar through a whole slot,
+        exactly so when greedy. That guess only shapes the drafts; verification, whose
+        contexts are the drafts themselves, decides what is committed."""
         if self.broken is not None:
             return logits
         n = len(self.prefix)
         extra: list[int] = []  # tokens consumed past the prefix, a stack shared by consecutive rows
-        masked, allowed = [], []
-        for i, (_, ctx, _) in enumerate(rows):
-            if len(ctx) < n or any(t is None for t in ctx) or ctx[:n] != self.prefix:
-                continue
-            if not self._move(extra, ctx[n:]):
-                continue  # a token before this row leaves the grammar: it is rejected before the row counts
-            allowed.append(self._allowed(logits.shape[-1]))
-            masked.append(i)
+        guess: dict[int, int] = {}  # target offset -> the token its MASK row drafts greedily
+        out = logits
+        for i, (target, ctx, is_mask) in enumerate(rows):
+            known = [guess.get(j) if t is None else t for j, t in enumerate(ctx)]
+            exact = len(known) >= n and None not in known and known[:n] == self.prefix
+            if exact and self._move(extra, known[n:]):  # type: ignore[arg-type]
+                if out is logits:
+                    out = logits.clone()
+                out[i] = out[i].masked_fill(~self._allowed(logits.shape[-1]).to(out.device), float("-inf"))
+            if is_mask:
+                guess[target] = int(out[i].argmax())
         self.matcher.rollback(len(extra))
-        if not masked:
-            return logits
-        keep = torch.stack(allowed).to(logits.device)  # (m, V)
-        logits = logits.clone()
-        logits[masked] = logits[masked].masked_fill(~keep, float("-inf"))
-        return logits
+        return out
 
     def _move(self, extra: list[int], want: list[int]) -> bool:
         """The matcher moved from prefix + `extra` to prefix + `want` (rolling back to their

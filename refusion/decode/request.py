@@ -42,6 +42,7 @@ class DecodeStats:
     plan_width_sum: int = 0
     window_sum: int = 0
     ar_blocks: int = 0
+    grammar_time: float = 0.0  # seconds its grammar took: masking logits rows, following the prefix
 
     @property
     def tpf(self) -> float:
@@ -63,6 +64,7 @@ class DecodeStats:
             "logit_rows": self.logit_rows,
             "draft_steps": self.draft_steps,
             "ar_blocks": self.ar_blocks,
+            "grammar_time": self.grammar_time,
         }
 
 
@@ -197,7 +199,7 @@ class Request:
         while n < limit and row[n] is not None and (n == 0 or row[n - 1] not in self.eos_ids):
             n += 1
         if self.shaping is not None:
-            self.shaping.settle(row, self.prefix_len, n)
+            self.shaping.settle(self, row, self.prefix_len, n)
         self.prefix_len = n
 
     def note(self, path: str, spans: Sequence[tuple[int, list[int]]]) -> None:

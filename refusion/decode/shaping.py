@@ -23,6 +23,7 @@ decided it, with MASKs or drafts in its context (`source` "plan": the paper's ru
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -172,14 +173,20 @@ class Shaping:
             self.logprobs.observe(logits, rows, self.region)
         if self.penalties is not None:
             logits = self.penalties(logits, rows)
-        return logits if self.constraint is None else self.constraint(logits, rows)
+        if self.constraint is not None:
+            t0 = time.perf_counter()
+            logits = self.constraint(logits, rows)
+            req.stats.grammar_time += time.perf_counter() - t0
+        return logits
 
-    def settle(self, filled: Sequence[int | None], start: int, end: int) -> None:
+    def settle(self, req: Request, filled: Sequence[int | None], start: int, end: int) -> None:
         """The final prefix grew over offsets [start, end)."""
         if self.logprobs is not None:
             self.logprobs.settle(filled, start, end)
         if self.constraint is not None:
+            t0 = time.perf_counter()
             self.constraint.advance(filled, start, end)
+            req.stats.grammar_time += time.perf_counter() - t0
 
 
 def shaping_of(cfg: DecodeConfig, tokenizer: Any = None, eos_ids: Iterable[int] = ()) -> Shaping | None:

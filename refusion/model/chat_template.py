@@ -50,10 +50,9 @@ def render(
             compiled(source),
             budget,
             messages=chat,
-            tools=None,
             documents=None,
             add_generation_prompt=add_generation_prompt,
-            **values,
+            **({"tools": None} | values),
         )
     return text if final is None else _cut_at_final(text, final)
 

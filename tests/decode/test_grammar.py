@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 
 import jsonschema
 import pytest
@@ -153,3 +154,39 @@ def test_a_grammar_that_does_not_compile_is_refused_with_its_error(bundled, ship
     with pytest.raises(FieldError, match="does not compile.*unknown name") as e:
         Engine(model, tok).prepare(PROMPTS[0], shipped.replace(grammar="start: nowhere"))
     assert e.value.field == "grammar"
+
+
+def test_sampled_refusion_draws_what_sampled_ar_draws_under_a_grammar(bundled, shipped, monkeypatch):
+    """Seeded draws of the shipped settings and of AR at temperature 1.5 under a grammar of
+    numbers, for the arithmetic prompts the model is sure of (and so drafts well): the
+    answers in the same proportions (a two-sample chi-square), where the threshold
+    verification that sampled rows had before speculative sampling is told apart."""
+    from test_lossless_sampling import _two_sample, bound
+
+    from refusion.decode.refusion import judge
+
+    model, tok = bundled
+    from refusion.tasks import load_test_items
+
+    prompts = [it.prompt for it in load_test_items() if it.family == "arithmetic"][:2]
+    cfg = shipped.replace(grammar=regex_grammar("[0-9]{1,4}"), temperature=1.5)
+    n = 240
+
+    def answers(c):
+        every = prompts * n
+        outs = generate(model, tok, every, [c.replace(seed=i) for i in range(len(every))])
+        assert all(re.fullmatch("[0-9]{1,4}", o.text) for o in outs)
+        return [Counter(o.text for o in outs[j::2]) for j in range(2)]
+
+    ar = answers(cfg.replace(method="ar"))
+
+    def verdict(counts):
+        parts = [_two_sample(a, b) for a, b in zip(counts, ar)]
+        return sum(s for s, _ in parts), sum(d for _, d in parts)
+
+    stat, df = verdict(answers(cfg))
+    assert df >= 4 and stat < bound(df), (stat, df)
+    threshold = lambda c, sampler: judge.Threshold(sampler, c.token_threshold)  # noqa: E731
+    monkeypatch.setattr("refusion.decode.refusion.row.judge_for", threshold)
+    stat, df = verdict(answers(cfg))
+    assert stat > bound(df), (stat, df)

@@ -17,10 +17,13 @@ from typing import Any
 from ...decode.admit import Admission, PreparedRequest
 from ...errors import ReFusionError
 from ...settings.decode import MAX_TOP_LOGPROBS, PRESETS, DecodeConfig
-from ...settings.fields import shown
+from ...settings.fields import FieldError, shown
 from .checks import as_request_error, decode_value, is_int, is_number, own_value, text
 from .errors import APIError, bad, library_error
 from .messages import for_template, parse_messages
+from .structured import FIELDS as STRUCTURED
+from .structured import Structured, structured_of
+from .tools import Tools, check_template, tools_of
 
 # request field -> the DecodeConfig field it sets under its own name (method, slot_size, .., stop_token_ids);
 # max_tokens sets gen_length once fitted to the prompt (`admit`), and stop sets stop
@@ -34,18 +37,15 @@ NEUTRAL = {
     "repetition_penalty": lambda v: is_number(v) and v == 1,
     "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
-    "tools": lambda v: v == [],
-    "functions": lambda v: v == [],
-    "tool_choice": lambda v: v in ("none", "auto"),
+    "functions": lambda v: v == [],  # the deprecated form of tools: send tools
     "function_call": lambda v: v in ("none", "auto"),
-    "response_format": lambda v: v == {"type": "text"},
 }
 _BIAS = next(f for f in dataclasses.fields(DecodeConfig) if f.name == "logit_bias")
 COMMON = {"model", "max_tokens", "stop", "stream", "preset", "logprobs", "logit_bias", "n"}
-COMMON |= {*DECODE_FIELDS, *IGNORED, *NEUTRAL}
+COMMON |= {*DECODE_FIELDS, *IGNORED, *NEUTRAL, *STRUCTURED}
 FIELDS = {
     "completion": COMMON | {"prompt", "chat_template"},
-    "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs"},
+    "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"},
 }
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", "include_slots"}
 MAX_PROMPTS = 64
@@ -72,6 +72,15 @@ class CompletionRequest:
     preset: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # DecodeConfig fields
     n: int = 1  # choices per prompt
+    structured: Structured | None = None  # the grammar its structured-output field asks for
+    tools: Tools | None = None  # chat: the tools the template renders, and tool_choice
+
+    @property
+    def grammar(self) -> Structured | None:
+        """What the decoder is held to: a structured output, or a call that tool_choice forces."""
+        if self.tools is not None and self.tools.forced:
+            return Structured(self.tools.grammar(), "tool_choice")
+        return self.structured
 
     @property
     def choices(self) -> int:
@@ -136,7 +145,22 @@ def parse_request(body: Any, kind: str) -> CompletionRequest:
     top = _logprobs(body, kind)
     if top is not None:
         req.overrides["logprobs"] = top
+    _structure(req, body)
     return req
+
+
+def _structure(req: CompletionRequest, body: dict[str, Any]) -> None:
+    """The request's structured output and tools, and the grammar they hold it to."""
+    req.structured = structured_of(body)
+    req.tools = tools_of(body) if req.kind == "chat" else None
+    if req.structured is not None and req.tools is not None and req.tools.forced:
+        raise bad(
+            f"tool_choice {req.tools.choice!r} makes the reply a tool call, which {req.structured.param} "
+            "would constrain too: give one of them",
+            req.structured.param,
+        )
+    if req.grammar is not None:
+        req.overrides["grammar"] = req.grammar.grammar
 
 
 def _chat_template(body: dict[str, Any], prompts: list[str | list[int]]) -> bool:
@@ -232,7 +256,14 @@ def admit_request(req: CompletionRequest, admission: Admission, base: DecodeConf
     n choices (`choice_seeds`), prompt after prompt."""
     cfg = request_config(base, req)
     prompts, param = request_prompts(req, admission.tokenizer)
-    ready = [admit(admission, p, cfg, req.max_tokens, param, req.chat_template) for p in prompts]
+    tools = None
+    if req.tools is not None:
+        check_template(admission.tokenizer)
+        tools = req.tools.tools
+    grammar = req.grammar.param if req.grammar is not None else None
+    ready = [
+        admit(admission, p, cfg, req.max_tokens, param, req.chat_template, tools, grammar) for p in prompts
+    ]
     return [dataclasses.replace(r, cfg=c) for r in ready for c in choice_seeds(r.cfg, req.n)]
 
 
@@ -261,15 +292,22 @@ def admit(
     max_tokens: int | None,
     param: str,
     chat: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    grammar: str | None = None,
 ) -> PreparedRequest:
     """One prompt prepared by the engine's admission (max_tokens must fit as it is;
     omitted, the server's gen_length is lowered to what fits), or a 400 whose `param` is
-    the setting its advice changes (`param`, the prompt's field, when only the prompt can).
+    the setting its advice changes (`param`, the prompt's field, when only the prompt can;
+    `grammar`, the field that set the grammar, for the grammar's errors).
     `chat`: text rendered as one user message through the chat template (messages always are)."""
     try:
         return admission.prepare(
-            prompt, cfg, chat=chat, length=max_tokens, lower=True, length_name="max_tokens"
+            prompt, cfg, chat=chat, length=max_tokens, lower=True, length_name="max_tokens", tools=tools
         )
+    except FieldError as e:
+        if e.field == "grammar":
+            raise bad(str(e), grammar, "invalid_value") from None
+        raise library_error(e, param) from None
     except ReFusionError as e:
         raise library_error(e, param) from None
 

@@ -24,22 +24,22 @@ def response_body(
     kind: str,
     rid: str,
     model: str,
-    choices: list[tuple[str, str, Any]],
+    choices: list[tuple[str | None, str, Any, list[dict[str, Any]]]],
     use: dict[str, int],
     warning: str | None = None,
 ) -> dict[str, Any]:
-    """A whole (non-streamed) completion; choices = [(text, finish_reason, logprobs), ...];
-    a `warning` (why the text may be noise) beside them when there is one."""
+    """A whole (non-streamed) completion; choices = [(text, finish_reason, logprobs,
+    tool_calls), ...]; a `warning` (why the text may be noise) beside them when there is one."""
     if kind == "chat":
         items = [
-            {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp, "finish_reason": r}
-            for i, (t, r, lp) in enumerate(choices)
+            {"index": i, "message": message(t, calls), "logprobs": lp, "finish_reason": r}
+            for i, (t, r, lp, calls) in enumerate(choices)
         ]
         obj = "chat.completion"
     else:
         items = [
             {"index": i, "text": t, "logprobs": lp, "finish_reason": r}
-            for i, (t, r, lp) in enumerate(choices)
+            for i, (t, r, lp, _) in enumerate(choices)
         ]
         obj = "text_completion"
     body = {
@@ -53,6 +53,11 @@ def response_body(
     return body | ({"warning": warning} if warning else {})
 
 
+def message(text: str | None, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """A chat choice's message: its text, and its tool calls when it made some."""
+    return {"role": "assistant", "content": text} | ({"tool_calls": calls} if calls else {})
+
+
 def chunk_body(
     kind: str,
     rid: str,
@@ -63,12 +68,16 @@ def chunk_body(
     *,
     first: bool = False,
     logprobs: dict[str, Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One server-sent event of a streamed completion (`logprobs`: of the tokens it adds)."""
+    """One server-sent event of a streamed completion (`logprobs`: of the tokens it adds;
+    chat's `tool_calls`: calls completed, each whole, with its index)."""
     if kind == "chat":
-        delta: dict[str, str] = (
+        delta: dict[str, Any] = (
             {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
         )
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:

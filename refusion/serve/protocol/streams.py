@@ -22,6 +22,7 @@ from .errors import library_error
 from .logprobs import Speller, choice_logprobs
 from .requests import CompletionRequest
 from .responses import chunk_body, new_id, response_body, slots_chunk, usage, usage_chunk
+from .tools import CallStream, split_calls
 
 DONE = "data: [DONE]\n\n"
 
@@ -55,11 +56,21 @@ async def completion_body(
         except RequestFailed as e:
             raise library_error(e.error) from None
     spell = Speller(tokenizer)
-    done = [
-        ("".join(t), r, choice_logprobs(req.kind, spell, lp)) for t, r, lp in zip(texts, reasons, logprobs)
-    ]
+    done = []
+    for t, r, lp in zip(texts, reasons, logprobs):
+        text, reason, calls = _calls_of(req, "".join(t), r)
+        done.append((text, reason, choice_logprobs(req.kind, spell, lp), calls))
     use = usage(prompt_tokens, sum(tokens))
     return response_body(req.kind, new_id(req.kind), model, done, use, req.warning)
+
+
+def _calls_of(req: CompletionRequest, text: str, reason: str) -> tuple[str | None, str, list[dict[str, Any]]]:
+    """A choice's text, finish reason and tool calls: with tools, the calls the text makes
+    are read out of it, and a reply that ends in calls finishes with "tool_calls"."""
+    if req.tools is None or not req.tools.reads_calls:
+        return text, reason, []
+    content, calls = split_calls(text)
+    return content, ("tool_calls" if calls and reason == "stop" else reason), calls
 
 
 async def completion_events(
@@ -73,7 +84,8 @@ async def completion_events(
     each output's chunks as it comes, the usage last when asked for. The request's warning,
     if any, rides on the first text chunk (not a choiceless one: clients read choices[0])."""
     kind, rid, tokens, warning = req.kind, new_id(req.kind), 0, req.warning
-    chunks = _Chunks(kind, rid, model, Speller(tokenizer), req.choices)
+    reads_calls = req.tools is not None and req.tools.reads_calls
+    chunks = _Chunks(kind, rid, model, Speller(tokenizer), req.choices, reads_calls)
     async with aclosing(outputs):
         try:
             if kind == "chat":
@@ -94,20 +106,30 @@ async def completion_events(
 
 class _Chunks:
     """An output's chunks: its slot events, its text with the log-probabilities of the
-    tokens it adds, its finish reason. Keeps each choice's characters streamed so far, for
-    the completions' `text_offset`."""
+    tokens it adds, its tool calls (`reads_calls`: each choice's text read by a
+    `tools.CallStream`), its finish reason. Keeps each choice's characters streamed so
+    far, for the completions' `text_offset`."""
 
-    def __init__(self, kind: str, rid: str, model: str, spell: Speller, n: int) -> None:
+    def __init__(
+        self, kind: str, rid: str, model: str, spell: Speller, n: int, reads_calls: bool = False
+    ) -> None:
         self.kind, self.rid, self.model, self.spell = kind, rid, model, spell
         self.offsets = [0] * n
+        self.calls = [CallStream() for _ in range(n)] if reads_calls else None
 
     def __call__(self, out: ChoiceOutput) -> Iterator[dict[str, Any]]:
-        kind, rid, model = self.kind, self.rid, self.model
+        kind, rid, model, i = self.kind, self.rid, self.model, out.index
         if out.slots is not None:
-            yield slots_chunk(kind, rid, model, out.index, out.slots)
-        if out.text or out.logprobs:
-            lp = choice_logprobs(kind, self.spell, out.logprobs, self.offsets[out.index])
-            self.offsets[out.index] += len(out.text)
-            yield chunk_body(kind, rid, model, out.index, out.text, None, logprobs=lp)
+            yield slots_chunk(kind, rid, model, i, out.slots)
+        text, calls = out.text, list[dict[str, Any]]()
+        if self.calls is not None:
+            text, calls = self.calls[i].feed(out.text, final=out.finished)
+        if text or out.logprobs or calls:
+            lp = choice_logprobs(kind, self.spell, out.logprobs, self.offsets[i])
+            self.offsets[i] += len(out.text)
+            yield chunk_body(kind, rid, model, i, text, None, logprobs=lp, tool_calls=calls)
         if out.finished:
-            yield chunk_body(kind, rid, model, out.index, None, out.finish_reason)
+            reason = out.finish_reason
+            if self.calls is not None and self.calls[i].calls and reason == "stop":
+                reason = "tool_calls"
+            yield chunk_body(kind, rid, model, i, None, reason)
