@@ -38,6 +38,7 @@ from .decode_report import (
     print_ceilings,
     print_demand,
     print_forward_lead,
+    print_grammar,
     print_summary,
     print_sweep,
     print_table,
@@ -290,12 +291,14 @@ def _run(args: argparse.Namespace, report: bool) -> int:
     threads = f", {torch.get_num_threads()} CPU threads" if model.device.type == "cpu" else ""
     summary = print_summary(table, args.rounds)
     print_table(table, len(prompts), base.gen_length, args.rounds, threads, model.device.type == "cuda")
+    grammar = print_grammar(table)
     figures: dict[str, Any] = {
         "summary": summary,
         "config": dataclasses.asdict(base),
         "engine": dataclasses.asdict(engine),
         "prompts": len(prompts),
         "table": table,
+        "grammar": grammar,
         "forward_lead": print_forward_lead(
             model, {m: r for m, r in table.items() if runs_eagerly(base, engine, m)}
         ),

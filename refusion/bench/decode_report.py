@@ -88,6 +88,33 @@ def print_table(
     )
 
 
+def print_grammar(table: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """For the rows under a grammar (`#g`): what the grammar itself costs per committed
+    token (masking the logits rows, following the prefix), against that row's time per
+    token, and the row's speed against the same method without it. Returns the figures."""
+    rows = {m: r for m, r in table.items() if "#g" in m}
+    if not rows:
+        return {}
+    print(
+        "\nunder the grammar (#g): its own time per committed token, and the rows without it (batch size 1)"
+    )
+    print(
+        f"{'method':20} {'grammar ms/tok':>14} {'share':>7} {'tok/s':>8} {'without':>8} "
+        f"{'TPF':>6} {'without':>8}"
+    )
+    out = {}
+    for m, r in rows.items():
+        plain = table.get(m.replace("#g", ""), {})
+        ms_per_token = 1e3 / r["tps"] if r["tps"] else 0.0
+        share = r["grammar_ms_per_token"] / ms_per_token if ms_per_token else 0.0
+        out[m] = {"grammar_ms_per_token": r["grammar_ms_per_token"], "share": share}
+        print(
+            f"{m:20} {r['grammar_ms_per_token']:14.3f} {share:7.1%} {r['tps']:8.1f} "
+            f"{plain.get('tps', 0.0):8.1f} {r['tpf']:6.2f} {plain.get('tpf', 0.0):8.2f}"
+        )
+    return out
+
+
 def print_sweep(
     full: Sweep, methods: list[str], sizes: list[int], n_sweep: int, rounds: int
 ) -> dict[str, dict[int, float]]:
