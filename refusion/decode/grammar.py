@@ -25,6 +25,7 @@ import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..settings.decode import DecodeConfig
@@ -176,18 +177,18 @@ class Constraint:
     def _allowed(self, vocab: int) -> torch.Tensor:
         """(vocab,) bool: the tokens the grammar allows next; its end-of-text is any of the
         request's end tokens (its EOS ids), which end it only where it is complete."""
-        words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)
-        # words: (ceil(words / 32),) int32, bit j of word w: token 32 w + j
-        shifts = torch.arange(32, dtype=torch.int32)
-        bits = torch.zeros(vocab, dtype=torch.bool)
+        # the mask's little-endian 32-bit words: bit j of word w is token 32 w + j, so its bytes
+        # unpacked little-endian bit by bit are the tokens in order
+        packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         known = min(vocab, self.words)
-        bits[:known] = ((words.unsqueeze(-1) >> shifts) & 1).flatten()[:known].bool()
+        bits = np.zeros(vocab, dtype=bool)
+        bits[:known] = np.unpackbits(packed, bitorder="little")[:known]
         eos = [t for t in self.eos if t < vocab]
         if eos:
             bits[eos] = bool(bits[eos].any() or self.matcher.is_accepting())
         if not bits.any():  # nothing may follow (a grammar that neither continues nor ends)
             bits[:] = True
-        return bits
+        return torch.from_numpy(bits)
 
     def advance(self, filled: Sequence[int | None], start: int, end: int) -> None:
         """The final prefix grew over offsets [start, end): the matcher consumes them (an end

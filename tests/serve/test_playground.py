@@ -457,3 +457,24 @@ def test_behind_a_key_the_page_asks_for_it_and_keeps_it_in_the_page(browser, bun
             "return [localStorage.length, sessionStorage.length, document.cookie, location.href]"
         )
         assert stored == [0, 0, "", server.url + "/"]
+
+
+def test_json_mode_holds_the_reply_to_a_json_object(browser, server, bundled):
+    """The settings' JSON mode sends response_format json_object: the reply is the one the
+    library gives under the JSON-object grammar, and a JSON object when it ends."""
+    from refusion.decode.grammar import json_object_grammar
+
+    page = Page(browser, server.url + "/").loaded()
+    page.find("#json-mode").click()
+    page.example("examples", "arithmetic")
+    page.find("#send").click()
+    assert page.finished("chat") == "done"
+    length = recommended_of(bundled[0]).decode_config().gen_length  # the page's max_tokens
+    ref = reference(
+        bundled, example(bundled), {"grammar": json_object_grammar(), "max_tokens": length}, False
+    )
+    shown = page.all("#messages .assistant")[-1].text
+    assert shown == ref.text.strip() and shown.startswith("{")
+    if ref.finish_reason == "stop":
+        assert isinstance(json.loads(shown), dict)
+    page.find("#json-mode").click()  # off again for the tests after

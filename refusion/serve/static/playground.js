@@ -195,6 +195,7 @@
       stream: true,
       stream_options: { include_slots: true },
     });
+    if ($('json-mode').checked) body.response_format = { type: 'json_object' };
     const slotSize = settings.method === 'refusion' ? settings.slot_size : 1;
     lane.view.reset(regionLength(settings), slotSize);
     lane.widths.textContent = '';
