@@ -144,17 +144,25 @@ class Constraint:
         n = len(self.prefix)
         extra: list[int] = []  # tokens consumed past the prefix, a stack shared by consecutive rows
         guess: dict[int, int] = {}  # target offset -> the token its MASK row drafts greedily
-        out = logits
+        values = logits.detach().float().cpu().numpy()  # (n, V), read for the guesses
+        masked, masks = [], []
         for i, (target, ctx, is_mask) in enumerate(rows):
             known = [guess.get(j) if t is None else t for j, t in enumerate(ctx)]
             exact = len(known) >= n and None not in known and known[:n] == self.prefix
+            allowed = None
             if exact and self._move(extra, known[n:]):  # type: ignore[arg-type]
-                if out is logits:
-                    out = logits.clone()
-                out[i] = out[i].masked_fill(~self._allowed(logits.shape[-1]).to(out.device), float("-inf"))
+                allowed = self._allowed(logits.shape[-1])
+                masked.append(i)
+                masks.append(allowed)
             if is_mask:
-                guess[target] = int(out[i].argmax())
+                row = values[i] if allowed is None else np.where(allowed, values[i], -np.inf)
+                guess[target] = int(row.argmax())
         self.matcher.rollback(len(extra))
+        if not masked:
+            return logits
+        out = logits.clone()
+        forbidden = ~torch.from_numpy(np.stack(masks)).to(logits.device)  # (m, V)
+        out[masked] = out[masked].masked_fill(forbidden, float("-inf"))
         return out
 
     def _move(self, extra: list[int], want: list[int]) -> bool:
@@ -174,7 +182,7 @@ class Constraint:
         extra.extend(rest[:took])
         return took == len(rest)
 
-    def _allowed(self, vocab: int) -> torch.Tensor:
+    def _allowed(self, vocab: int) -> np.ndarray:
         """(vocab,) bool: the tokens the grammar allows next; its end-of-text is any of the
         request's end tokens (its EOS ids), which end it only where it is complete."""
         # the mask's little-endian 32-bit words: bit j of word w is token 32 w + j, so its bytes
@@ -188,7 +196,7 @@ class Constraint:
             bits[eos] = bool(bits[eos].any() or self.matcher.is_accepting())
         if not bits.any():  # nothing may follow (a grammar that neither continues nor ends)
             bits[:] = True
-        return torch.from_numpy(bits)
+        return bits
 
     def advance(self, filled: Sequence[int | None], start: int, end: int) -> None:
         """The final prefix grew over offsets [start, end): the matcher consumes them (an end
