@@ -162,7 +162,7 @@ class Request:
         self.stop_text = StopText(cfg.stop)
         self.text = ""
         # penalties, bias, a grammar, log-probabilities (None: none asked)
-        self.shaping = shaping_of(cfg, tokenizer, eos_ids)
+        self.shaping = shaping_of(cfg, tokenizer, eos_ids, prompt)
 
     # ------------------------------------------------------------------ decoder side
     def start(self) -> None:

@@ -78,10 +78,12 @@ def contexts(
 
 class Penalties:
     """OpenAI's presence and frequency penalties over the generated tokens of a row's
-    context, and the logit bias."""
+    context, the repetition penalty over those and the prompt's (vLLM's and transformers'
+    semantics), and the logit bias."""
 
-    def __init__(self, cfg: DecodeConfig) -> None:
+    def __init__(self, cfg: DecodeConfig, prompt: Sequence[int] = ()) -> None:
         self.presence, self.frequency = cfg.presence_penalty, cfg.frequency_penalty
+        self.repetition, self.prompt = cfg.repetition_penalty, sorted(set(prompt))
         self.pairs = cfg.logit_bias
         self.bias: torch.Tensor | None = None  # (V,), made on first use
 
@@ -99,7 +101,22 @@ class Penalties:
                 at = (torch.tensor(r, device=logits.device), torch.tensor(c, device=logits.device))
                 counts.index_put_(at, torch.ones(len(c), device=logits.device), accumulate=True)
                 logits = logits - self.frequency * counts - self.presence * (counts > 0).to(logits.dtype)
+        if self.repetition != 1:
+            logits = self._repeated(logits, rows)
         return logits if self.bias is None else logits + self.bias
+
+    def _repeated(self, logits: torch.Tensor, rows: list[tuple[int, Context, bool]]) -> torch.Tensor:
+        """logits (n, V) of the tokens in the prompt or a row's context divided by the
+        repetition penalty where positive, multiplied by it where negative."""
+        seen = torch.zeros_like(logits, dtype=torch.bool)  # (n, V)
+        if self.prompt:
+            seen[:, self.prompt] = True
+        r = [i for i, (_, ctx, _) in enumerate(rows) for t in ctx if t is not None]
+        c = [t for _, ctx, _ in rows for t in ctx if t is not None]
+        if c:
+            seen[torch.tensor(r, device=logits.device), torch.tensor(c, device=logits.device)] = True
+        scaled = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
+        return torch.where(seen, scaled, logits)
 
 
 @dataclass
@@ -152,11 +169,16 @@ class Shaping:
     """A request's hook on its logits: `Logprobs` when asked for, `Penalties` when set, its
     grammar's `Constraint` when it has one (which needs the tokenizer's token texts)."""
 
-    def __init__(self, cfg: DecodeConfig, tokenizer: Any = None, eos_ids: Iterable[int] = ()) -> None:
+    def __init__(
+        self,
+        cfg: DecodeConfig,
+        tokenizer: Any = None,
+        eos_ids: Iterable[int] = (),
+        prompt: Sequence[int] = (),
+    ) -> None:
         self.region = cfg.region_length
         self.logprobs = Logprobs(cfg.logprobs) if cfg.logprobs is not None else None
-        penalised = cfg.presence_penalty or cfg.frequency_penalty or cfg.logit_bias
-        self.penalties = Penalties(cfg) if penalised else None
+        self.penalties = Penalties(cfg, prompt) if cfg.penalised else None
         self.constraint = Constraint(cfg.grammar, tokenizer, eos_ids) if cfg.grammar else None
 
     def __call__(
@@ -189,6 +211,10 @@ class Shaping:
             req.stats.grammar_time += time.perf_counter() - t0
 
 
-def shaping_of(cfg: DecodeConfig, tokenizer: Any = None, eos_ids: Iterable[int] = ()) -> Shaping | None:
+def shaping_of(
+    cfg: DecodeConfig, tokenizer: Any = None, eos_ids: Iterable[int] = (), prompt: Sequence[int] = ()
+) -> Shaping | None:
     """A request's shaping (None: it asks for nothing that needs one)."""
-    return Shaping(cfg, tokenizer, eos_ids) if cfg.shapes or cfg.logprobs is not None else None
+    if not cfg.shapes and cfg.logprobs is None:
+        return None
+    return Shaping(cfg, tokenizer, eos_ids, prompt)

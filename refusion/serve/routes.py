@@ -71,7 +71,7 @@ class Completions:
         except (QueueFull, ShuttingDown) as e:
             raise library_error(e) from None
         # the prompt tokens of each prompt once, however many choices decode it
-        return await self.respond(request, req, outputs, sum(len(p.ids) for p in prompts[:: req.n]))
+        return await self.respond(request, req, outputs, sum(len(p.ids) for p in prompts[:: req.rows]))
 
     def prepare(self, raw: bytes, kind: str) -> tuple[CompletionRequest, list[PreparedRequest]]:
         """The body parsed and checked, and each of its prompts admitted (a request thread)."""

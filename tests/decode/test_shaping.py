@@ -92,6 +92,7 @@ def test_a_request_that_asks_for_nothing_has_no_shaping(bundled, shipped):
 PENALTIES = [
     {"frequency_penalty": 2.0},
     {"frequency_penalty": 1.0, "presence_penalty": 1.0, "logit_bias": {224: -5.0}},
+    {"repetition_penalty": 3.0},
 ]
 
 

@@ -163,6 +163,9 @@ def test_penalties_change_the_text_and_keep_refusion_equal_to_ar(client, example
         assert tokens(prompt, **pen) == ar  # the shipped ReFusion settings
         changed += ar != tokens(prompt, extra_body={"method": "ar"})
     assert changed
+    repeated = {"repetition_penalty": 3.0}  # vLLM's extra field
+    ar = tokens(examples[0], extra_body=repeated | {"method": "ar"})
+    assert tokens(examples[0], extra_body=repeated) == ar != tokens(examples[0], extra_body={"method": "ar"})
 
 
 @pytest.mark.parametrize(
@@ -236,3 +239,37 @@ def test_n_times_the_prompts_is_bounded(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=NAME, prompt=["hi"] * 9, n=16, max_tokens=4)
     assert e.value.body["param"] == "n" and "128" in e.value.body["message"]
+
+
+# ---------------------------------------------------------------------------- best_of and echo
+def test_best_of_returns_the_most_likely_of_its_rows(client, examples):
+    """best_of 3 samples three rows (seeds s, s + 1, s + 2, as n would) and returns the one
+    whose tokens' log-probabilities sum highest: the same text as the highest of those
+    three requests made alone."""
+    prompt, seed = examples[0], 11
+    common = dict(model=NAME, prompt=prompt, max_tokens=32, temperature=1.5)
+    best = client.completions.create(**common, best_of=3, seed=seed, extra_body={"chat_template": True})
+    assert len(best.choices) == 1 and best.choices[0].logprobs is None
+    alone = [
+        client.completions.create(
+            **common, seed=seed + i, logprobs=0, extra_body={"chat_template": True}
+        ).choices[0]
+        for i in range(3)
+    ]
+    ranked = sorted(alone, key=lambda c: -sum(c.logprobs.token_logprobs))
+    assert best.choices[0].text == ranked[0].text
+    assert len({c.text for c in alone}) > 1  # the rows differ, so the choice was a choice
+    assert best.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in alone)
+
+
+def test_echo_begins_each_choice_with_its_prompt(client):
+    for stream in (False, True):
+        r = client.completions.create(model=NAME, prompt=["ab", "cd"], max_tokens=4, echo=True, stream=stream)
+        if stream:
+            texts = {0: "", 1: ""}
+            for chunk in r:
+                for c in chunk.choices:
+                    texts[c.index] += c.text
+        else:
+            texts = {c.index: c.text for c in r.choices}
+        assert texts[0].startswith("ab") and texts[1].startswith("cd")

@@ -124,7 +124,8 @@ def test_prompt_forms(prompt, want):
         ({"prompt": "a", "stop": ["", "x"]}, "stop"),
         ({"prompt": "a", "seed": 1.5}, "seed"),
         ({"prompt": "a", "messages": []}, "messages"),
-        ({"prompt": "a", "best_of": 3}, "best_of"),
+        ({"prompt": "a", "best_of": 3, "n": 4}, "best_of"),
+        ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
         ({"prompt": "a", "stream_options": {"x": 1}}, "stream_options"),
     ],
 )

@@ -18,7 +18,7 @@ from ...decode.admit import Admission, PreparedRequest
 from ...errors import ReFusionError
 from ...settings.decode import MAX_TOP_LOGPROBS, PRESETS, DecodeConfig
 from ...settings.fields import FieldError, shown
-from .checks import as_request_error, decode_value, is_int, is_number, own_value, text
+from .checks import as_request_error, decode_value, is_int, own_value, text
 from .errors import APIError, bad, library_error
 from .messages import for_template, parse_messages
 from .structured import FIELDS as STRUCTURED
@@ -31,20 +31,24 @@ DECODE_FIELDS = {f.name: f for f in dataclasses.fields(DecodeConfig) if f.metada
 _STOP = next(f for f in dataclasses.fields(DecodeConfig) if f.name == "stop")
 # accepted and ignored
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options"}
-# accepted only at the value that means "off" (anything else would change the answer)
+# accepted only at the value that means "off", and why nothing else is served
 NEUTRAL = {
-    "best_of": lambda v: v == 1 and is_int(v),
-    "repetition_penalty": lambda v: is_number(v) and v == 1,
-    "echo": lambda v: v is False,
-    "suffix": lambda v: v == "",
-    "functions": lambda v: v == [],  # the deprecated form of tools: send tools
-    "function_call": lambda v: v in ("none", "auto"),
+    "suffix": (
+        lambda v: v == "",
+        "a suffix asks for text that fits before it (fill-in-the-middle), which this server does not "
+        "decode; send the prompt alone",
+    ),
+    "functions": (lambda v: v == [], "functions is OpenAI's deprecated form of tools: send tools"),
+    "function_call": (
+        lambda v: v in ("none", "auto"),
+        "function_call is OpenAI's deprecated form of tool_choice: send tool_choice",
+    ),
 }
 _BIAS = next(f for f in dataclasses.fields(DecodeConfig) if f.name == "logit_bias")
 COMMON = {"model", "max_tokens", "stop", "stream", "preset", "logprobs", "logit_bias", "n"}
 COMMON |= {*DECODE_FIELDS, *IGNORED, *NEUTRAL, *STRUCTURED}
 FIELDS = {
-    "completion": COMMON | {"prompt", "chat_template"},
+    "completion": COMMON | {"prompt", "chat_template", "best_of", "echo"},
     "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"},
 }
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", "include_slots"}
@@ -72,6 +76,9 @@ class CompletionRequest:
     preset: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # DecodeConfig fields
     n: int = 1  # choices per prompt
+    best_of: int | None = None  # completion: rows decoded per prompt, of which the n most likely are returned
+    echo: bool = False  # completion: each choice's text begins with its prompt's
+    logprobs_asked: bool = False  # the client asked for log-probabilities (best_of records them anyway)
     structured: Structured | None = None  # the grammar its structured-output field asks for
     tools: Tools | None = None  # chat: the tools the template renders, and tool_choice
 
@@ -87,6 +94,16 @@ class CompletionRequest:
         """A completion has n choices per prompt (prompt i's are i * n .. i * n + n - 1), a chat n."""
         return (len(self.prompts or []) if self.kind == "completion" else 1) * self.n
 
+    @property
+    def rows(self) -> int:
+        """Rows decoded per prompt: best_of, else n."""
+        return self.best_of or self.n
+
+    @property
+    def decoded(self) -> int:
+        """Rows decoded in all (prompt i's are i * rows .. i * rows + rows - 1)."""
+        return self.choices // self.n * self.rows
+
 
 def parse_request(body: Any, kind: str) -> CompletionRequest:
     """Check a decoded JSON body for /v1/completions (kind "completion") or
@@ -97,11 +114,9 @@ def parse_request(body: Any, kind: str) -> CompletionRequest:
     if unknown:
         raise bad(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
     body = {k: v for k, v in body.items() if v is not None}  # null = not given, as at OpenAI
-    for name, ok in NEUTRAL.items():
+    for name, (ok, why) in NEUTRAL.items():
         if name in body and not ok(body[name]):
-            raise bad(
-                f"{name}={shown(body[name])} is not supported by this server", name, "unsupported_value"
-            )
+            raise bad(f"{name}={shown(body[name])} is not served: {why}", name, "unsupported_value")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model must be a string", "model", "invalid_type")
@@ -120,11 +135,15 @@ def parse_request(body: Any, kind: str) -> CompletionRequest:
             req.max_tokens = own_value(name, "int", body[name], lo=1, hi=MAX_TOKENS)
     if "stop" in body:
         req.stop = list(decode_value(_STOP, body["stop"]))
+    req.stream = own_value("stream", "bool", body.get("stream", False))
     if "n" in body:
         req.n = own_value("n", "int", body["n"], lo=1, hi=MAX_N)
-        if req.choices > MAX_CHOICES:
-            raise bad(f"at most {MAX_CHOICES} choices per request (prompts x n), got {req.choices}", "n")
-    req.stream = own_value("stream", "bool", body.get("stream", False))
+    _best_of_and_echo(req, body)
+    if req.decoded > MAX_CHOICES:
+        raise bad(
+            f"at most {MAX_CHOICES} choices per request (prompts x n, or x best_of), got {req.decoded}",
+            "best_of" if req.best_of else "n",
+        )
     opts = body.get("stream_options")
     if opts is not None:
         if not isinstance(opts, dict) or set(opts) - STREAM_OPTIONS:
@@ -143,10 +162,32 @@ def parse_request(body: Any, kind: str) -> CompletionRequest:
     if "logit_bias" in body:
         req.overrides["logit_bias"] = decode_value(_BIAS, body["logit_bias"])
     top = _logprobs(body, kind)
-    if top is not None:
-        req.overrides["logprobs"] = top
+    req.logprobs_asked = top is not None
+    if top is not None or (req.best_of or 1) > req.n:  # best_of ranks the rows by their log-probabilities
+        req.overrides["logprobs"] = top or 0
+    if req.echo and req.logprobs_asked:
+        raise bad(
+            "echo with logprobs would report the prompt's log-probabilities, which this server does not "
+            "compute; send one of them",
+            "echo",
+        )
     _structure(req, body)
     return req
+
+
+def _best_of_and_echo(req: CompletionRequest, body: dict[str, Any]) -> None:
+    """A completion's best_of (rows decoded per prompt, the n most likely returned: it needs
+    the whole rows, so no stream) and echo."""
+    if "best_of" in body:
+        req.best_of = own_value("best_of", "int", body["best_of"], lo=1, hi=MAX_N)
+        if req.best_of < req.n:
+            raise bad(f"best_of ({req.best_of}) must be at least n ({req.n})", "best_of")
+        if req.best_of > req.n and req.stream:
+            raise bad(
+                "best_of ranks whole rows before returning any, so it cannot stream: send it without stream",
+                "best_of",
+            )
+    req.echo = own_value("echo", "bool", body.get("echo", False))
 
 
 def _structure(req: CompletionRequest, body: dict[str, Any]) -> None:
@@ -264,7 +305,7 @@ def admit_request(req: CompletionRequest, admission: Admission, base: DecodeConf
     ready = [
         admit(admission, p, cfg, req.max_tokens, param, req.chat_template, tools, grammar) for p in prompts
     ]
-    return [dataclasses.replace(r, cfg=c) for r in ready for c in choice_seeds(r.cfg, req.n)]
+    return [dataclasses.replace(r, cfg=c) for r in ready for c in choice_seeds(r.cfg, req.rows)]
 
 
 def choice_seeds(cfg: DecodeConfig, n: int) -> list[DecodeConfig]:

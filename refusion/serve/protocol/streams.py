@@ -40,8 +40,8 @@ async def completion_body(
     tokenizer: Any = None,
 ) -> dict[str, Any]:
     """The whole completion: each choice's text, finish reason and (when asked for)
-    log-probabilities, and the usage."""
-    n = req.choices
+    log-probabilities, and the usage (of every row decoded: best_of's too)."""
+    n = req.decoded
     texts: list[list[str]] = [[] for _ in range(n)]
     reasons, tokens = [""] * n, [0] * n
     logprobs: list[list[TokenLogprob] | None] = [None] * n
@@ -57,11 +57,37 @@ async def completion_body(
             raise library_error(e.error) from None
     spell = Speller(tokenizer)
     done = []
-    for t, r, lp in zip(texts, reasons, logprobs):
-        text, reason, calls = _calls_of(req, "".join(t), r)
-        done.append((text, reason, choice_logprobs(req.kind, spell, lp), calls))
+    for i in returned_rows(req, logprobs):
+        text, reason, calls = _calls_of(req, echoed(req, i, tokenizer) + "".join(texts[i]), reasons[i])
+        lp = choice_logprobs(req.kind, spell, logprobs[i]) if req.logprobs_asked else None
+        done.append((text, reason, lp, calls))
     use = usage(prompt_tokens, sum(tokens))
     return response_body(req.kind, new_id(req.kind), model, done, use, req.warning)
+
+
+def returned_rows(req: CompletionRequest, logprobs: list[list[TokenLogprob] | None]) -> list[int]:
+    """The rows returned as choices, in order: every row, or of each prompt's best_of rows
+    the n with the highest log-probability (the sum over their tokens, as OpenAI ranks)."""
+    if req.rows == req.n:
+        return list(range(req.decoded))
+
+    def score(i: int) -> float:
+        return sum(t.logprob for t in logprobs[i] or [] if t.logprob is not None)
+
+    rows = []
+    for start in range(0, req.decoded, req.rows):
+        group = range(start, start + req.rows)
+        rows += sorted(group, key=lambda i: -score(i))[: req.n]
+    return rows
+
+
+def echoed(req: CompletionRequest, row: int, tokenizer: Any) -> str:
+    """With echo, the text of the row's prompt (a token-id prompt decoded), which its
+    choice's text begins with; else nothing."""
+    if not req.echo or req.prompts is None:
+        return ""
+    prompt = req.prompts[row // req.rows]
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt) if tokenizer is not None else ""
 
 
 def _calls_of(req: CompletionRequest, text: str, reason: str) -> tuple[str | None, str, list[dict[str, Any]]]:
@@ -91,6 +117,8 @@ async def completion_events(
             if kind == "chat":
                 for i in range(req.choices):
                     yield event(chunk_body(kind, rid, model, i, "", None, first=True))
+            for i in range(req.choices) if req.echo else ():  # best_of == n here: a row is a choice
+                yield event(chunk_body(kind, rid, model, i, echoed(req, i, tokenizer), None))
             async for out in outputs:
                 tokens += out.completion_tokens if out.finished else 0
                 for chunk in chunks(out):
