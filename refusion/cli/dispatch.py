@@ -24,6 +24,7 @@ VERBS = {
     "convert": "prepare an AR checkpoint for ReFusion training (add <|mask|>)",
     "generate": "generate text from prompts (refusion, ar or mdm decoding)",
     "chat": "interactive chat that streams",
+    "distill": "training data made by the model itself: its greedy answers to prompts",
     "train": "train with the ReFusion objective (or plain AR)",
     "eval": "evaluate on a benchmark",
     "bench": (
