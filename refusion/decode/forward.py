@@ -108,6 +108,31 @@ def compiled_step() -> CompiledStep:
     return _COMPILED[0]
 
 
+def shared_prefills(
+    tokens: Sequence[Sequence[int]],
+    positions: Sequence[Sequence[int]],
+    want: Sequence[tuple[int, int]],
+    cache: KVCache | None,
+) -> dict[int, int]:
+    """Rows that may take another row's forward as their own: {row: the row it copies},
+    for rows of an empty cache row that feed the same tokens at the same positions and want
+    the same logits as an earlier such row (the n choices of one prompt, prefilled in the
+    step they join in). Their KV entries and logits are the copied row's, exactly."""
+    if cache is None:
+        return {}
+    first: dict[tuple, int] = {}
+    shared = {}
+    for b, (t, p, w) in enumerate(zip(tokens, positions, want)):
+        if cache.lengths[b] or len(t) < 2:
+            continue
+        key = (tuple(t), tuple(p), w)
+        if key in first:
+            shared[b] = first[key]
+        else:
+            first[key] = b
+    return shared
+
+
 @dataclass
 class Forward:
     """The counted forward pass. Each row feeds its own token list (ragged, none included);
@@ -139,6 +164,12 @@ class Forward:
         penalties and bias applied, its log-probabilities recorded: `shaping.py`; `held`
         are an infilling fork's accepted tokens, which its cache holds but no feed shows)."""
         device = self.model.device
+        fed, at, asked = tokens, positions, want  # as the rows feed and want them: counted and shaped so
+        shared = shared_prefills(tokens, positions, want, cache) if self.compiled is None else {}
+        if shared:  # a prompt several fresh rows feed alike is fed once (n choices of one prompt)
+            tokens = [[] if b in shared else t for b, t in enumerate(tokens)]
+            positions = [[] if b in shared else p for b, p in enumerate(positions)]
+            want = [(0, 0) if b in shared else w for b, w in enumerate(want)]
         t0 = time.perf_counter()
         if cache is not None:
             hidden = self._packed(tokens, positions, cache)  # (N, hidden), row after row
@@ -156,19 +187,24 @@ class Forward:
         self.forwards += 1
         self.seconds += seconds
         took_part: dict[int, Request] = {}
-        for req, t, (a, e) in zip(reqs, tokens, want):
+        for b, (req, t, (a, e)) in enumerate(zip(reqs, fed, asked)):
             if t or e > a:
                 took_part[id(req)] = req
-            req.stats.fed += len(t)
+            req.stats.fed += 0 if b in shared else len(t)  # tokens it fed itself
             req.stats.logit_rows += e - a
         for req in took_part.values():
             req.stats.nfe += 1
             req.stats.forward_time += seconds
             req.stats.forward_share += seconds / len(took_part)
         parts = list(logits.split([e - a for a, e in want]))
+        if shared:
+            assert cache is not None  # rows are shared only in a forward with a cache
+            cache.copy_written([(src, b, len(fed[b])) for b, src in shared.items()])
+            for b, src in shared.items():
+                parts[b] = parts[src].clone()
         for b, req in enumerate(reqs):
             if req.shaping is not None and parts[b].shape[0]:
-                feed = (tokens[b], positions[b], want[b])
+                feed = (fed[b], at[b], asked[b])
                 parts[b] = req.shaping(req, parts[b], feed, self.mask_id, held[b] if held else None)
         return parts
 

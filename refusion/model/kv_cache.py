@@ -249,6 +249,19 @@ class KVCache:
         self._view()
         return order
 
+    def copy_written(self, copies: Sequence[tuple[int, int, int]]) -> None:
+        """For each (src, dst, count), the `count` entries just written at src's end (not
+        yet kept) copied to dst's end: a forward that fed a prompt to src alone writes what
+        feeding it to dst too would have (both rows at the same length)."""
+        for src, dst, _ in copies:
+            if self.lengths[src] != self.lengths[dst]:
+                raise ValueError(f"rows {src} and {dst} are {self.lengths[src]} and {self.lengths[dst]} long")
+        for t in self._tensors():
+            col = 0 if t.dim() == 2 else 1  # a row's entries: dim 0 (tokens) or 1 (keys, values)
+            for src, dst, n in copies:
+                start = self.lengths[src]
+                t[dst].narrow(col, start, n).copy_(t[src].narrow(col, start, n))
+
     def append_from(
         self,
         src: KVCache,
