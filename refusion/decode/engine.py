@@ -46,7 +46,7 @@ from .rows import Feed, Row
 from .sampling import Sampler
 from .scheduler import Scheduler
 from .width_policy import WidthPolicy
-from .widths import drafting_of
+from .widths import RowAcceptance, drafting_of
 
 if TYPE_CHECKING:
     from .follow import Followers
@@ -214,7 +214,7 @@ class Engine:
     def _new_row(self, req: Request) -> Row:
         row = method_of(req.cfg).row(req, self.mask_id)
         if self.widths.follows(req.cfg):
-            row.acceptance = self.widths.drafting.acceptance
+            row.acceptance = RowAcceptance(self.widths.drafting.acceptance)
         return row
 
     def _execute(self) -> bool | None:

@@ -73,7 +73,8 @@ class WidthPolicy:
         at = functools.partial(self.drafting.cost, context=context)
         d = self.drafting
         overheads = (d.overhead.seconds(len(rows)), d.ar_overhead.seconds(len(rows)))
-        p, w = choose(len(group), len(rest), fed, s, window, d.acceptance, at, overheads=overheads)
+        own = group[0].acceptance.own if len(group) == 1 and not rest else None
+        p, w = choose(len(group), len(rest), fed, s, window, d.acceptance, at, overheads=overheads, own=own)
         for r in group:
             if p == 0 and r.can_start_ar_block():
                 r.start_ar_block()  # counted in its request's stats (ar_blocks), as drafting steps are

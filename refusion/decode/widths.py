@@ -197,6 +197,32 @@ class Acceptance:
     def __init__(self) -> None:
         self.plan, self.infill = Survival(), Survival()
 
+    @property
+    def measured(self) -> bool:
+        """Whether a run of each kind was verified."""
+        return bool(self.plan.reached and self.infill.reached)
+
+
+class _Both:
+    """A survival count that adds each run to the model's and to one row's own."""
+
+    def __init__(self, pooled: Survival, own: Survival) -> None:
+        self.pooled, self.own = pooled, own
+
+    def add(self, passed: int, verified: int) -> None:
+        self.pooled.add(passed, verified)
+        self.own.add(passed, verified)
+
+
+class RowAcceptance:
+    """What a row adds its verified runs to: the model's acceptance, pooled over every
+    request (what the widths of a batch are chosen from), and its own (`own`: what a row
+    alone is judged by, since a pool that other prompts filled says little of this one)."""
+
+    def __init__(self, pooled: Acceptance) -> None:
+        self.own = Acceptance()
+        self.plan, self.infill = _Both(pooled.plan, self.own.plan), _Both(pooled.infill, self.own.infill)
+
 
 def candidates(full: int) -> list[int]:
     """full, then halving down to 1."""
@@ -216,6 +242,7 @@ def choose(
     cost: Callable[[int, int], float],
     margin: float = 1.1,
     overheads: tuple[float, float] = (0.0, 0.0),
+    own: Acceptance | None = None,
 ) -> tuple[int, int]:
     """(plan width, infilling window) for `rows` rows of one slot of `slot` tokens per block
     (window: the most their settings allow) that commit the most tokens per second of a
@@ -226,14 +253,18 @@ def choose(
     `margin` times the rate of AR blocks. `overheads`: seconds the step costs outside its
     forwards (`StepOverhead`, at this batch's rows) when rows draft, and in AR blocks.
 
-    A row alone in the batch keeps its settings' widths. The estimate picks them there when
+    A row alone in the batch keeps its settings' widths, unless its own drafts (`own`, once
+    it has verified some) pass so rarely that drafting takes more forwards than AR decoding
+    (`block_tpf` under 1: a model converted and not yet trained for ReFusion): it then
+    decodes its blocks as AR does. The estimate picks its settings' widths there when
     its inputs are that row's own (`refusion bench decode` feeds as many tokens per
     committed one at a batch of 1 adaptive as fixed), but it prices a row from acceptance
     pooled over every request the model decoded and from step overheads fitted mostly at
     other batch sizes: after a load of many clients, a server's lone client was narrowed
     and took twice the forwards of the fixed widths."""
-    if rows + other_rows == 1:
-        return slot, window
+    if rows + other_rows == 1:  # no more forwards than AR decoding, by the row's own drafts
+        keep = own is None or not own.measured or block_tpf(slot, slot, window, own) >= 1
+        return (slot, window) if keep else (0, 0)
     rates = {}
     windows = [*candidates(window), 0] if window else [0]
     for p in candidates(slot):
@@ -271,11 +302,7 @@ def block_rate(
     each costing `overhead` seconds besides."""
     everyone = rows + other_rows
     seconds = 2 * cost(rows * p + other_fed, everyone)
-    passed, whole = acceptance.plan.expected(p - 1)
-    first = min(slot, 1 + passed + (1 - whole))
-    passed, whole = acceptance.infill.expected(w)
-    per_round = passed + 1
-    rounds = max(slot - first, 0.0) / per_round
+    rounds = infill_rounds(slot, p, w, acceptance)
     # every round is counted at two forwards, also the first, which verifies the plan's own
     # drafts in one (`drafting.plan_drafts_first`): counting that saving alone, without the
     # forks' copies the estimate also leaves out, turned half the blocks at a batch of 16 to
@@ -283,6 +310,25 @@ def block_rate(
     infill = cost(rows, rows) if w == 0 else cost(rows * (1 + w), rows) + cost(rows * w, rows)
     seconds += rounds * infill + overhead * (1 + (rounds > 0))  # a step, and one more to infill
     return (rows * slot + 2 * other_rows) / max(seconds, 1e-12)
+
+
+def infill_rounds(slot: int, p: int, w: int, acceptance: Acceptance) -> float:
+    """Expected infilling rounds of a block after its plan and global verification: those
+    commit the AR prediction of the first token (first-token check), then the plan's drafts
+    as far as they pass, then the correction of the first that fails; each round then
+    commits the drafts of its window that pass and one correction (window 0: one token)."""
+    passed, whole = acceptance.plan.expected(p - 1)
+    first = min(slot, 1 + passed + (1 - whole))
+    passed, whole = acceptance.infill.expected(w)
+    return max(slot - first, 0.0) / (passed + 1)
+
+
+def block_tpf(slot: int, p: int, w: int, acceptance: Acceptance) -> float:
+    """Expected tokens per forward of one row's block at plan width p and window w: the
+    plan and the global verification are two forwards, an infilling round two (one at
+    window 0), as `block_rate` counts them. AR decoding's is 1."""
+    rounds = infill_rounds(slot, p, w, acceptance)
+    return slot / (2 + rounds * (2 if w else 1))
 
 
 class StepOverhead:

@@ -49,7 +49,7 @@ def random_widths(monkeypatch, seed: int) -> list[tuple[int, int]]:
     drafts; returns the list of choices made."""
     rng, made = random.Random(seed), []
 
-    def pick(rows, other_rows, other_fed, slot, window, acceptance, cost, overheads=(0.0, 0.0)):
+    def pick(rows, other_rows, other_fed, slot, window, acceptance, cost, overheads=(0.0, 0.0), own=None):
         p = rng.choice([0, 1, 2, slot // 2, slot])
         w = rng.choice([0, 1, max(window // 2, 1), window])
         made.append((p, w))
@@ -384,7 +384,7 @@ def test_rows_inside_an_ar_block_are_priced_as_riders_not_choosers(tiny, monkeyp
     the rows that ride along, feeding one token each (they wait through any infilling)."""
     asked = []
 
-    def record(rows, other_rows, other_fed, slot, window, acceptance, cost, overheads=(0.0, 0.0)):
+    def record(rows, other_rows, other_fed, slot, window, acceptance, cost, overheads=(0.0, 0.0), own=None):
         asked.append((rows, other_rows, other_fed))
         return (0, 0) if not asked[1:] else (slot, window)  # the first row's block is AR
 
@@ -425,3 +425,26 @@ def test_infilling_verifies_the_plans_own_drafts_first_and_saves_forwards(bundle
     for b in (1, 4):
         assert with_first[b][0] == without[b][0] == ar
         assert with_first[b][1] < without[b][1]
+
+
+def test_a_lone_row_whose_drafts_fail_decodes_its_later_blocks_as_ar(tiny):
+    """On a model whose drafts hardly pass (the golden tiny model: drafting at fixed widths
+    takes about two forwards a token), a lone lossless row judges its blocks by its own
+    drafts once it has verified some, and decodes the rest as AR decoding does: the same
+    tokens, fewer forwards than the fixed widths. Before its own drafts are measured it
+    drafts, so its first block still costs what the fixed widths cost."""
+    cfg = DecodeConfig(
+        slot_size=16,
+        serial_blocks=4,
+        gen_length=64,
+        ar_correction=True,
+        first_token_check=True,
+        token_threshold=0.5,
+        infill_window=8,
+        stop_token_ids=(),
+    )
+    adaptive = generate(tiny, None, [[5, 6, 7, 8]], cfg)[0]
+    fixed = generate(tiny, None, [[5, 6, 7, 8]], cfg, engine_config=EngineConfig(adaptive_drafts=False))[0]
+    assert adaptive.token_ids == fixed.token_ids
+    assert fixed.stats.nfe > 64 and adaptive.stats.ar_blocks > 0
+    assert adaptive.stats.nfe < fixed.stats.nfe

@@ -22,7 +22,7 @@ from ..widths import drafts_keep_output
 
 if TYPE_CHECKING:
     from ..request import Request
-    from ..widths import Acceptance
+    from ..widths import RowAcceptance
     from .infill import Fork
     from .provenance import NoTrace
     from .row import ReFusionRow, ToInfill
@@ -44,7 +44,7 @@ class DraftingRow:
     ends_after_block: bool
     to_infill: ToInfill | None
     width: int
-    acceptance: Acceptance | None
+    acceptance: RowAcceptance | None
     ar_block: bool
     ar_next: int
     slots_per_block: int

@@ -34,7 +34,7 @@ import torch
 from ..request import Request
 from ..rows import Feed
 from ..sampling import token_probs
-from ..widths import Acceptance, drafts_keep_output
+from ..widths import RowAcceptance, drafts_keep_output
 from .drafting import DraftingRow
 from .judge import judge_for
 from .provenance import trace_of
@@ -126,7 +126,7 @@ class ReFusionRow(DraftingRow):
     # draft widths the engine sets each step when they cannot change the output (drafting.py):
     # MASKs the plan drafts per slot (0: the whole slot), and where verify passes are counted
     width: int = 0
-    acceptance: Acceptance | None = None
+    acceptance: RowAcceptance | None = None
     ar_block: bool = False  # the current block is decoded as AR decoding would (drafting.py)
     ar_next: int = 0  # its next offset
     planned: bool = False  # its plan awaits its verification (a joining row plans in a step of its own)
