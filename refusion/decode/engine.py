@@ -11,9 +11,10 @@ each with its own `DecodeConfig`, and call `step()` until nothing is left:
 
 Requests of any mix of settings share a batch. A step is schedule -> execute -> update:
 the scheduler admits waiting requests (`scheduler.py`); the rows of the KV cache run the
-plan forward (ReFusion rows feed MASKs, AR rows take a token), the verification forward
-(AR rows take another token), then infilling for the ReFusion rows that need it, every
-row answering the same phase interface (`rows.Row`); rows of methods that reuse no KV
+plan forward (ReFusion rows feed MASKs, AR rows take a token) in one step, the
+verification forward (AR rows take another token) in the next, then a step per round of
+infilling for the ReFusion rows that need it, every row answering the same phase
+interface (`rows.Row`); rows of methods that reuse no KV
 (MDM) run as their own group, one forward per step over their whole contexts; then each
 request reports what grew. A request added between steps joins at the next step, which
 is the joining rows' plan forward alone (their prompts prefilled; AR rows take a token in
@@ -81,6 +82,7 @@ class Engine:
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
         self.finished_outputs: list[RequestOutput] = []  # aborted requests, reported by the next step
         self.rows_last_step = 0  # rows that took part in the last step (all groups)
+        self._verifying = False  # the last step planned: the next verifies that plan
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ the drivers' side
@@ -184,7 +186,9 @@ class Engine:
         for rid in ids:
             self.requests.pop(rid)
         self.scheduler.drop_running()
+        self.infill.reset()
         self.infill.scratch = None
+        self._verifying = False
         return ids
 
     # ------------------------------------------------------------------ one step
@@ -229,12 +233,12 @@ class Engine:
         return drafted
 
     def _step_cached(self) -> bool | None:
-        """ReFusion's round (docs/algorithm.md#one-step) over the KV cache's rows in two
-        steps: the draft widths chosen, the plan forward and the verification forward (AR
-        rows take a token in each); then, when verification left slots to infill, a step of
-        infilling. A request that arrives waits for a step to end before it joins, so the
-        round's halves each end a step. Returns whether a row drafted (None: a step that
-        rows joined in, `_join`)."""
+        """ReFusion's round (docs/algorithm.md#one-step) over the KV cache's rows, a forward
+        or two per step: the draft widths chosen, the plan forward; the verification
+        forward (AR rows take a token in each); then, when verification left slots to
+        infill, a step per infilling round. A request that arrives waits for a step to end
+        before it joins, so each of them ends a step. Returns whether a row drafted (None:
+        a step that rows joined in, `_join`)."""
         rows, cache = self.scheduler.rows, self.scheduler.cache
         assert cache is not None  # the scheduler gave the rows their cache
         self.widths.choose(rows, cache.lengths, self.fwd.time_shapes, self.config.max_batch_size)
@@ -243,13 +247,17 @@ class Engine:
         if any(joining):
             self._join(joining)
             return None
-        if any(r.infills() for r in rows):  # the last step's verification left slots to infill
-            self._infill()
-        else:
+        if self.infill.running or any(r.infills() for r in rows):  # verification left slots to infill
+            if not self._infill():
+                return drafted  # more rounds to come
+        elif not self._verifying:
             self._plan()
-            if not any(r.verifies for r in rows):  # AR rows alone: one forward, one token a row
-                return drafted
+            # AR rows alone: one forward, one token a row; else the plan's verification is next
+            self._verifying = any(r.verifies for r in rows)
+            return drafted
+        else:
             self._verify()
+            self._verifying = False
         for r in rows:
             r.end_step()
         return drafted
@@ -272,11 +280,18 @@ class Engine:
         that are not done take another token."""
         self._phase([r.verify_feed() for r in self.rows], lambda r, lg, f: r.take_verify(lg, f))
 
-    def _infill(self) -> None:
-        """Step 4 for the ReFusion rows whose selection did not pass whole."""
-        need = [(r, b) for b, r in enumerate(self.rows) if r.infills()]
-        if need and self.cache is not None:
-            self.infill([r for r, _ in need], [b for _, b in need], self.cache)
+    def _infill(self) -> bool:
+        """Step 4 for the ReFusion rows whose selection did not pass whole: a round of it
+        (forked at the first), committed after the last. Returns whether it is committed."""
+        cache = self.cache
+        assert cache is not None  # the scheduler gave the rows their cache
+        if not self.infill.running:
+            need = [(r, b) for b, r in enumerate(self.rows) if r.infills()]
+            self.infill.start([r for r, _ in need], [b for _, b in need], cache)
+        if not self.infill.round():
+            return False
+        self.infill.commit(cache, self.rows)
+        return True
 
     def _phase(self, feeds: list[Feed | None], take: Callable[[Row, torch.Tensor, Feed], int]) -> None:
         """One forward of the KV cache over every row's feed (a row with none takes no

@@ -181,14 +181,16 @@ class Request:
         spans: Sequence[tuple[int, list[int]]],
         how: Sequence[list[str]] | None = None,
         exact: Sequence[bool] | None = None,
+        record: bool = True,
     ) -> None:
         """Tokens enter the committed sequence at generation offsets (start, tokens).
         `how` and `exact` (read only when tracing) say how each token was accepted and
         whether each span's left context was final; by default every token was accepted
-        by `path` itself in its exact context (AR, MDM)."""
+        by `path` itself in its exact context (AR, MDM). record=False: a token final
+        before its slot commits it again, which the trace records then, once."""
         for start, toks in spans:
             self.filled[start : start + len(toks)] = toks
-        if self.trace is not None:
+        if self.trace is not None and record:
             self._record(
                 path,
                 spans,

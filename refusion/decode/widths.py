@@ -278,8 +278,8 @@ def choose(
     # and they leave out the infilling forks' own work (their copies, their bookkeeping)
     if rates[best] <= margin * rates[(slot, window)]:
         best = (slot, window)
-    everyone = rows + other_rows  # an AR block's step: two forwards, two tokens a row
-    ar = 2 * everyone / max(2 * cost(rows + other_fed, everyone) + overheads[1], 1e-12)
+    everyone = rows + other_rows  # an AR block's two steps: a forward each, a token a row in each
+    ar = 2 * everyone / max(2 * (cost(rows + other_fed, everyone) + overheads[1]), 1e-12)
     return best if rates[best] > margin * ar else (0, 0)
 
 
@@ -298,8 +298,8 @@ def block_rate(
     global verification each feed p tokens a row; their first token is the AR prediction
     (first-token check), then the drafts pass as measured and the first failure is
     corrected; infilling rounds commit the same way from w drafts (window 0: one token, one
-    forward, as AR decoding). The block is one step, and a second when it infills (`Engine`),
-    each costing `overhead` seconds besides."""
+    forward, as AR decoding). The plan and the verification are a step each, and every
+    infilling round one more (`Engine`), each costing `overhead` seconds besides."""
     everyone = rows + other_rows
     seconds = 2 * cost(rows * p + other_fed, everyone)
     rounds = infill_rounds(slot, p, w, acceptance)
@@ -308,7 +308,7 @@ def block_rate(
     # forks' copies the estimate also leaves out, turned half the blocks at a batch of 16 to
     # drafting, which measured slower than AR blocks there
     infill = cost(rows, rows) if w == 0 else cost(rows * (1 + w), rows) + cost(rows * w, rows)
-    seconds += rounds * infill + overhead * (1 + (rounds > 0))  # a step, and one more to infill
+    seconds += rounds * infill + overhead * (2 + rounds)  # the plan's step, verification's, a round's
     return (rows * slot + 2 * other_rows) / max(seconds, 1e-12)
 
 

@@ -285,6 +285,28 @@ def test_generate_on_an_ar_checkpoint_names_method_ar_before_loading_weights(
     assert main(["generate", str(base), "hello", "--method", "ar", "--gen-length", "4"]) == 0
 
 
+@pytest.mark.parametrize(
+    "verb",
+    [["chat"], ["serve", "--port", "0"], ["eval", "--task", "suite", "--limit", "1"]],
+    ids=["chat", "serve", "eval"],
+)
+def test_every_verb_that_decodes_names_method_ar_before_loading_weights(
+    make_hf_dir, monkeypatch, capsys, verb
+):
+    """chat, serve and eval refuse a ReFusion method on an AR checkpoint as generate does
+    (`check_mask_before_load`): before any weight is read."""
+    base = make_hf_dir("qwen3")
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr("refusion.io.load", no_weights)
+    monkeypatch.setattr("refusion.io.loading.load", no_weights)
+    assert main([verb[0], str(base), *verb[1:]]) == 2
+    err = capsys.readouterr().err
+    assert "has no MASK token" in err and "--method ar" in err and "Traceback" not in err
+
+
 def test_gguf_without_its_package_names_the_extra(tmp_path, monkeypatch, capsys):
     import importlib.util
 

@@ -81,7 +81,7 @@ class RecomputingEngine(Engine):
     checks = 0
 
     def _step_cached(self):
-        super()._step_cached()
+        drafted = super()._step_cached()
         for b, row in enumerate(self.rows):
             n = self.cache.lengths[b]
             toks, pos = self.cache.tokens[b, :n], self.cache.positions[b, :n]
@@ -98,6 +98,7 @@ class RecomputingEngine(Engine):
                     self.cache.v[layer][b, :, :n], ref.v[layer][0, :, :n], rtol=1e-4, atol=1e-5
                 )
             RecomputingEngine.checks += 1
+        return drafted
 
 
 def lossless(c: dict, s: int = 4, blocks: int = 6) -> DecodeConfig:

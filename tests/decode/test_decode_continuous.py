@@ -92,6 +92,40 @@ def test_requests_added_while_others_run_join_at_the_next_step(tiny, method):
     assert outs["3"].stats.nfe == alone[3].stats.nfe
 
 
+def test_a_step_is_one_forward_or_one_infilling_round_and_requests_join_between_them(tiny):
+    """A request that arrives waits for the step in progress: the plan, the verification
+    and every infilling round are each a step of their own (two forwards at most), so
+    requests join between an infilling's rounds and between a plan and its verification;
+    a row aborted in the middle of its infilling commits nothing, and every other output
+    equals its request decoded alone."""
+    cfg = golden_config(CASES[0], method="refusion")  # the paper's rule: infills often
+    prompts = [CASES[i]["prompt_ids"] for i in (0, 5, 9, 2, 7)]
+    engine = Engine(tiny, None, EngineConfig(max_batch_size=4))
+    engine.add_request(prompts[0], cfg, request_id="0")
+    forwards, seen = [], {"mid_infill": 0, "aborted": None}
+    added = iter(range(1, len(prompts)))
+
+    def between(k: int) -> None:
+        forwards.append(engine.forwards)
+        if engine.infill.running:
+            seen["mid_infill"] += 1
+            if seen["aborted"] is None and k > 2:  # a row of the infilling in progress goes
+                seen["aborted"] = engine.infill.rows[0].req.id
+                assert engine.abort(seen["aborted"])
+        if k % 3 == 1:
+            i = next(added, None)
+            if i is not None:
+                engine.add_request(prompts[i], cfg, request_id=str(i))
+
+    outs = run(engine, between)
+    assert max(b - a for a, b in zip(forwards, forwards[1:])) <= 2
+    assert seen["mid_infill"] > 3 and seen["aborted"] is not None
+    assert outs[seen["aborted"]].finish_reason == "cancelled"
+    for i, p in enumerate(prompts):
+        if str(i) != seen["aborted"]:
+            assert outs[str(i)].token_ids == generate(tiny, None, [p], cfg)[0].token_ids
+
+
 LOSSLESS = dict(ar_correction=True, first_token_check=True, token_threshold=0.5)
 
 
@@ -124,6 +158,24 @@ def test_a_joining_request_streams_its_first_token_after_one_forward(tiny, metho
     alone = [generate(tiny, None, [p], cfg)[0] for p in (first, later)]
     assert [done[str(i)].token_ids for i in range(2)] == [o.token_ids for o in alone]
     assert joined["1"].token_ids == alone[1].token_ids[:1]
+
+
+def test_a_traced_request_streams_its_first_token_early_and_traces_it_once(tiny):
+    """A traced lossless row reports its first token after the forward it joins in, as an
+    untraced one does; its trace records that token once, when its slot commits it, and
+    the trace's commits hold exactly the output."""
+    cfg = golden_config(CASES[0], method="refusion", serial_blocks=8, **LOSSLESS)
+    engine = Engine(tiny, None, EngineConfig(max_batch_size=1))
+    engine.add_request(CASES[5]["prompt_ids"], cfg, request_id="0", trace=True)
+    with torch.inference_mode():
+        first = engine.step()
+    assert len(first[0].token_ids) == 1 and not first[0].trace
+    out = run(engine)["0"]
+    assert out.token_ids[:1] == first[0].token_ids
+    assert out.token_ids == generate(tiny, None, [CASES[5]["prompt_ids"]], cfg)[0].token_ids
+    offsets = [s + i for e in out.trace for (s, n) in e.spans for i in range(n)]
+    assert sorted(offsets) == list(range(len(offsets))) and len(offsets) >= len(out.token_ids)
+    assert offsets.count(0) == 1
 
 
 def test_a_lossy_row_commits_nothing_before_its_verification(tiny):

@@ -106,8 +106,9 @@ class CheckingEngine(Engine):
 
     def _infill(self):
         before = self.cache.select(range(self.cache.batch_size))
-        super()._infill()
+        committed = super()._infill()  # a round; the rows' cache changes only at the commit
         self._check_new_entries(before, "infill")
+        return committed
 
 
 def test_kv_reuse_equals_direct_computation(tiny):
@@ -154,9 +155,10 @@ def test_committed_cache_holds_output_in_generation_order(tiny):
 
     class Spy(Engine):
         def _infill(self):
-            super()._infill()
+            committed = super()._infill()
             n = self.cache.lengths[0]
             seen.append((self.cache.tokens[0, :n].clone(), self.cache.positions[0, :n].clone()))
+            return committed
 
     decode_alone(Spy(tiny), c, golden_config(c))
     toks, pos = seen[-1]

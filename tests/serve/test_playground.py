@@ -227,9 +227,11 @@ def test_slot_events_are_the_decoders_trace_of_the_steps(server, bundled):
     assert stepped.lossless is None and (final["lossless"], final["temperature"]) == (None, 0.0)
     # several slots per block: the draft widths stay the settings' (a whole slot planned each step)
     assert (final["adaptive_widths"], final["plan_width"]) == (False, 8.0)
-    # sent step by step, as the decoder went: each chunk holds one step's events, in order
+    # sent step by step, as the decoder went: each chunk holds one step's events, in order (a
+    # step of infilling that commits nothing yet records none)
     steps = [{e["step"] for e in s["events"]} for s in slots]
-    assert all(len(st) == 1 for st in steps) and [min(st) for st in steps] == list(range(len(slots)))
+    firsts = [min(st) for st in steps]
+    assert all(len(st) == 1 for st in steps) and firsts == sorted(set(firsts)) and firsts[0] == 0
     assert [s["nfe"] for s in slots] == sorted(s["nfe"] for s in slots)
 
 

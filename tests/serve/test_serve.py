@@ -629,7 +629,7 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on(loaded):
             if Flaky.fail_next:
                 Flaky.fail_next = False
                 raise RuntimeError("boom")
-            super()._step_cached()
+            return super()._step_cached()
 
     with live(loaded, engine=Flaky(loaded)) as s:
         with pytest.raises(openai.InternalServerError):

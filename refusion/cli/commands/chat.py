@@ -19,6 +19,7 @@ from ...settings.decode import DecodeConfig
 from ..flags import (
     add_decode_arguments,
     add_model_arguments,
+    check_mask_before_load,
     decode_config_from_args,
     engine_config_from_args,
     load_from_args,
@@ -64,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
     args.model = args.model or args.model_pos
     decode_config_from_args(args)  # bad flags fail before the model loads
+    check_mask_before_load(args)
     model, tokenizer = load_from_args(args)
     cfg = decode_config_from_args(args, model=model)
     engine = engine_for(model, tokenizer, engine_config_from_args(args))

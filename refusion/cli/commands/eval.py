@@ -19,6 +19,7 @@ from ..flags import (
     add_decode_arguments,
     add_nonfinite_argument,
     add_quantize_argument,
+    check_mask_before_load,
     decode_config_from_args,
     engine_config_from_args,
 )
@@ -193,6 +194,7 @@ def _evaluate_model(args: argparse.Namespace, bench, common: dict) -> dict:
 
     args.preset = args.preset or bench.preset
     decode_config_from_args(args)  # bad flags fail before the model loads
+    check_mask_before_load(args)
     engine_cfg = engine_config_from_args(args)
     model, tokenizer = load(
         args.model,

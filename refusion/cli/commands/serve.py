@@ -13,6 +13,7 @@ from ..flags import (
     add_decode_arguments,
     add_model_arguments,
     add_server_limit_arguments,
+    check_mask_before_load,
     decode_config_from_args,
     engine_config_from_args,
     load_from_args,
@@ -109,6 +110,7 @@ def _check_flags(args: argparse.Namespace) -> None:
     decode_config_from_args(args)
     engine_config_from_args(args)
     server_limits_from_args(args)
+    check_mask_before_load(args)  # a method the checkpoint cannot decode, before its weights load
 
 
 def run_replicas(args: argparse.Namespace) -> int:

@@ -56,15 +56,26 @@ class Infill:
     """Step 4, parallel autoregressive infilling, for every row that needs it: one forked
     cache row per selected slot, draft then verify until every slot is complete; then each
     slot's own KV entries are appended to its owner's row (KV reuse, no recomputation).
-    The fork cache is scratch storage kept from step to step."""
+
+    It runs a round at a time (`round`: the engine's step is one round, so that a request
+    that arrives waits for one round and not for every round of the infilling): the forks
+    and their cache are kept from round to round, the rows' main cache rows untouched
+    until the commit. The fork cache is scratch storage kept from step to step."""
 
     def __init__(self, fwd: Forward) -> None:
         self.fwd = fwd
         self.scratch: KVCache | None = None
+        self.forks: list[Fork] = []  # the infilling in progress (none: every row's is committed)
+        self.rows: list[Any] = []  # its rows, in the order `start` took them
+        self._first: list[bool] | None = None  # its first round verifies these forks' plan drafts
 
-    def __call__(self, rows: Sequence[Any], index: list[int], cache: KVCache) -> None:
-        """`rows` need infilling (ReFusion rows, the only ones whose `infills()` holds);
-        `index[i]` is rows[i]'s row in `cache`."""
+    @property
+    def running(self) -> bool:
+        """Whether an infilling is in progress (its forks await more rounds or their commit)."""
+        return bool(self.forks)
+
+    def start(self, rows: Sequence[Any], index: list[int], cache: KVCache) -> None:
+        """Fork each selected slot of `rows` (`index[i]`: rows[i]'s row in `cache`)."""
         forks: list[Fork] = []
         src_rows: list[int] = []
         for row, b in zip(rows, index):
@@ -77,16 +88,44 @@ class Infill:
             src_rows += [b] * len(slots)
         widest = max(r.s for r in rows)
         # rows grow by < s, feeds are <= s; the scratch storage of the last step is reused
-        fcache = self.scratch = cache.select(src_rows, capacity=cache.used() + 2 * widest, out=self.scratch)
+        self.scratch = cache.select(src_rows, capacity=cache.used() + 2 * widest, out=self.scratch)
+        self.forks, self.rows = forks, list(rows)
         first = [plan_drafts_first(f) for f in forks]
-        if any(first):
-            self._verify(forks, fcache, only=first)
-        while any(not f.complete for f in forks):
+        self._first = first if any(first) else None
+
+    def round(self) -> bool:
+        """One round of the infilling in progress: its first, a verify pass over the plan's
+        own drafts where the row allows it (`plan_drafts_first`), or a draft pass and a
+        verify pass. Returns whether every slot is complete (then `commit`)."""
+        forks, fcache = self.forks, self.scratch
+        assert fcache is not None  # `start` forked the cache
+        for f in forks:  # a row aborted since: its forks feed nothing more
+            if f.row.done:
+                f.dropped = f.complete = True
+        if self._first is not None:
+            self._verify(forks, fcache, only=self._first)
+            self._first = None
+        elif any(not f.complete for f in forks):
             self._draft(forks, fcache)
             self._verify(forks, fcache)
-        self._commit(forks, fcache, cache, src_rows)
-        for row in rows:  # done: the next step plans (the engine infills in a step of its own)
+        return all(f.complete for f in forks)
+
+    def commit(self, cache: KVCache, rows: Sequence[Any]) -> None:
+        """Commit the infilling in progress to `cache`, whose rows are now `rows` (the
+        batch may have changed since `start`: rows joined, finished, moved); a row aborted
+        meanwhile (`done`) commits nothing."""
+        at = {id(r): b for b, r in enumerate(rows)}
+        live = [i for i, f in enumerate(self.forks) if not f.row.done]
+        forks = [self.forks[i] for i in live]
+        assert self.scratch is not None  # `start` forked the cache
+        self._commit(forks, live, self.scratch, cache, [at[id(f.row)] for f in forks])
+        for row in self.rows:  # done: the next step plans
             row.to_infill = None
+        self.reset()
+
+    def reset(self) -> None:
+        """No infilling in progress (its forks dropped: committed, or a batch dropped)."""
+        self.forks, self.rows, self._first = [], [], None
 
     @staticmethod
     def _feed(f: Fork, tail: list[int]) -> tuple[list[int], list[int]]:
@@ -214,9 +253,10 @@ class Infill:
                 g.dropped = g.complete = True
 
     @staticmethod
-    def _commit(forks: list[Fork], fcache: KVCache, cache: KVCache, owner: list[int]) -> None:
+    def _commit(forks: list[Fork], src: list[int], fcache: KVCache, cache: KVCache, owner: list[int]) -> None:
         """Each row's complete slots that its rule commits (`split`; it holds the others)
-        get their fork's entries appended, in position order."""
+        get their fork's entries appended, in position order. forks[i] is row src[i] of
+        `fcache`, its owner row owner[i] of `cache`."""
         by_row: dict[int, list[tuple[int, Fork]]] = {}
         for i, f in enumerate(forks):  # position order within each row
             if not f.dropped:
@@ -229,7 +269,7 @@ class Infill:
         live = [pair for fs in done for pair in fs]
         cache.append_from(
             fcache,
-            src_rows=[i for i, _ in live],
+            src_rows=[src[i] for i, _ in live],
             src_starts=[f.base for _, f in live],
             counts=[f.length for _, f in live],
             dst_rows=[owner[i] for i, _ in live],

@@ -198,10 +198,15 @@ class ReFusionRow(DraftingRow):
         draft that passed against it: speculative sampling when sampled): it is committed
         now, so that it streams after the forward that prefilled the prompt (`Engine`:
         the step a request joins in is that forward), and its slot commits it again with
-        the rest. Not for a traced request, whose trace records each commit once."""
+        the rest; a trace records it then, once, with its slot (so a traced request whose
+        first token ends it, which no slot would commit again, waits for its slot)."""
         first = self.block == 0 and self.selected[:1] == [0] and self.undecoded[:1] == [0]
-        if first and 0 in checked and drafts_keep_output(self.req.cfg) and not self.req.tracing:
-            self.req.commit("fast", [(0, [int(self.plan.drafts[0, 0])])])
+        if not (first and 0 in checked and drafts_keep_output(self.req.cfg)):
+            return
+        tok = int(self.plan.drafts[0, 0])
+        if self.req.tracing and (tok in self.req.eos_ids or self.req.cfg.gen_length == 1):
+            return
+        self.req.commit("fast", [(0, [tok])], record=False)
 
     def _draft(self, logits: torch.Tensor) -> Plan:
         """Each masked position's draft and its probability; a narrower plan's undrafted

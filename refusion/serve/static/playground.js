@@ -60,10 +60,9 @@
     const s = state.settings;
     $('model').textContent = 'model: ' + s.model;
     showMarkup($('about'), s.about || '');
-    $('widths').textContent = s.draft_widths.adaptive
-      ? 'Draft widths: adaptive (the engine\u2019s adaptive_drafts is on). ' + s.draft_widths.help + '.'
-      : 'Draft widths: fixed (the server runs with adaptive drafts off): each request drafts at its ' +
-        'slot_size and infill_window.';
+    // the widths in force, in the server's words (its startup line says the same)
+    $('widths').textContent = 'Draft widths: ' + s.draft_widths.in_force + '.' +
+      (s.draft_widths.adaptive ? ' ' + s.draft_widths.help + '.' : '');
     buildForm(s.fields, s.defaults);
     buildPresets(s.presets);
     buildExamples($('examples'), s.examples, (p) => { $('prompt').value = p; $('prompt').focus(); });
