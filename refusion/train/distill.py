@@ -24,9 +24,9 @@ from typing import Any
 from ..decode.admit import Admission, PreparedRequest
 from ..decode.api import generate
 from ..errors import ContextLengthError, DataError
-from ..files import open_regular
 from ..model.prompts import chat_text, tokenize
 from ..settings.decode import DecodeConfig, EngineConfig
+from .dataset import DataStats, iter_records
 
 
 @dataclass(frozen=True)
@@ -62,17 +62,8 @@ class DistillStats:
 def file_prompts(path: str | Path) -> list[Prompt]:
     """The prompts of a training-format file: each record's query, or its first user message."""
     name = Path(path).name
-    with open_regular(path, DataError, "give a JSON or JSONL file of the training format") as f:
-        text = f.read().decode("utf-8", errors="replace")
-    try:
-        if text.lstrip().startswith("["):
-            records = json.loads(text)
-        else:
-            records = [json.loads(x) for x in text.splitlines() if x.strip()]
-    except ValueError as e:
-        raise DataError(f"{path}: not JSON or JSONL ({e})") from None
     out = []
-    for r in records if isinstance(records, list) else []:
+    for _, r in iter_records(path, DataStats(str(path))):  # the trainer's reader: JSON list or JSONL
         query = r.get("query") if isinstance(r, dict) else None
         if query is None and isinstance(r, dict) and isinstance(r.get("messages"), list):
             users = [
