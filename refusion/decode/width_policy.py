@@ -17,6 +17,12 @@ from ..settings.decode import DecodeConfig
 from .widths import Drafting, choose, widths_keep_output
 
 
+def own_tpf(row: Any) -> float | None:
+    """A row's tokens per forward so far, once it has decoded a block (None before)."""
+    req = row.req
+    return req.prefix_len / req.stats.nfe if row.block > 0 and req.stats.nfe else None
+
+
 class WidthPolicy:
     """Chooses the plan width and infilling window of the rows at the start of a block,
     from the forward cost and draft acceptance measured on this model (`Drafting`), and
@@ -48,6 +54,8 @@ class WidthPolicy:
         choose: it runs to the block's end, a token in each plan and verification forward,
         and waits through the drafting rows' infilling, so it is priced as such a rider.
         `lengths[b]`: entries in row b's cache; `batch`: the engine's max_batch_size."""
+        if len(rows) == 1:
+            self._lone_infilling(rows[0])
         groups: dict[tuple[int, int], list[Any]] = {}
         cached: dict[int, int] = {}  # id(row) -> entries in its cache row
         for b, r in enumerate(rows):
@@ -64,6 +72,18 @@ class WidthPolicy:
         for (s, window), group in groups.items():
             self._choose_group(rows, group, s, window, cached)
 
+    def _lone_infilling(self, row: Any) -> None:
+        """A row alone and infilling whose own infilling drafts pass too rarely to pay for the
+        forward that drafts them (fewer than one of a window, by its own count) infills the
+        rest of its block a token per forward, as AR decoding does: its window goes to 0 until
+        the next block's widths are chosen. Its tokens stay the same (`widths_keep_output`)."""
+        acceptance = getattr(row, "acceptance", None)
+        if acceptance is None or not row.infills() or not row.rule.window:
+            return
+        own = acceptance.own.infill
+        if own.reached and own.expected(row.rule.window)[0] < 1:
+            row.rule.window = 0
+
     def _choose_group(self, rows: Sequence[Any], group: list[Any], s: int, window: int, cached: dict) -> None:
         member = {id(r) for r in group}
         rest = [r for r in rows if id(r) not in member]
@@ -73,8 +93,10 @@ class WidthPolicy:
         at = functools.partial(self.drafting.cost, context=context)
         d = self.drafting
         overheads = (d.overhead.seconds(len(rows)), d.ar_overhead.seconds(len(rows)))
-        own = group[0].acceptance.own if len(group) == 1 and not rest else None
-        p, w = choose(len(group), len(rest), fed, s, window, d.acceptance, at, overheads=overheads, own=own)
+        own = own_tpf(group[0]) if len(group) == 1 and not rest else None
+        p, w = choose(
+            len(group), len(rest), fed, s, window, d.acceptance, at, overheads=overheads, own_tpf=own
+        )
         for r in group:
             if p == 0 and r.can_start_ar_block():
                 r.start_ar_block()  # counted in its request's stats (ar_blocks), as drafting steps are

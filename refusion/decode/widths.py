@@ -197,11 +197,6 @@ class Acceptance:
     def __init__(self) -> None:
         self.plan, self.infill = Survival(), Survival()
 
-    @property
-    def measured(self) -> bool:
-        """Whether a run of each kind was verified."""
-        return bool(self.plan.reached and self.infill.reached)
-
 
 class _Both:
     """A survival count that adds each run to the model's and to one row's own."""
@@ -217,7 +212,8 @@ class _Both:
 class RowAcceptance:
     """What a row adds its verified runs to: the model's acceptance, pooled over every
     request (what the widths of a batch are chosen from), and its own (`own`: what a row
-    alone is judged by, since a pool that other prompts filled says little of this one)."""
+    alone judges its infilling window by, since a pool that other prompts filled says
+    little of this one)."""
 
     def __init__(self, pooled: Acceptance) -> None:
         self.own = Acceptance()
@@ -242,7 +238,7 @@ def choose(
     cost: Callable[[int, int], float],
     margin: float = 1.1,
     overheads: tuple[float, float] = (0.0, 0.0),
-    own: Acceptance | None = None,
+    own_tpf: float | None = None,
 ) -> tuple[int, int]:
     """(plan width, infilling window) for `rows` rows of one slot of `slot` tokens per block
     (window: the most their settings allow) that commit the most tokens per second of a
@@ -253,18 +249,18 @@ def choose(
     `margin` times the rate of AR blocks. `overheads`: seconds the step costs outside its
     forwards (`StepOverhead`, at this batch's rows) when rows draft, and in AR blocks.
 
-    A row alone in the batch keeps its settings' widths, unless its own drafts (`own`, once
-    it has verified some) pass so rarely that drafting takes more forwards than AR decoding
-    (`block_tpf` under 1: a model converted and not yet trained for ReFusion): it then
-    decodes its blocks as AR does. The estimate picks its settings' widths there when
+    A row alone in the batch keeps its settings' widths, unless its own tokens per forward
+    so far (`own_tpf`, once it has decoded a block) fall short of `margin` times AR
+    decoding's one: drafting then costs it more forwards than AR decoding would (a model
+    converted and not yet trained for ReFusion), and it decodes its next blocks as AR
+    does. The estimate picks its settings' widths there when
     its inputs are that row's own (`refusion bench decode` feeds as many tokens per
     committed one at a batch of 1 adaptive as fixed), but it prices a row from acceptance
     pooled over every request the model decoded and from step overheads fitted mostly at
     other batch sizes: after a load of many clients, a server's lone client was narrowed
     and took twice the forwards of the fixed widths."""
-    if rows + other_rows == 1:  # no more forwards than AR decoding, by the row's own drafts
-        keep = own is None or not own.measured or block_tpf(slot, slot, window, own) >= 1
-        return (slot, window) if keep else (0, 0)
+    if rows + other_rows == 1:  # no more forwards than AR decoding, by the row's own count
+        return (slot, window) if own_tpf is None or own_tpf >= margin else (0, 0)
     rates = {}
     windows = [*candidates(window), 0] if window else [0]
     for p in candidates(slot):
@@ -321,14 +317,6 @@ def infill_rounds(slot: int, p: int, w: int, acceptance: Acceptance) -> float:
     first = min(slot, 1 + passed + (1 - whole))
     passed, whole = acceptance.infill.expected(w)
     return max(slot - first, 0.0) / (passed + 1)
-
-
-def block_tpf(slot: int, p: int, w: int, acceptance: Acceptance) -> float:
-    """Expected tokens per forward of one row's block at plan width p and window w: the
-    plan and the global verification are two forwards, an infilling round two (one at
-    window 0), as `block_rate` counts them. AR decoding's is 1."""
-    rounds = infill_rounds(slot, p, w, acceptance)
-    return slot / (2 + rounds * (2 if w else 1))
 
 
 class StepOverhead:
