@@ -247,13 +247,22 @@ def test_sigterm_on_the_front_drains_the_replicas_and_ends_them():
 
 
 def test_a_replica_that_cannot_start_ends_the_front_with_its_error(tmp_path):
+    """A checkpoint whose config and tokenizer read (the front checks them before any
+    replica starts) but whose weights do not: each replica fails as it loads them."""
+    import shutil
+
+    from refusion.io import BUNDLED_ROOT
+
+    broken = tmp_path / "broken"
+    shutil.copytree(BUNDLED_ROOT / "refusion-tiny", broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     out = subprocess.run(
         [
             sys.executable,
             "-m",
             "refusion.cli",
             "serve",
-            str(tmp_path / "none"),
+            str(broken),
             "--data-parallel-size",
             "2",
             "--port",
@@ -265,7 +274,7 @@ def test_a_replica_that_cannot_start_ends_the_front_with_its_error(tmp_path):
     )
     assert out.returncode == 2
     assert "replica" in out.stderr and "before it was ready" in out.stderr
-    assert str(tmp_path / "none") in out.stderr  # the replica's own error, above the front's
+    assert str(broken / "model.safetensors") in out.stderr  # the replica's own error, above the front's
 
 
 def test_a_taken_port_fails_before_any_replica_starts():

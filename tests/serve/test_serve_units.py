@@ -157,6 +157,7 @@ def test_request_fields_are_derived_from_decode_config():
         "left_check",
         "presence_penalty",
         "frequency_penalty",
+        "repetition_penalty",
     }
     for body, param in [
         ({"slot_size": 5000}, "slot_size"),
