@@ -207,8 +207,3 @@ class Constraint:
             self.prefix.append(token)
             if self.broken is None and token not in self.eos and not self.matcher.consume_token(token):
                 self.broken = f"the token at offset {o} leaves the grammar"
-
-    @property
-    def complete(self) -> bool:
-        """Whether the prefix so far is a whole sentence of the grammar."""
-        return self.broken is None and self.matcher.is_accepting()

@@ -31,12 +31,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..settings.decode import DecodeConfig
-from .grammar import Constraint
+from .grammar import Constraint, Context
 
 if TYPE_CHECKING:
     from .request import Request
-
-Context = list  # per logits row: the generated tokens before the position it predicts (None: unknown)
 
 
 @dataclass

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import refusion
-from refusion.decode import DecodeConfig, EngineConfig, generate
+from refusion.decode import EngineConfig, generate
 from refusion.decode.forward import shared_prefills
 from refusion.settings.recommended import recommended_of
 
@@ -61,4 +61,3 @@ def test_only_fresh_rows_feeding_alike_share():
     # row 2 has a cache already, row 3 feeds other tokens, row 4 wants other logits
     assert shared_prefills(tokens, positions, want, Cache()) == {1: 0}
     assert shared_prefills(tokens, positions, want, None) == {}
-    assert DecodeConfig().method  # (the module's config import is used)
