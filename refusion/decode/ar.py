@@ -33,6 +33,12 @@ class ARRow:
     def take_plan(self, logits: torch.Tensor, feed: Feed) -> int:
         return self.take(logits)
 
+    def join_feed(self, running: bool) -> Feed:
+        return self.feed()
+
+    def take_join(self, logits: torch.Tensor, feed: Feed) -> int:
+        return self.take(logits)
+
     def verify_feed(self) -> Feed | None:
         return None if self.done else self.feed()
 

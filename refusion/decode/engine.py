@@ -17,8 +17,9 @@ infilling for the ReFusion rows that need it, every row answering the same phase
 interface (`rows.Row`); rows of methods that reuse no KV
 (MDM) run as their own group, one forward per step over their whole contexts; then each
 request reports what grew. A request added between steps joins at the next step, which
-is the joining rows' plan forward alone (their prompts prefilled; AR rows take a token in
-it), so that a lossless row's first token streams after it; a finished or aborted row frees its
+is the joining rows' first forward alone (their prompts prefilled, a ReFusion row's with its
+plan unless it joins running rows greedily and losslessly; AR rows take a token in it), so
+that a lossless row's first token streams after it; a finished or aborted row frees its
 place at once.
 """
 
@@ -268,12 +269,19 @@ class Engine:
         self._phase([r.plan_feed() for r in self.rows], lambda r, lg, f: r.take_plan(lg, f))
 
     def _join(self, joining: list[bool]) -> None:
-        """Rows joined: this step is their plan forward alone (their prompts prefilled), with
-        the AR rows taking a token in it, so that their first tokens stream after one short
-        forward and not after a whole drafting step of the rows running (docs/algorithm.md#
-        joining). A ReFusion row verifies its plan in the next step, beside the others'."""
-        feeds = [r.plan_feed() if j or not r.verifies else None for r, j in zip(self.rows, joining)]
-        self._phase(feeds, lambda r, lg, f: r.take_plan(lg, f))
+        """Rows joined: this step is their first forward alone (their prompts prefilled; a
+        ReFusion row's plan MASKs with it, unless it joins running rows with its first token
+        final at its prompt's end), with the AR rows taking a token in it, so that their
+        first tokens stream after one short forward and not after a whole drafting step of
+        the rows running (docs/algorithm.md#joining). A ReFusion row that planned verifies
+        in the next step, beside the others'."""
+        running = not all(joining)
+        feeds = [
+            r.join_feed(running) if j else (None if r.verifies else r.plan_feed())
+            for r, j in zip(self.rows, joining)
+        ]
+        joined = {id(r) for r, j in zip(self.rows, joining) if j}
+        self._phase(feeds, lambda r, lg, f: r.take_join(lg, f) if id(r) in joined else r.take_plan(lg, f))
 
     def _verify(self) -> None:
         """Step 3: global verification of the selected drafts, fast-path commits; AR rows

@@ -52,6 +52,15 @@ class Row(Protocol):
         """Its logits (n, V) of that forward; returns the entries of its feed kept."""
         ...
 
+    def join_feed(self, running: bool) -> Feed | None:
+        """What it feeds the step it joins in (`Engine._join`; `running`: rows that joined
+        before it are in the batch): its prompt, with what its first forward takes."""
+        ...
+
+    def take_join(self, logits: torch.Tensor, feed: Feed) -> int:
+        """Its logits (n, V) of that forward; returns the entries of its feed kept."""
+        ...
+
     def verify_feed(self) -> Feed | None:
         """What it feeds the step's second forward (None: nothing)."""
         ...

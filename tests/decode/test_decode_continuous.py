@@ -160,6 +160,42 @@ def test_a_joining_request_streams_its_first_token_after_one_forward(tiny, metho
     assert joined["1"].token_ids == alone[1].token_ids[:1]
 
 
+@pytest.mark.parametrize(
+    "layout", [dict(serial_blocks=8), dict(serial_blocks=2, left_check=True)], ids=["one slot", "left check"]
+)
+def test_a_greedy_lossless_row_joining_running_rows_feeds_its_prompt_alone(tiny, layout):
+    """A greedy lossless row that joins rows already running feeds its prompt alone in the
+    step it joins in (no plan MASKs: a join as short as an AR row's), commits its first
+    token from the prediction at the prompt's end and plans at the batch's next plan; a
+    row that has not planned yet is left out of the verification. With requests added
+    while the others await their verification and mid-infilling (one traced), every output
+    equals its request decoded alone; the first request, alone, plans in its first forward."""
+    cfg = golden_config(CASES[0], method="refusion", **LOSSLESS, **layout)
+    assert cfg.lossless_now and cfg.greedy
+    prompts = [CASES[i]["prompt_ids"] for i in (0, 5, 9, 2, 7, 11, 3)]
+    engine = Engine(tiny, None, EngineConfig(max_batch_size=len(prompts)))
+    engine.add_request(prompts[0], cfg, request_id="0")
+    fed_at_join: dict[str, int] = {}
+    at = dict(zip([2, 4, 5, 7, 10, 11], range(1, len(prompts))))  # step -> the request added before it
+    phases = []
+
+    def between(k: int) -> None:
+        for row in engine.rows:  # rows that joined in the last step: what they fed there
+            if row.req.id not in fed_at_join:
+                fed_at_join[row.req.id] = row.req.stats.fed
+        if k in at:
+            phases.append("verify" if engine._verifying else "infill" if engine.infill.running else "plan")
+            engine.add_request(prompts[at[k]], cfg, request_id=str(at[k]), trace=at[k] == 3)
+
+    outs = run(engine, between)
+    assert {"verify", "infill"} <= set(phases)
+    assert fed_at_join["0"] > len(prompts[0])  # alone: its prompt and its plan's MASKs
+    for i, p in enumerate(prompts):
+        assert outs[str(i)].token_ids == generate(tiny, None, [p], cfg)[0].token_ids
+        if i:
+            assert fed_at_join[str(i)] == len(p)
+
+
 def test_a_traced_request_streams_its_first_token_early_and_traces_it_once(tiny):
     """A traced lossless row reports its first token after the forward it joins in, as an
     untraced one does; its trace records that token once, when its slot commits it, and

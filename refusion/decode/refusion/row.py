@@ -130,6 +130,7 @@ class ReFusionRow(DraftingRow):
     ar_block: bool = False  # the current block is decoded as AR decoding would (drafting.py)
     ar_next: int = 0  # its next offset
     planned: bool = False  # its plan awaits its verification (a joining row plans in a step of its own)
+    prefilling: bool = False  # it joins by feeding its prompt alone (`join_feed`)
 
     stops_early = True  # finished once its output is final (EOS or gen_length), whatever slots are left
     verifies = True  # every step runs its global verification forward
@@ -192,6 +193,38 @@ class ReFusionRow(DraftingRow):
     def joining(self) -> bool:
         return not self.pending_at and bool(self.pending)  # its prompt, not yet fed
 
+    # ------------------------------------------------------------------ joining a running batch
+    def join_feed(self, running: bool) -> Feed | None:
+        """What it feeds the step it joins in: its plan, or, when it joins rows already
+        running and its first token is final at the prompt's end (`prefills_alone`), its
+        prompt alone, a forward as short as an AR row's join, so that its first token
+        streams as soon as AR's would; its first plan is then the batch's next
+        (docs/algorithm.md#joining)."""
+        if not (running and self.prefills_alone):
+            return self.plan_feed()
+        self.prefilling = True
+        n = len(self.pending)
+        return Feed(self.pending, list(range(n)), (n - 1, n))
+
+    @property
+    def prefills_alone(self) -> bool:
+        """Greedy and lossless, outside an AR block: the AR argmax at the prompt's last token
+        is its first token, whatever the plan drafts (the first-token check makes it so)."""
+        cfg = self.req.cfg
+        return not self.ar_block and cfg.greedy and drafts_keep_output(cfg) and self.rule.keeps_lookahead
+
+    def take_join(self, logits: torch.Tensor, feed: Feed) -> int:
+        """Its logits of the step it joined in: the plan's (`take_plan`), or, having fed its
+        prompt alone, the AR prediction at its last token (1, V), kept for its first plan's
+        first-token check and committed as its first token; returns the entries kept."""
+        if not self.prefilling:
+            return self.take_plan(logits, feed)
+        self.prefilling = False
+        self.pending, self.pending_at = [], len(feed.tokens)
+        self.rule.keep_lookahead(self.undecoded[0], logits[0])
+        self._commit_first(int(self.req.sampler.pick(logits)[0]))
+        return len(feed.tokens)
+
     def _commit_first_token(self, checked: set[int]) -> None:
         """On a lossless row's first plan, the generation's first token is final once the
         first-token check has it (the AR prediction read at the prompt's last token, or the
@@ -201,9 +234,12 @@ class ReFusionRow(DraftingRow):
         the rest; a trace records it then, once, with its slot (so a traced request whose
         first token ends it, which no slot would commit again, waits for its slot)."""
         first = self.block == 0 and self.selected[:1] == [0] and self.undecoded[:1] == [0]
-        if not (first and 0 in checked and drafts_keep_output(self.req.cfg)):
-            return
-        tok = int(self.plan.drafts[0, 0])
+        if first and 0 in checked and drafts_keep_output(self.req.cfg):
+            self._commit_first(int(self.plan.drafts[0, 0]))
+
+    def _commit_first(self, tok: int) -> None:
+        """The generation's first token is final: committed now, unless a traced request's
+        first token ends it (its slot records it then)."""
         if self.req.tracing and (tok in self.req.eos_ids or self.req.cfg.gen_length == 1):
             return
         self.req.commit("fast", [(0, [tok])], record=False)
@@ -235,6 +271,8 @@ class ReFusionRow(DraftingRow):
         (None: the block is complete)."""
         if self.ar_block:
             return self.ar_feed()
+        if not self.planned:  # it joined by its prompt alone: its first plan is the next
+            return None
         P, s, sel = len(self.req.prompt), self.s, self.selected
         self.chunks = self.plan.drafts[sel].tolist()  # read from the plan once a step
         w = self.plan_width  # a narrower plan: one slot, of which the first w tokens are drafted

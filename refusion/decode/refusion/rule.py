@@ -131,7 +131,19 @@ class Rule:
         if self.left:
             self.left.committed(slots)
 
-    # ------------------------------------------------------------------ AR blocks
+    # ------------------------------------------------------------------ AR predictions kept
+    @property
+    def keeps_lookahead(self) -> bool:
+        """Whether a slot's first token is checked against an AR prediction kept for it."""
+        return self.first is not None
+
+    def keep_lookahead(self, slot: int, logits: torch.Tensor) -> None:
+        """Keep the AR logits (V,) that predict `slot`'s first token (read before its plan:
+        a row that joined by its prompt alone)."""
+        if self.first is None:
+            raise LookupError(f"slot {slot} has no first-token check to keep a prediction for")
+        self.first.lookahead[slot] = logits.clone()  # a copy: not a view pinning the step's logits
+
     def lookahead(self, slot: int) -> torch.Tensor | None:
         """The AR logits (V,) kept for `slot`'s first token (first_token_check), if any."""
         return self.first.lookahead.get(slot) if self.first else None
