@@ -71,6 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how many prompts (from the bundled suite if present; default: 8)",
     )
     parser.add_argument(
+        "--prompts-from",
+        metavar="FILE",
+        help="take the prompts from a training-format JSON or JSONL file (each record's query or "
+        "first user message, in order, repeated if fewer; held-out prompts of your own model) "
+        "instead of the bundled suite",
+    )
+    parser.add_argument(
         "--rounds", type=int, default=3, help="interleaved repeats; the median is reported (default: 3)"
     )
     parser.add_argument(
@@ -160,6 +167,7 @@ def warm_up(
     engine: EngineConfig,
     methods: list[str],
     sizes: list[int],
+    source: str | None = None,
 ) -> None:
     """Compile the graphs of the compiled methods before any timing (one row and several,
     one token and several), and time the forwards adaptive draft widths are chosen from
@@ -167,7 +175,11 @@ def warm_up(
     for m in methods:
         cfg, ecfg = method_config(base, engine, m)
         calibrate_widths(
-            model_of(models, m), tokenizer, bench_prompts(1), cfg, ecfg.replace(max_batch_size=max(sizes))
+            model_of(models, m),
+            tokenizer,
+            bench_prompts(1, source),
+            cfg,
+            ecfg.replace(max_batch_size=max(sizes)),
         )
         if ecfg.compile and cfg.method != "mdm":
             print(f"warm-up: compiling {m}'s graphs (a minute or so at first use)", flush=True)
@@ -175,7 +187,7 @@ def warm_up(
                 generate(
                     model_of(models, m),
                     tokenizer,
-                    bench_prompts(min(b, 4)),
+                    bench_prompts(min(b, 4), source),
                     cfg.for_max_tokens(min(cfg.gen_length, 32)),
                     engine_config=ecfg.replace(max_batch_size=b),
                 )
@@ -189,20 +201,31 @@ def calibrate_widths(model, tokenizer, prompts: list, cfg: DecodeConfig, engine:
         generate(
             model,
             tokenizer,
-            bench_prompts(1),
+            prompts,
             cfg.for_max_tokens(min(cfg.gen_length, 16)),
             engine_config=engine,
         )
 
 
-def bench_prompts(n: int) -> list[str]:
-    """Held-out prompts of the bundled synthetic suite when it is installed, else generic ones."""
+def bench_prompts(n: int, source: str | None = None) -> list[str]:
+    """n prompts: those of a training-format file (`source`, in order, repeated when it has
+    fewer), else held-out prompts of the bundled synthetic suite when it is installed, else
+    generic ones."""
+    if source is not None:
+        from ..train.distill import file_prompts
+
+        return repeated([p.text for p in file_prompts(source)], n)
     try:
         from ..tasks import load_test_items
 
         return [it.prompt for it in load_test_items()[:n]]
     except ImportError:
-        return (DEFAULT_PROMPTS * (n // len(DEFAULT_PROMPTS) + 1))[:n]
+        return repeated(DEFAULT_PROMPTS, n)
+
+
+def repeated(items: list[str], n: int) -> list[str]:
+    """The first n of `items` repeated end to end."""
+    return (items * (n // len(items) + 1))[:n]
 
 
 def timed(model, tokenizer, prompts, cfg: DecodeConfig, engine: EngineConfig) -> dict[str, Any]:
@@ -273,7 +296,7 @@ def _run(args: argparse.Namespace, report: bool) -> int:
     decode_config_from_args(args)  # bad flags fail before the model loads
     model, tokenizer = load_from_args(args)
     base, engine = decode_config_from_args(args, model=model), engine_config_from_args(args)
-    prompts = bench_prompts(args.prompts)
+    prompts = bench_prompts(args.prompts, args.prompts_from)
     methods = args.methods.split(",")
     methods += [
         f"{m}~{t}" for t in filter(None, args.temperatures.split(",")) for m in args.methods.split(",")
@@ -285,7 +308,7 @@ def _run(args: argparse.Namespace, report: bool) -> int:
     models = quantized_models(model, args.quantized)
     methods += [f"{m}@{q}" for q in models if q is not None for m in methods]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    warm_up(models, tokenizer, base, engine, methods, sizes)
+    warm_up(models, tokenizer, base, engine, methods, sizes, args.prompts_from)
     rows = one_row_rounds(models, tokenizer, prompts, base, engine, methods, args.rounds)
     table = {m: {**medians(rs), **paired_vs_ar(rows, m)} for m, rs in rows.items()}
     threads = f", {torch.get_num_threads()} CPU threads" if model.device.type == "cpu" else ""
@@ -297,6 +320,7 @@ def _run(args: argparse.Namespace, report: bool) -> int:
         "config": dataclasses.asdict(base),
         "engine": dataclasses.asdict(engine),
         "prompts": len(prompts),
+        "prompts_from": args.prompts_from,
         "table": table,
         "grammar": grammar,
         "forward_lead": print_forward_lead(
@@ -306,7 +330,9 @@ def _run(args: argparse.Namespace, report: bool) -> int:
         "weight_bytes": print_weights(models),
     }
     n_sweep = args.sweep_prompts or 4 * max(sizes)
-    full, n_sweep = batch_sweep(models, tokenizer, base, engine, methods, sizes, n_sweep, args.rounds)
+    full, n_sweep = batch_sweep(
+        models, tokenizer, base, engine, methods, sizes, n_sweep, args.rounds, args.prompts_from
+    )
     figures |= {"sweep_prompts": n_sweep, "sweep_detail": full}
     figures["sweep"] = print_sweep(full, methods, sizes, n_sweep, args.rounds)
     figures["matmul_peak_gflops"] = print_demand(full, methods, sizes)
@@ -354,13 +380,15 @@ def batch_sweep(
     sizes: list[int],
     n: int,
     rounds: int,
+    source: str | None = None,
 ) -> tuple[dict[str, dict[int, dict[str, float]]], int]:
     """Per (method, batch size), the figures of `timed` for n prompts (median over rounds of
     each, and `paired_vs_ar`); within a round, each batch size runs every method one after
     the other, so that the figures a ratio compares are taken moments apart on a machine
     whose speed drifts, and the methods' order turns each round (`turn`), so that none
-    always runs first. `peak_gflops` is the model-shape matmul rate measured next to each run."""
-    prompts = bench_prompts(n)
+    always runs first. `peak_gflops` is the model-shape matmul rate measured next to each run.
+    `source`: a file the prompts come from (`bench_prompts`)."""
+    prompts = bench_prompts(n, source)
     runs: dict[str, dict[int, list[dict[str, float]]]] = {m: {b: [] for b in sizes} for m in methods}
     for i in range(rounds):
         for b in sizes:

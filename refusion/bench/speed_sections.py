@@ -255,7 +255,7 @@ def refusion_section(
         decode_config_from_args(args, model=model),
         engine_config_from_args(args).replace(max_batch_size=1),
     )
-    calibrate_widths(model, tokenizer, prompts, base.replace(method="refusion"), one)
+    calibrate_widths(model, tokenizer, prompts[:1], base.replace(method="refusion"), one)
     rows: dict[str, list[dict[str, Any]]] = {"ar": [], "refusion": []}
     for i in range(args.decode_rounds):
         for m in turn(list(rows), i):

@@ -291,6 +291,32 @@ def test_bench_decode_compares_each_temperature_with_ar_at_it(capsys, tmp_path):
     assert main([*args, "--methods", "ar", "--temperatures", "hot"]) == 2
 
 
+def test_bench_decode_takes_its_prompts_from_a_training_format_file(model_dir, capsys, tmp_path):
+    """`--prompts-from FILE`: the queries (or first user messages) of a training-format file,
+    in order and repeated when there are fewer than asked, in place of the bundled suite's;
+    a file without one is refused with the reason."""
+    from refusion.bench.decode import bench_prompts
+
+    data = tmp_path / "held-out.jsonl"
+    records = [
+        {"query": "Name a colour.", "response": "Red."},
+        {"messages": [{"role": "user", "content": "Hi?"}]},
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert bench_prompts(3, str(data)) == ["Name a colour.", "Hi?", "Name a colour."]
+    out = tmp_path / "decode.json"
+    args = ["bench", "decode", str(model_dir), "--prompts", "2", "--rounds", "1", "--gen-length", "8"]
+    args += ["--slot-size", "4", "--batch-sizes", "1", "--sweep-prompts", "3", "--methods", "ar,refusion"]
+    assert main([*args, "--prompts-from", str(data), "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["prompts"] == 2 and figures["prompts_from"] == str(data) and figures["sweep_prompts"] == 3
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"response": "no prompt"}) + "\n")
+    capsys.readouterr()
+    assert main([*args, "--prompts-from", str(empty)]) == 2
+    assert "no record with a query or a user message" in capsys.readouterr().err
+
+
 def test_bench_decode_rejects_an_unknown_suffix(model_dir, capsys):
     assert main(["bench", "decode", str(model_dir), "--methods", "ar+x", "--prompts", "1"]) == 2
     assert "a suffix is +c (compiled), +f (fixed draft widths) or +cf" in capsys.readouterr().err
