@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 import refusion
-from refusion.decode import Engine, generate
+from refusion.decode import Engine, EngineConfig, generate
 from refusion.decode.grammar import choice_grammar, json_object_grammar, json_schema_grammar, regex_grammar
 from refusion.settings.fields import FieldError
 from refusion.settings.recommended import recommended_of
@@ -119,6 +119,10 @@ def test_a_batch_of_mixed_grammars_decodes_what_each_decodes_alone(bundled, ship
     together = generate(model, tok, PROMPTS, cfgs)
     alone = [generate(model, tok, [p], c)[0] for p, c in zip(PROMPTS, cfgs)]
     assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    # two places, the schema's row last: it joins running rows by its prompt alone
+    # (`ReFusionRow.join_feed`), its first token committed under the grammar there
+    joined = generate(model, tok, PROMPTS[::-1], cfgs[::-1], engine_config=EngineConfig(max_batch_size=2))
+    assert [o.token_ids for o in joined] == [o.token_ids for o in alone[::-1]]
 
 
 def test_sampled_outputs_follow_the_grammar(bundled, shipped):
