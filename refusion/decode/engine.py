@@ -280,8 +280,8 @@ class Engine:
             r.join_feed(running) if j else (None if r.verifies else r.plan_feed())
             for r, j in zip(self.rows, joining)
         ]
-        joined = {id(r) for r, j in zip(self.rows, joining) if j}
-        self._phase(feeds, lambda r, lg, f: r.take_join(lg, f) if id(r) in joined else r.take_plan(lg, f))
+        # the rows that feed are the joining ones and AR rows, whose take_join is their take_plan
+        self._phase(feeds, lambda r, lg, f: r.take_join(lg, f))
 
     def _verify(self) -> None:
         """Step 3: global verification of the selected drafts, fast-path commits; AR rows

@@ -211,7 +211,7 @@ class ReFusionRow(DraftingRow):
         """Greedy and lossless, outside an AR block: the AR argmax at the prompt's last token
         is its first token, whatever the plan drafts (the first-token check makes it so)."""
         cfg = self.req.cfg
-        return not self.ar_block and cfg.greedy and drafts_keep_output(cfg) and self.rule.keeps_lookahead
+        return not self.ar_block and cfg.greedy and drafts_keep_output(cfg)  # lossless: the check is on
 
     def take_join(self, logits: torch.Tensor, feed: Feed) -> int:
         """Its logits of the step it joined in: the plan's (`take_plan`), or, having fed its

@@ -132,11 +132,6 @@ class Rule:
             self.left.committed(slots)
 
     # ------------------------------------------------------------------ AR predictions kept
-    @property
-    def keeps_lookahead(self) -> bool:
-        """Whether a slot's first token is checked against an AR prediction kept for it."""
-        return self.first is not None
-
     def keep_lookahead(self, slot: int, logits: torch.Tensor) -> None:
         """Keep the AR logits (V,) that predict `slot`'s first token (read before its plan:
         a row that joined by its prompt alone)."""
