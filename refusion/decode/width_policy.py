@@ -80,7 +80,7 @@ class WidthPolicy:
         acceptance = getattr(row, "acceptance", None)
         if acceptance is None or not row.infills() or not row.rule.window:
             return
-        own = acceptance.own.infill
+        own = acceptance.own_infill
         if own.reached and own.expected(row.rule.window)[0] < 1:
             row.rule.window = 0
 

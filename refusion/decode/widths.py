@@ -211,13 +211,13 @@ class _Both:
 
 class RowAcceptance:
     """What a row adds its verified runs to: the model's acceptance, pooled over every
-    request (what the widths of a batch are chosen from), and its own (`own`: what a row
-    alone judges its infilling window by, since a pool that other prompts filled says
-    little of this one)."""
+    request (what the widths of a batch are chosen from), and its own infilling runs
+    (`own_infill`: what a row alone judges its infilling window by, since a pool that
+    other prompts filled says little of this one)."""
 
     def __init__(self, pooled: Acceptance) -> None:
-        self.own = Acceptance()
-        self.plan, self.infill = _Both(pooled.plan, self.own.plan), _Both(pooled.infill, self.own.infill)
+        self.own_infill = Survival()
+        self.plan, self.infill = pooled.plan, _Both(pooled.infill, self.own_infill)
 
 
 def candidates(full: int) -> list[int]:
