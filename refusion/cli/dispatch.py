@@ -26,6 +26,7 @@ VERBS = {
     "chat": "interactive chat that streams",
     "distill": "training data made by the model itself: its greedy answers to prompts",
     "train": "train with the ReFusion objective (or plain AR)",
+    "adapter": "a LoRA run's adapters as a small directory that loads over its base",
     "eval": "evaluate on a benchmark",
     "bench": (
         "benchmarks that print figures side by side: "

@@ -19,6 +19,7 @@ from ..model.transformer import Transformer, stored_shapes
 from ..parallel.launch import tensor_shard
 from ..settings.model import ModelConfig
 from ..settings.recommended import Recommended
+from .adapter import ADAPTER_WEIGHTS, adapter_base, fold_into, is_adapter_dir, read_adapter
 from .dtypes import check_device, config_dtype, parse_dtype
 from .gguf import gguf_metadata, load_gguf
 from .metadata import read_metadata
@@ -49,9 +50,11 @@ def load(
     shards with model.safetensors.index.json), a hub id (downloaded with
     huggingface_hub), a `.gguf` file (de-quantised by transformers), `bundled:NAME` for
     a model shipped with the package (`bundled:refusion-tiny`, `bundled:ar-tiny`, its
-    AR baseline), or None for `bundled:refusion-tiny`. dtype: None or "auto" = the config's torch_dtype if
-    the device can run it, else float32; or "float32" / "bfloat16" / "float16" / a torch
-    dtype. The tokenizer is None when the directory has no tokenizer files.
+    AR baseline, `bundled:refusion-smollm2`, adapters over SmolLM2), `package:MODULE/PATH`
+    for a checkpoint inside an installed Python package, a directory of adapters over a
+    base (`io.adapter`), or None for `bundled:refusion-tiny`. dtype: None or "auto" = the
+    config's torch_dtype if the device can run it, else float32; or "float32" / "bfloat16" /
+    "float16" / a torch dtype. The tokenizer is None when the directory has no tokenizer files.
     `model.config.mask_token_id` is the config's, else the tokenizer's `<|mask|>` id.
     tensor_parallel_size N > 1 (in a group of N processes, see `refusion.parallel`): this
     rank's share of the model, read as slices of the checkpoint's tensors; its config is
@@ -72,6 +75,10 @@ def load(
     if source.suffix == ".gguf":
         return _load_gguf(source, dev, wanted, scheme, shard, allow_nonfinite)
     config, tokenizer = read_metadata(source)
+    if is_adapter_dir(source):
+        return _load_adapted(
+            source, config, tokenizer, dev, wanted, scheme, shard, allow_nonfinite
+        ), tokenizer
     record = quantization_in(config.extra)
     if record is not None:
         return _load_saved_quantized(
@@ -98,6 +105,44 @@ def _load_gguf(
     if scheme is not None:
         quantize_model(model, scheme)
     return model, tokenizer
+
+
+def _load_adapted(
+    source: Path,
+    config: ModelConfig,
+    tokenizer: Any,
+    dev: torch.device,
+    wanted: torch.dtype | None,
+    scheme: str | None,
+    shard: Shard | None,
+    allow_nonfinite: bool,
+) -> Transformer:
+    """Adapters over a base (`io.adapter`): the base read in float32, given `<|mask|>`'s row
+    as `refusion convert` gives it, the factors folded in; then moved into a model of the
+    adapter's own config, in the dtype (and quantization) asked for."""
+    if shard is not None:
+        raise ConfigError(
+            f"{source} holds adapters, which fold into whole weights; write them out first "
+            f"(refusion convert {source} OUT) and load OUT with --tensor-parallel-size"
+        )
+    from .mask import add_mask_token  # mask.py's convert loads through this module
+
+    meta, factors = read_adapter(source)
+    base, _ = load(
+        adapter_base(meta, source), device=dev, dtype=torch.float32, allow_nonfinite=allow_nonfinite
+    )
+    add_mask_token(base, tokenizer)
+    fold_into(base, factors, meta["alpha"] / meta["r"], where=str(source))
+    model = Transformer.meta(config)
+    state = base.state_dict()
+    where = f"{meta['base']} adapted by {source}"
+    check_tensors(model, {k: (None, tuple(v.shape)) for k, v in state.items()}, where)
+    dtype = wanted or config_dtype(config, dev)
+    model = fill_model(model, {k: state[k].to(dtype) for k in stored_shapes(model)}, dev)
+    model.recommended = Recommended.read(source)
+    if scheme is not None:
+        quantize_model(model, scheme)
+    return model
 
 
 def _load_safetensors(
@@ -179,6 +224,9 @@ def describe(path: PathLike | None = None) -> dict[str, Any]:
     record = None if source.suffix == ".gguf" else quantization_in(config.extra)
     if source.suffix == ".gguf":  # transformers has parsed the GGUF file to read its config
         model, stored = Transformer.meta(config), {}
+    elif is_adapter_dir(source):  # the factors only: the base's weights are another checkpoint's
+        read_adapter(source)
+        model, stored = Transformer.meta(config), header_bytes([source / ADAPTER_WEIGHTS])
     elif record is not None:  # the saved state dict, memory-mapped: its tensors' bytes, no copy
         model, state = _saved_quantized_state(source, config, record, torch.device("cpu"))
         stored = weight_bytes(state)

