@@ -37,6 +37,7 @@ from .decode_report import (
     print_agreement,
     print_ceilings,
     print_demand,
+    print_file_agreement,
     print_forward_lead,
     print_grammar,
     print_summary,
@@ -223,7 +224,15 @@ def bench_prompts(n: int, source: str | None = None) -> list[str]:
         return repeated(DEFAULT_PROMPTS, n)
 
 
-def repeated(items: list[str], n: int) -> list[str]:
+def bench_answers(n: int, source: str) -> list[str | None]:
+    """The answers a training-format file gives the n prompts `bench_prompts` takes from it
+    (None where a record has none)."""
+    from ..train.distill import file_prompts
+
+    return repeated([p.answer for p in file_prompts(source)], n)
+
+
+def repeated(items: list, n: int) -> list:
     """The first n of `items` repeated end to end."""
     return (items * (n // len(items) + 1))[:n]
 
@@ -327,6 +336,14 @@ def _run(args: argparse.Namespace, report: bool) -> int:
             model, {m: r for m, r in table.items() if runs_eagerly(base, engine, m)}
         ),
         "agreement": print_agreement(rows),
+        "file_agreement": args.prompts_from
+        and print_file_agreement(
+            rows,
+            tokenizer,
+            bench_answers(len(prompts), args.prompts_from),
+            base.gen_length,
+            args.prompts_from,
+        ),
         "weight_bytes": print_weights(models),
     }
     n_sweep = args.sweep_prompts or 4 * max(sizes)

@@ -250,6 +250,32 @@ def agreement(ids: list[list[int]], ref: list[list[int]]) -> tuple[float, float]
     return same / max(total, 1), sum(x == y for x, y in zip(ids, ref)) / max(len(ref), 1)
 
 
+def print_file_agreement(
+    rows: dict[str, list[dict[str, Any]]], tokenizer, answers: list[str | None], gen_length: int, source: str
+) -> dict[str, float]:
+    """The share of each greedy method's outputs that are the answers the prompts' file
+    gives: for a file `refusion distill` wrote, the greedy AR answers of the model it ran
+    on, so this is how far training has moved the model from it. An output cut at
+    gen_length counts as identical when the answer starts with it. Texts are compared,
+    not tokens: the file holds text."""
+    out = {}
+    for m, rs in rows.items():
+        pairs = [(ids, a) for ids, a in zip(rs[-1]["_ids"], answers) if a is not None]
+        if "~" in m or not pairs or tokenizer is None:
+            continue
+        same = 0
+        for ids, answer in pairs:
+            text = tokenizer.decode(ids, skip_special_tokens=True).strip()
+            same += answer.strip().startswith(text) if len(ids) >= gen_length else text == answer.strip()
+        out[m] = same / len(pairs)
+    if out:
+        print(
+            f"greedy outputs identical to the answers in {source} (cut at {gen_length} tokens): "
+            + ", ".join(f"{m} {v:.0%}" for m, v in out.items())
+        )
+    return out
+
+
 def print_agreement(rows: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
     """How far each quantized method's greedy tokens follow the same method unquantized."""
     out = {}

@@ -20,7 +20,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         "-m",
         default=None,
-        help="model directory, hub id or .gguf file (default: the bundled model)",
+        help="model directory, hub id, .gguf file, bundled:NAME or package:MODULE/PATH "
+        "(default: the bundled model)",
     )
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument(

@@ -31,10 +31,12 @@ from .dataset import DataStats, iter_records
 
 @dataclass(frozen=True)
 class Prompt:
-    """A prompt to answer, and where it came from ("suite", "self", or a file's name)."""
+    """A prompt to answer, and where it came from ("suite", "self", or a file's name); a
+    file's prompt also carries the answer the file gives it, if any."""
 
     text: str
     source: str
+    answer: str | None = None
 
     @property
     def key(self) -> str:
@@ -60,18 +62,22 @@ class DistillStats:
 
 # ---------------------------------------------------------------------------- prompts
 def file_prompts(path: str | Path) -> list[Prompt]:
-    """The prompts of a training-format file: each record's query, or its first user message."""
+    """The prompts of a training-format file: each record's query, or its first user message,
+    with its answer: the record's response, or the assistant message after that user message."""
     name = Path(path).name
     out = []
     for _, r in iter_records(path, DataStats(str(path))):  # the trainer's reader: JSON list or JSONL
-        query = r.get("query") if isinstance(r, dict) else None
-        if query is None and isinstance(r, dict) and isinstance(r.get("messages"), list):
-            users = [
-                m.get("content") for m in r["messages"] if isinstance(m, dict) and m.get("role") == "user"
-            ]
-            query = users[0] if users else None
+        if not isinstance(r, dict):
+            continue
+        query, answer = r.get("query"), r.get("response")
+        if query is None and isinstance(r.get("messages"), list):
+            turns = [m for m in r["messages"] if isinstance(m, dict)]
+            first = next((i for i, m in enumerate(turns) if m.get("role") == "user"), None)
+            query = None if first is None else turns[first].get("content")
+            after = turns[first + 1] if first is not None and first + 1 < len(turns) else {}
+            answer = after.get("content") if after.get("role") == "assistant" else None
         if isinstance(query, str) and query.strip():
-            out.append(Prompt(query, name))
+            out.append(Prompt(query, name, answer if isinstance(answer, str) else None))
     if not out:
         raise DataError(f"{path}: no record with a query or a user message")
     return out

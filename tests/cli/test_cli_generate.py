@@ -294,22 +294,30 @@ def test_bench_decode_compares_each_temperature_with_ar_at_it(capsys, tmp_path):
 def test_bench_decode_takes_its_prompts_from_a_training_format_file(model_dir, capsys, tmp_path):
     """`--prompts-from FILE`: the queries (or first user messages) of a training-format file,
     in order and repeated when there are fewer than asked, in place of the bundled suite's;
-    a file without one is refused with the reason."""
-    from refusion.bench.decode import bench_prompts
+    each greedy method's outputs compared with the answers the file gives (its own AR
+    answer to the first, cut at gen_length, counts; another text to the second does not);
+    a file without a prompt is refused with the reason."""
+    import refusion
+    from refusion.bench.decode import bench_answers, bench_prompts
 
+    model, tok = refusion.load(model_dir)
+    own = refusion.generate(model, tok, ["Name a colour."], refusion.DecodeConfig(method="ar", gen_length=8))
     data = tmp_path / "held-out.jsonl"
     records = [
-        {"query": "Name a colour.", "response": "Red."},
-        {"messages": [{"role": "user", "content": "Hi?"}]},
+        {"query": "Name a colour.", "response": own[0].text + " and more the model did not reach"},
+        {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Not this."}]},
     ]
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     assert bench_prompts(3, str(data)) == ["Name a colour.", "Hi?", "Name a colour."]
+    assert bench_answers(3, str(data))[1:] == ["Not this.", records[0]["response"]]
     out = tmp_path / "decode.json"
     args = ["bench", "decode", str(model_dir), "--prompts", "2", "--rounds", "1", "--gen-length", "8"]
     args += ["--slot-size", "4", "--batch-sizes", "1", "--sweep-prompts", "3", "--methods", "ar,refusion"]
     assert main([*args, "--prompts-from", str(data), "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
     assert figures["prompts"] == 2 and figures["prompts_from"] == str(data) and figures["sweep_prompts"] == 3
+    assert figures["file_agreement"]["ar"] == 0.5
+    assert "greedy outputs identical to the answers in" in capsys.readouterr().out
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"response": "no prompt"}) + "\n")
     capsys.readouterr()

@@ -18,7 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "model",
         nargs="?",
         default=None,
-        help="model directory, hub id or .gguf file (default: the bundled model)",
+        help="model directory, hub id, .gguf file, bundled:NAME or package:MODULE/PATH "
+        "(default: the bundled model)",
     )
     parser.add_argument("--json", action="store_true", help="print the facts as one JSON object")
     memory = parser.add_argument_group("memory per device (with --batch-size and --context)")
