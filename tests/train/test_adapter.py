@@ -88,6 +88,10 @@ def test_a_lora_runs_adapters_load_over_its_base_as_its_trained_weights(lora_run
     }
     meta = json.loads((out / ADAPTER_CONFIG).read_text())
     assert meta["base"] == str(base) and meta["r"] == 4 and meta["base_sha256"] is None
+    full = tmp_path / "full"  # `refusion convert` writes the adapted model's full weights
+    assert cli.main(["convert", str(out), str(full)]) == 0
+    for (name, a), b in zip(load(full)[0].state_dict().items(), trained.state_dict().values()):
+        assert torch.equal(a, b), name
 
 
 def test_an_earlier_step_exports_its_own_adapters(lora_run, tmp_path):
