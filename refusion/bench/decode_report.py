@@ -258,10 +258,10 @@ def print_file_agreement(
     on, so this is how far training has moved the model from it. An output cut at
     gen_length counts as identical when the answer starts with it. Texts are compared,
     not tokens: the file holds text."""
-    out = {}
-    for m, rs in rows.items():
+    out: dict[str, float] = {}
+    for m, rs in rows.items() if tokenizer is not None else ():
         pairs = [(ids, a) for ids, a in zip(rs[-1]["_ids"], answers) if a is not None]
-        if "~" in m or not pairs or tokenizer is None:
+        if "~" in m or not pairs:
             continue
         same = 0
         for ids, answer in pairs:

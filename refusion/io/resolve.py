@@ -21,7 +21,7 @@ from ..files import CHECKPOINT_PATTERNS
 
 BUNDLED_ROOT = Path(__file__).parent.parent / "bundled"
 BUNDLED_DIR = BUNDLED_ROOT / "refusion-tiny"  # the default model
-BUNDLED_PREFIX = "bundled:"  # `bundled:NAME` names a model shipped in the package: refusion-tiny, ar-tiny
+BUNDLED_PREFIX = "bundled:"  # `bundled:NAME`: a model shipped in the package (`bundled_names`)
 PACKAGE_PREFIX = "package:"  # `package:MODULE/PATH`: a checkpoint inside an installed Python package
 
 

@@ -47,6 +47,14 @@ RESUME_FREE = frozenset(
 )
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint directory (`step-NNNNNNNN`, from `list_checkpoints`) was saved at."""
+    m = _CKPT.match(path.name)
+    if m is None:
+        raise ConfigError(f"{path} is not a checkpoint directory (step-NNNNNNNN)")
+    return int(m.group(1))
+
+
 def list_checkpoints(out: Path) -> list[Path]:
     """Complete checkpoints, oldest first (temporary directories of a killed save are ignored)."""
     root = out / "checkpoints"

@@ -19,7 +19,7 @@ from ..errors import CheckpointError, ConfigError
 from ..io.adapter import lora_factors, save_adapter
 from ..io.save import check_output_dir
 from ..io.staging import follow_umask, make_staging, move_into_place, remove_stale_staging
-from .checkpoints import list_checkpoints
+from .checkpoints import checkpoint_step, list_checkpoints
 
 _NOT_COPIED = {"model.safetensors", "model.safetensors.index.json", "trainer_state.json", "train_state"}
 
@@ -74,9 +74,9 @@ def _checkpoint(run: Path, step: int | None) -> Path:
         raise ConfigError(f"{run} has no checkpoints (a run of refusion train writes RUN/checkpoints/step-N)")
     if step is None:
         return ckpts[-1]
-    chosen = [c for c in ckpts if int(c.name.split("-")[1]) == step]
+    chosen = [c for c in ckpts if checkpoint_step(c) == step]
     if not chosen:
-        have = ", ".join(str(int(c.name.split("-")[1])) for c in ckpts)
+        have = ", ".join(str(checkpoint_step(c)) for c in ckpts)
         raise ConfigError(f"{run} has no checkpoint of step {step}; it has steps {have}")
     return chosen[0]
 

@@ -33,38 +33,35 @@ def _one_thread_and_fresh_accelerate():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-@pytest.fixture
-def lora_run(make_hf_dir, tmp_path) -> tuple[Path, Path]:
-    """(base, run): a tiny base without <|mask|>, and a 4-step LoRA run on it that saved
-    checkpoints at steps 2 and 4."""
-    base = make_hf_dir("qwen2")  # tied embeddings: the MASK row is shared by input and output
+def _train(base: Path, out: Path, tmp_path: Path, **kw) -> Path:
+    """A short quiet run on copy-task data over `base` (given <|mask|>); returns `out`."""
     rng = random.Random(0)
     data = tmp_path / "copy.jsonl"
     with data.open("w") as f:
         for _ in range(64):
             q = " ".join(rng.choice("abcdefgh") for _ in range(8))
             f.write(json.dumps({"query": q, "response": q}) + "\n")
-    run = tmp_path / "run"
-    train(
-        TrainConfig(
-            model=str(base),
-            data=str(data),
-            out=str(run),
-            add_mask_token=True,
-            lora=True,
-            lora_r=4,
-            lora_targets=("q_proj", "v_proj", "down_proj"),
-            max_steps=4,
-            batch_size=4,
-            lr=1e-2,
-            progress=False,
-            tensorboard=False,
-            eval_every=0,
-            save_every=2,
-            keep_checkpoints=0,
-        )
+    cfg = dict(batch_size=4, lr=1e-2, progress=False, tensorboard=False, eval_every=0, **kw)
+    train(TrainConfig(model=str(base), data=str(data), out=str(out), add_mask_token=True, **cfg))
+    return out
+
+
+def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+@pytest.fixture
+def lora_run(make_hf_dir, tmp_path) -> tuple[Path, Path]:
+    """(base, run): a tiny base without <|mask|>, and a 4-step LoRA run on it that saved
+    checkpoints at steps 2 and 4."""
+    base = make_hf_dir("qwen2")  # tied embeddings: the MASK row is shared by input and output
+    lora = dict(lora=True, lora_r=4, lora_targets=("q_proj", "v_proj", "down_proj"))
+    return base, _train(
+        base, tmp_path / "run", tmp_path, max_steps=4, save_every=2, keep_checkpoints=0, **lora
     )
-    return base, run
 
 
 def test_a_lora_runs_adapters_load_over_its_base_as_its_trained_weights(lora_run, tmp_path):
@@ -78,8 +75,7 @@ def test_a_lora_runs_adapters_load_over_its_base_as_its_trained_weights(lora_run
     adapted, tok = load(out)
     trained, _ = load(run)
     assert tok is not None and adapted.config.mask_token_id == trained.config.mask_token_id
-    for (name, a), b in zip(adapted.state_dict().items(), trained.state_dict().values()):
-        assert torch.equal(a, b), name
+    _assert_same_weights(adapted, trained)
     base_q = load_file(base / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
     assert not torch.equal(adapted.state_dict()["model.layers.0.self_attn.q_proj.weight"], base_q)
     facts = describe(out)
@@ -90,8 +86,7 @@ def test_a_lora_runs_adapters_load_over_its_base_as_its_trained_weights(lora_run
     assert meta["base"] == str(base) and meta["r"] == 4 and meta["base_sha256"] is None
     full = tmp_path / "full"  # `refusion convert` writes the adapted model's full weights
     assert cli.main(["convert", str(out), str(full)]) == 0
-    for (name, a), b in zip(load(full)[0].state_dict().items(), trained.state_dict().values()):
-        assert torch.equal(a, b), name
+    _assert_same_weights(load(full)[0], trained)
 
 
 def test_an_earlier_step_exports_its_own_adapters(lora_run, tmp_path):
@@ -99,8 +94,7 @@ def test_an_earlier_step_exports_its_own_adapters(lora_run, tmp_path):
     out = tmp_path / "step2"
     export_adapter(run, str(base), out, step=2)
     step2, _ = load(run / "checkpoints" / "step-00000002")
-    for (name, a), b in zip(load(out)[0].state_dict().items(), step2.state_dict().values()):
-        assert torch.equal(a, b), name
+    _assert_same_weights(load(out)[0], step2)
     with pytest.raises(ConfigError, match="no checkpoint of step 3; it has steps 2, 4"):
         export_adapter(run, str(base), tmp_path / "step3", step=3)
 
@@ -158,22 +152,7 @@ def test_a_pinned_base_file_that_changed_is_refused(tmp_path):
 
 def test_a_run_without_lora_has_no_adapters_to_export(make_hf_dir, tmp_path, capsys):
     base = make_hf_dir("qwen2")
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"query": "a b", "response": "c d"}) + "\n" for _ in range(8)))
-    run = tmp_path / "run"
-    train(
-        TrainConfig(
-            model=str(base),
-            data=str(data),
-            out=str(run),
-            add_mask_token=True,
-            max_steps=1,
-            batch_size=2,
-            progress=False,
-            tensorboard=False,
-            eval_every=0,
-        )
-    )
+    run = _train(base, tmp_path / "run", tmp_path, max_steps=1)
     assert cli.main(["adapter", str(run), str(tmp_path / "out"), "--base", str(base)]) == 2
     assert "was trained without --lora: its weights are whole" in capsys.readouterr().err
 
@@ -182,8 +161,7 @@ def test_package_names_a_checkpoint_inside_an_installed_package():
     """`package:MODULE/PATH` finds the path without importing the package; what it names
     loads as the path itself does, and bad names say what is wrong."""
     ours, _ = load("package:refusion/bundled/refusion-tiny")
-    bundled, _ = load("bundled:refusion-tiny")
-    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), bundled.state_dict().values()))
+    _assert_same_weights(ours, load("bundled:refusion-tiny")[0])
     for name, says in [
         ("package:no_such_package_here/x.gguf", "no Python package 'no_such_package_here' is installed"),
         ("package:refusion/../../etc/passwd", "leads out of the package 'refusion'"),
