@@ -283,3 +283,17 @@ def within() -> Callable[[int], Any]:
             signal.signal(signal.SIGALRM, previous)
 
     return limit
+
+
+@pytest.fixture(autouse=True)
+def lone_rows_start_afresh() -> Iterator[None]:
+    """Each test's lone rows start without the record of lone drafting blocks that earlier
+    tests left on a model they share (`widths.Drafting.lone`): a test written for a row
+    alone that drafts its first block would otherwise decode AR blocks after a test whose
+    drafts lost. The forward-cost calibration stays shared (it only prices)."""
+    from refusion.decode.widths import _DRAFTING, Drafting
+
+    for d in list(_DRAFTING.values()):
+        fresh = Drafting()
+        d.lone, d.lone_probe = fresh.lone, fresh.lone_probe
+    yield

@@ -14,13 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..settings.decode import DecodeConfig
-from .widths import Drafting, choose, widths_keep_output
-
-
-def own_tpf(row: Any) -> float | None:
-    """A row's tokens per forward so far, once it has decoded a block (None before)."""
-    req = row.req
-    return req.prefix_len / req.stats.nfe if row.block > 0 and req.stats.nfe else None
+from .widths import Drafting, choose, lone_drafts, widths_keep_output
 
 
 class WidthPolicy:
@@ -31,6 +25,7 @@ class WidthPolicy:
     def __init__(self, drafting: Drafting, adaptive: bool) -> None:
         self.drafting, self.adaptive = drafting, adaptive
         self._last_step_end = 0.0  # when the last step ended, while requests remained
+        self.steps = 0  # steps timed so far: what a row's blocks count their steps by
         self._not_step = 0.0  # seconds of this step that are no step's own work (a calibration)
 
     def describe(self) -> str:
@@ -38,7 +33,8 @@ class WidthPolicy:
         if self.adaptive:
             return (
                 "adaptive: lossless ReFusion rows draft as wide as pays at the batch's load, "
-                "a row alone at its settings' widths (--no-adaptive-drafts: fixed)"
+                "a row alone at its settings' widths or as AR blocks, whichever its blocks "
+                "measure faster (--no-adaptive-drafts: fixed)"
             )
         return "fixed: every row drafts at its settings' widths (--adaptive-drafts: adaptive)"
 
@@ -93,15 +89,64 @@ class WidthPolicy:
         at = functools.partial(self.drafting.cost, context=context)
         d = self.drafting
         overheads = (d.overhead.seconds(len(rows)), d.ar_overhead.seconds(len(rows)))
-        own = own_tpf(group[0]) if len(group) == 1 and not rest else None
+        one = functools.partial(self.drafting.cost.alone, context=context)  # a forward of one row
+        for r in group:
+            self._close_block(r, one)
+        alone = len(group) == 1 and not rest
+        drafts = self._lone_drafts(group[0], one) if alone else True
         p, w = choose(
-            len(group), len(rest), fed, s, window, d.acceptance, at, overheads=overheads, own_tpf=own
+            len(group), len(rest), fed, s, window, d.acceptance, at, overheads=overheads, alone_drafts=drafts
         )
         for r in group:
             if p == 0 and r.can_start_ar_block():
                 r.start_ar_block()  # counted in its request's stats (ar_blocks), as drafting steps are
             else:
                 r.set_widths(max(p, 1), w)
+            self._open_block(r, alone)
+
+    def _lone_drafts(self, row: Any, at: Callable[[float], float]) -> bool:
+        """Whether a row alone drafts its next block (`widths.lone_drafts`): judged by its
+        own drafting blocks once it has one, before that by the model's lone rows'. An AR
+        block's token costs a one-token forward and an AR step's own time."""
+        d = self.drafting
+        ar_rate = 1.0 / max(at(1) + d.ar_overhead.seconds(1), 1e-12)
+        own = row.acceptance
+        if own.drafted.rate() is not None:
+            return lone_drafts(own.drafted, own.probe, ar_rate)
+        return lone_drafts(d.lone, d.lone_probe, ar_rate)
+
+    def _open_block(self, row: Any, alone: bool) -> None:
+        """Note where the row's block began (once per block: a row re-planned inside its
+        block keeps its start). A prompt's prefill counts as fed before the block: AR
+        decoding feeds it too."""
+        acc = row.acceptance
+        if acc.started is not None and acc.started[0] == row.block:
+            return
+        st = row.req.stats
+        fed = st.fed + (len(row.req.prompt) if st.nfe == 0 else 0)
+        acc.started = (row.block, row.req.prefix_len, st.nfe, fed, self.steps, row.drafting, alone)
+
+    def _close_block(self, row: Any, at: Callable[[float], float]) -> None:
+        """A drafting block the row has finished goes into its record (and, begun alone,
+        the model's lone record), priced as AR blocks are: its forwards at the tokens they
+        fed on average and its steps at a drafting step's own time (`StepOverhead`), both
+        at one row (`ForwardCost.alone`). The average prices a block's wide plan forward and
+        narrow infilling ones alike: close where a forward's cost grows slowly with its
+        tokens, which is where drafting can pay at all."""
+        acc = row.acceptance
+        if acc.started is None or acc.started[0] == row.block:
+            return
+        _, tokens, nfe, fed, steps, drafting, alone = acc.started
+        acc.started = None
+        st = row.req.stats
+        forwards = st.nfe - nfe
+        if not drafting or forwards <= 0:
+            return
+        per = max(st.fed - fed, forwards) / forwards  # tokens fed per forward
+        seconds = forwards * at(per) + (self.steps - steps) * self.drafting.overhead.seconds(1)
+        acc.drafted.add(row.req.prefix_len - tokens, seconds)
+        if alone:
+            self.drafting.lone.add(row.req.prefix_len - tokens, seconds)
 
     def timed(self, start: float, forward_seconds: float, rows: int, drafted: bool, more: bool) -> None:
         """A step that began at `start` spent `forward_seconds` in forwards with `rows` rows
@@ -110,6 +155,7 @@ class WidthPolicy:
         work), is counted per kind of step (infilling's bookkeeping, or AR blocks and AR
         rows only). `more`: requests remain."""
         end = time.perf_counter()
+        self.steps += 1
         if self.adaptive and rows:
             gap = min(start - self._last_step_end, end - start) if self._last_step_end else 0.0
             outside = end - start - forward_seconds - self._not_step + gap

@@ -91,9 +91,27 @@ class ForwardCost:
         x = [(1.0, float(r * k), float(r), float(r * k * ctx)) for r, k, ctx in keys]
         self.coef = nonnegative_least_squares(x, [self.fastest[key] for key in keys])
 
-    def __call__(self, n: int, rows: int, context: int = 0) -> float:
+    def __call__(self, n: float, rows: int, context: int = 0) -> float:
         a, b, c, d = self.coef
         return a + b * n + c * rows + d * n * context
+
+    def alone(self, n: float, context: int = 0) -> float:
+        """Seconds of a forward feeding `n` tokens to one row: read off the fastest times of
+        the one-row shapes (linear between them, and past the widest along its last
+        segment), with the fit's attention term for the context. A line fitted over every
+        shape, a large batch's among them, prices a token by what it costs a compute-bound
+        forward; one row's forward is memory-bound on most machines, where 8 tokens cost
+        little more than one. The fit serves until a one-row shape is timed."""
+        points = sorted((k, t) for (r, k, ctx), t in self.fastest.items() if r == 1 and ctx == 16)
+        if len(points) < 2:
+            return self(n, 1, context)
+        (k0, t0), (k1, t1) = points[0], points[1]
+        for (ka, ta), (kb, tb) in zip(points, points[1:]):
+            (k0, t0), (k1, t1) = (ka, ta), (kb, tb)
+            if n <= kb:
+                break
+        at_n = t0 + (t1 - t0) * (n - k0) / max(k1 - k0, 1e-12)
+        return max(at_n, points[0][1]) + self.coef[3] * n * max(context - 16, 0)
 
 
 def nonnegative_least_squares(x: Sequence[Sequence[float]], y: list[float]) -> tuple[float, ...]:
@@ -209,15 +227,73 @@ class _Both:
         self.own.add(passed, verified)
 
 
+class BlockRecord:
+    """Tokens committed, and seconds their forwards and steps cost, over drafting blocks:
+    a drafting rate measured on the blocks themselves. `decay` < 1 lets the latest blocks
+    count most (a model's record over many requests); 1 keeps every block alike (a row's
+    own)."""
+
+    def __init__(self, decay: float = 1.0) -> None:
+        self.tokens, self.seconds, self.decay = 0.0, 0.0, decay
+
+    def add(self, tokens: float, seconds: float) -> None:
+        self.tokens = self.tokens * self.decay + tokens
+        self.seconds = self.seconds * self.decay + seconds
+
+    def rate(self) -> float | None:
+        """Tokens per second, None before a block is counted."""
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+
+class Probe:
+    """When a lone row drafts a block although its record says AR blocks are faster: after
+    `every` AR blocks, an interval that doubles at each probe and starts again at `first`
+    once drafting wins. Acceptance changes along a generation (code after prose, a list
+    after its first item), and a record that is never renewed would keep AR blocks for good;
+    the doubling bounds what the probes cost where drafting keeps losing."""
+
+    def __init__(self, first: int = 8) -> None:
+        self.first, self.every, self.since = first, first, 0
+
+    def drafts(self, wins: bool) -> bool:
+        """Whether to draft this block, drafting measured to win (`wins`) or not."""
+        if wins:
+            self.every, self.since = self.first, 0
+            return True
+        if self.since >= self.every:
+            self.every, self.since = 2 * self.every, 0
+            return True
+        self.since += 1
+        return False
+
+
 class RowAcceptance:
     """What a row adds its verified runs to: the model's acceptance, pooled over every
     request (what the widths of a batch are chosen from), and its own infilling runs
     (`own_infill`: what a row alone judges its infilling window by, since a pool that
-    other prompts filled says little of this one)."""
+    other prompts filled says little of this one). It also keeps the row's own drafting
+    blocks (`drafted`, closed at each block's end from `started`: tokens, forwards, tokens
+    fed and steps when the block began) and its probes (`probe`): what a row alone decides
+    between drafting and AR blocks by (`lone_drafts`)."""
 
     def __init__(self, pooled: Acceptance) -> None:
         self.own_infill = Survival()
         self.plan, self.infill = pooled.plan, _Both(pooled.infill, self.own_infill)
+        self.drafted, self.probe = BlockRecord(), Probe()
+        self.started: tuple[int, int, int, int, int, bool, bool] | None = None
+        # (block, tokens, forwards, fed, steps, drafting, alone) when the block began
+
+
+def lone_drafts(record: BlockRecord, probe: Probe, ar_rate: float) -> bool:
+    """Whether a row alone drafts its next block at its settings' widths (else: an AR
+    block). It drafts while its record of drafting blocks (its own, or the model's lone
+    rows' before it has one) commits at least AR decoding's rate, `ar_rate` tokens per
+    second; with no record yet it drafts (hopeful, as `Survival`), and past a losing one
+    it probes now and then (`Probe`). Both rates are of the same prices (`ForwardCost`,
+    `StepOverhead`): a lone row is priced from what its own blocks did, never from the
+    acceptance other requests pooled."""
+    rate = record.rate()
+    return probe.drafts(rate is None or rate >= ar_rate)
 
 
 def candidates(full: int) -> list[int]:
@@ -238,7 +314,7 @@ def choose(
     cost: Callable[[int, int], float],
     margin: float = 1.1,
     overheads: tuple[float, float] = (0.0, 0.0),
-    own_tpf: float | None = None,
+    alone_drafts: bool = True,
 ) -> tuple[int, int]:
     """(plan width, infilling window) for `rows` rows of one slot of `slot` tokens per block
     (window: the most their settings allow) that commit the most tokens per second of a
@@ -249,18 +325,17 @@ def choose(
     `margin` times the rate of AR blocks. `overheads`: seconds the step costs outside its
     forwards (`StepOverhead`, at this batch's rows) when rows draft, and in AR blocks.
 
-    A row alone in the batch keeps its settings' widths, unless its own tokens per forward
-    so far (`own_tpf`, once it has decoded a block) fall short of `margin` times AR
-    decoding's one: drafting then costs it more forwards than AR decoding would (a model
-    converted and not yet trained for ReFusion), and it decodes its next blocks as AR
-    does. The estimate picks its settings' widths there when
+    A row alone in the batch keeps its settings' widths, or decodes the block as AR does
+    where its measured drafting blocks commit fewer tokens a second than AR blocks would
+    (`alone_drafts` False, from `lone_drafts`: a model converted and not yet trained for
+    ReFusion, or a prompt whose drafts fail). The estimate picks its settings' widths there when
     its inputs are that row's own (`refusion bench decode` feeds as many tokens per
     committed one at a batch of 1 adaptive as fixed), but it prices a row from acceptance
     pooled over every request the model decoded and from step overheads fitted mostly at
     other batch sizes: after a load of many clients, a server's lone client was narrowed
     and took twice the forwards of the fixed widths."""
-    if rows + other_rows == 1:  # no more forwards than AR decoding, by the row's own count
-        return (slot, window) if own_tpf is None or own_tpf >= margin else (0, 0)
+    if rows + other_rows == 1:  # no slower than AR decoding, by the row's own blocks
+        return (slot, window) if alone_drafts else (0, 0)
     rates = {}
     windows = [*candidates(window), 0] if window else [0]
     for p in candidates(slot):
@@ -365,6 +440,8 @@ class Drafting:
         self.acceptance = Acceptance()
         self.overhead = StepOverhead()  # steps where a row drafted
         self.ar_overhead = StepOverhead()  # steps of AR blocks (and AR rows) only
+        # drafting blocks of rows alone, and their probes: where a new lone row starts from
+        self.lone, self.lone_probe = BlockRecord(decay=0.9), Probe()
 
 
 _DRAFTING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

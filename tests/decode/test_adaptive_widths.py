@@ -17,16 +17,21 @@ from golden_data import CASES, load_tiny
 
 import refusion
 import refusion.decode.width_policy as engine_module
+import refusion.decode.widths as widths_module
 from refusion.decode import DecodeConfig, Engine, EngineConfig, generate
 from refusion.decode.refusion import ReFusionRow
 from refusion.decode.widths import (
     Acceptance,
+    BlockRecord,
+    Drafting,
     ForwardCost,
+    Probe,
     StepOverhead,
     Survival,
     block_rate,
     choose,
     equals_greedy_ar,
+    lone_drafts,
     nonnegative_least_squares,
     widths_keep_output,
 )
@@ -49,7 +54,7 @@ def random_widths(monkeypatch, seed: int) -> list[tuple[int, int]]:
     drafts; returns the list of choices made."""
     rng, made = random.Random(seed), []
 
-    def pick(rows, other_rows, other_fed, slot, window, acceptance, cost, overheads=(0.0, 0.0), own_tpf=None):
+    def pick(rows, other_rows, other_fed, slot, window, acceptance, cost, **_):
         p = rng.choice([0, 1, 2, slot // 2, slot])
         w = rng.choice([0, 1, max(window // 2, 1), window])
         made.append((p, w))
@@ -282,8 +287,10 @@ def test_a_row_alone_keeps_its_settings_widths_whatever_the_estimate():
 
 
 def test_a_lone_request_takes_the_fixed_widths_forwards_after_a_load(bundled, monkeypatch):
-    """With the pooled measurements a load of other requests can leave (drafts that fail,
-    forwards priced per token), one request alone decodes in the forwards of fixed widths."""
+    """With the pooled measurements a load of other requests can leave (drafts that fail, a
+    fit that prices forwards per token), one request alone decodes in the forwards of fixed
+    widths: it is priced from its own blocks and from one-row forwards, which cost about
+    the same at any width here."""
     from refusion.decode.widths import drafting_of
     from refusion.settings.recommended import recommended_of
     from refusion.tasks import load_test_items
@@ -291,8 +298,10 @@ def test_a_lone_request_takes_the_fixed_widths_forwards_after_a_load(bundled, mo
     model, tok = bundled
     cost = ForwardCost()
     cost.coef, cost.when = (1e-4, 1e-4, 0.0, 0.0), float("inf")  # priced per token, never stale
+    cost.fastest = {(1, 1, 16): 1e-3, (1, 8, 16): 1.02e-3, (1, 32, 16): 1.1e-3, (16, 16, 16): 3e-2}
     monkeypatch.setattr(drafting_of(model), "cost", cost)
     monkeypatch.setattr(drafting_of(model), "acceptance", drafts_that_fail())
+    monkeypatch.setattr(drafting_of(model), "lone", BlockRecord())
     cfg = recommended_of(model).decode_config()
     prompt = load_test_items()[0].prompt
     alone = generate(model, tok, [prompt], cfg)[0]
@@ -301,6 +310,23 @@ def test_a_lone_request_takes_the_fixed_widths_forwards_after_a_load(bundled, mo
     assert alone.stats.ar_blocks == 0 and alone.stats.draft_steps > 0
     two = generate(model, tok, [prompt, prompt], cfg, engine_config=EngineConfig(max_batch_size=2))
     assert two[0].stats.nfe > fixed.stats.nfe  # in a batch, the same estimate narrows them
+
+
+def test_one_rows_forward_is_priced_from_one_row_shapes():
+    """A forward of one row is read off the one-row shapes' fastest times (linear between
+    them, along the last segment past the widest), not off the line fitted over every
+    shape; until two such shapes are timed, the line."""
+    cost = ForwardCost()
+    cost.coef = (1e-4, 1e-4, 0.0, 1e-7)
+    assert cost.alone(8) == pytest.approx(cost(8, 1))
+    cost.fastest = {(1, 1, 16): 1.0e-3, (1, 8, 16): 1.07e-3, (1, 32, 16): 1.31e-3, (32, 16, 16): 9e-2}
+    assert cost.alone(1) == pytest.approx(1.0e-3)
+    assert cost.alone(4) == pytest.approx(1.03e-3)
+    assert cost.alone(20) == pytest.approx(1.19e-3)
+    assert cost.alone(56) == pytest.approx(1.55e-3)
+    assert cost.alone(8, context=116) == pytest.approx(1.07e-3 + 1e-7 * 8 * 100)
+    # the line prices one row's 32 tokens 16 times one token, as a compute-bound batch's
+    assert cost.alone(32) / cost.alone(1) < 1.5 < 10 < cost(32, 1) / cost(1, 1)
 
 
 def test_a_costly_step_keeps_drafting_where_forwards_alone_would_not():
@@ -386,7 +412,7 @@ def test_rows_inside_an_ar_block_are_priced_as_riders_not_choosers(tiny, monkeyp
     asked = []
 
     def record(
-        rows, other_rows, other_fed, slot, window, acceptance, cost, overheads=(0.0, 0.0), own_tpf=None
+        rows, other_rows, other_fed, slot, window, acceptance, cost, overheads=(0.0, 0.0), alone_drafts=True
     ):
         asked.append((rows, other_rows, other_fed))
         return (0, 0) if not asked[1:] else (slot, window)  # the first row's block is AR
@@ -430,11 +456,14 @@ def test_infilling_verifies_the_plans_own_drafts_first_and_saves_forwards(bundle
         assert with_first[b][1] < without[b][1]
 
 
-def test_a_lone_row_whose_drafts_fail_decodes_its_later_blocks_as_ar(tiny):
+def test_a_lone_row_whose_drafts_fail_decodes_its_later_blocks_as_ar(tiny, monkeypatch):
     """On a model whose drafts hardly pass (the golden tiny model: drafting at fixed widths
-    takes about two forwards a token), a lone lossless row infills a token per forward once
-    its own infilling drafts fail, and decodes its blocks after the first as AR decoding
-    does: the same tokens, in at most its first block's extra forwards more than AR's."""
+    takes about two forwards a token), a lone lossless row drafts its first block, measures
+    it slower than AR blocks would be and decodes its later blocks as AR decoding does: the
+    same tokens, in at most its first block's extra forwards more than AR's. The next
+    request alone on that model starts from the model's lone record: AR blocks throughout,
+    AR decoding's forwards exactly."""
+    monkeypatch.setitem(widths_module._DRAFTING, tiny, Drafting())  # nothing measured yet
     cfg = DecodeConfig(
         slot_size=16,
         serial_blocks=4,
@@ -451,3 +480,27 @@ def test_a_lone_row_whose_drafts_fail_decodes_its_later_blocks_as_ar(tiny):
     assert adaptive.token_ids == fixed.token_ids == ar.token_ids
     assert fixed.stats.nfe > 1.5 * ar.stats.nfe and adaptive.stats.ar_blocks == 3
     assert adaptive.stats.nfe <= ar.stats.nfe + 16 // 2  # the first block's cost: under 1.5 forwards a token
+    after = generate(tiny, None, [[9, 10, 11]], cfg)[0]
+    assert after.stats.ar_blocks == 4 and after.stats.draft_steps == 0
+    assert after.token_ids == generate(tiny, None, [[9, 10, 11]], cfg.replace(method="ar"))[0].token_ids
+    assert after.stats.nfe == 64
+
+
+def test_a_lone_row_probes_a_losing_record_at_doubling_intervals():
+    """A record of drafting that loses keeps AR blocks, but drafts a block after 8 of
+    them, then after 16, 32: acceptance can change along a generation, and probes that
+    keep failing cost ever less. A winning block starts the intervals again; no record yet
+    drafts."""
+    losing, winning = BlockRecord(), BlockRecord()
+    losing.add(10, 2.0)  # 5 tokens a second
+    winning.add(30, 2.0)
+    assert lone_drafts(BlockRecord(), Probe(), ar_rate=10.0)
+    probe = Probe()
+    drafted = [i for i in range(60) if lone_drafts(losing, probe, ar_rate=10.0)]
+    assert drafted == [8, 25, 58]
+    assert lone_drafts(winning, probe, ar_rate=10.0) and probe.every == 8
+    assert [lone_drafts(losing, probe, ar_rate=10.0) for _ in range(9)] == [False] * 8 + [True]
+    decayed = BlockRecord(decay=0.5)
+    decayed.add(10, 1.0)
+    decayed.add(40, 1.0)  # the latest block counts twice the one before
+    assert decayed.rate() == pytest.approx((10 * 0.5 + 40) / 1.5)
