@@ -46,9 +46,10 @@ class WidthPolicy:
         """Each group of rows with adaptive widths at the start of a block (same slot size
         and widest window) gets the plan width and infilling window that commit the most
         tokens per second with the batch as it is (`widths.choose`); the forward cost is
-        timed at first use and every five minutes after. A row inside an AR block does not
-        choose: it runs to the block's end, a token in each plan and verification forward,
-        and waits through the drafting rows' infilling, so it is priced as such a rider.
+        timed at first use and again later, a shape a step (`ForwardCost.calibrate`). A row
+        inside an AR block does not choose: it runs to the block's end, a token in each plan
+        and verification forward, and waits through the drafting rows' infilling, so it is
+        priced as such a rider.
         `lengths[b]`: entries in row b's cache; `batch`: the engine's max_batch_size."""
         if len(rows) == 1:
             self._lone_infilling(rows[0])

@@ -13,7 +13,7 @@ second, from two measurements:
 
 - `ForwardCost`: seconds of a forward as a function of the tokens it feeds and the rows
   it feeds them to, fitted by least squares to a short calibration (a few shapes, timed
-  again every five minutes);
+  again one a step after five minutes, then ten, twenty, up to an hour);
 - `Acceptance`: how far runs of drafts get through verification, per distance into the
   run, counted over the rows' verify passes (the plan's drafts and infilling's apart).
 
@@ -62,31 +62,53 @@ class ForwardCost:
     """Seconds of one forward feeding `n` tokens over `rows` rows whose caches hold
     `context` entries: a + b * n + c * rows + d * n * context (the last: attention over
     the cache), with a, b, c, d >= 0 fitted to the fastest time measured for each of a few
-    shapes. The shapes are timed at first use and again every few minutes (`stale`), and
-    each keeps its fastest time ever: a shared machine only adds time to a forward, so the
-    fastest is the cost, and a forward slowed by a neighbour moves nothing."""
+    shapes. The shapes are timed at first use and again later (`stale`), and each keeps
+    its fastest time ever: a shared machine only adds time to a forward, so the fastest is
+    the cost, and a forward slowed by a neighbour moves nothing."""
 
-    def __init__(self, every: float = 300.0) -> None:
+    def __init__(self, every: float = 300.0, longest: float = 3600.0) -> None:
         self.fastest: dict[tuple[int, int, int], float] = {}  # (rows, tokens per row, context) -> s
         self.coef: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
-        self.every, self.when = every, -float("inf")
+        self.every, self.longest, self.when = every, longest, -float("inf")
+        self.refresh: list[Shape] = []  # shapes still to time again, one a call
 
     @property
     def calibrated(self) -> bool:
         return bool(self.fastest)
 
     def stale(self) -> bool:
-        return time.monotonic() - self.when > self.every
+        return bool(self.refresh) or time.monotonic() - self.when > self.every
 
-    def calibrate(self, time_shapes: Callable[[list[Shape]], list[float]], rows: int) -> None:
-        """Time forwards of a few shapes (`Forward.time_shapes`): one row and `rows` (at
-        most 32), one token each up to a slot's worth, after a short and a long context."""
+    @staticmethod
+    def shapes(rows: int) -> list[Shape]:
+        """One row and `rows` (at most 32), one token each up to a slot's worth, after a
+        short and a long context."""
         r = max(1, min(rows, 32))
         short = [(1, 1, 16), (1, 8, 16), (1, 32, 16), (r, 1, 16), (r, 4, 16), (r, 16, 16)]
-        shapes = sorted({*short, (1, 32, 128), (r, 1, 128), (r, 16, 128)})
-        for shape, seconds in zip(shapes, time_shapes(shapes)):
+        return sorted({*short, (1, 32, 128), (r, 1, 128), (r, 16, 128)})
+
+    def calibrate(self, time_shapes: Callable[..., list[float]], rows: int) -> None:
+        """Time forwards of the `shapes` (`Forward.time_shapes`): at first use all of them,
+        best of five; when `every` seconds have passed, all again, but one shape a call and
+        once each, and the interval doubles after each round (up to `longest`). On a model
+        whose large shapes take a second (SmolLM2-135M at 16 rows on 2 CPU cores), timing
+        them all at once stalled a step for about 13 s every five minutes: half of a batch
+        of 16's time in a benchmark round. One shape a call stalls a step for one forward
+        and its cache's fill; the fastest-ever rule makes a single sample enough."""
+        if not self.fastest:
+            todo = self.shapes(rows)
+            timed = time_shapes(todo)
+        else:
+            if not self.refresh:
+                self.refresh = self.shapes(rows)
+            todo = [self.refresh.pop(0)]
+            timed = time_shapes(todo, 1)
+            if not self.refresh:
+                self.every = min(2 * self.every, self.longest)
+        for shape, seconds in zip(todo, timed):
             self.fastest[shape] = min(seconds, self.fastest.get(shape, float("inf")))
-        self.when = time.monotonic()
+        if not self.refresh:
+            self.when = time.monotonic()
         keys = list(self.fastest)
         x = [(1.0, float(r * k), float(r), float(r * k * ctx)) for r, k, ctx in keys]
         self.coef = nonnegative_least_squares(x, [self.fastest[key] for key in keys])

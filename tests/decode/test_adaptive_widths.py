@@ -365,10 +365,16 @@ def test_forward_cost_calibrates_on_the_real_forward_and_keeps_the_fastest(tiny)
     cost.calibrate(engine.fwd.time_shapes, 4)
     assert len(cost.fastest) == 9 and all(t > 0 for t in cost.fastest.values()) and not cost.stale()
     assert cost(1, 1) > 0 and cost(512, 4) >= cost(1, 1) and cost(512, 4, context=128) >= cost(512, 4)
-    slow = lambda shapes: [10.0 for _ in shapes]  # noqa: E731 - a machine gone busy
-    before = dict(cost.fastest)
-    cost.calibrate(slow, 4)
-    assert cost.fastest == before  # a slower timing of a shape never replaces a faster one
+    slow = lambda shapes, repeats=5: [10.0 for _ in shapes]  # noqa: E731 - a machine gone busy
+    before, coef = dict(cost.fastest), cost.coef
+    cost.when -= cost.every + 1  # five minutes later: timed again, one shape a call, once each
+    timed = []
+    while cost.stale():
+        cost.calibrate(lambda shapes, repeats: timed.append((shapes, repeats)) or slow(shapes), 4)
+    assert sorted(s for shapes, _ in timed for s in shapes) == sorted(before)
+    assert all(len(shapes) == 1 and repeats == 1 for shapes, repeats in timed)
+    assert cost.fastest == before and cost.coef == coef  # a slower timing never replaces a faster one
+    assert cost.every == 600 and not cost.stale()  # the next round after twice as long
 
 
 def test_stats_count_widths_and_shares_add_up(bundled):

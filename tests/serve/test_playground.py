@@ -480,3 +480,22 @@ def test_json_mode_holds_the_reply_to_a_json_object(browser, server, bundled):
     if ref.finish_reason == "stop":
         assert isinstance(json.loads(shown), dict)
     page.find("#json-mode").click()  # off again for the tests after
+
+
+def test_the_playground_chats_with_the_smollm2_model(browser):
+    """`refusion serve bundled:refusion-smollm2`, driven in the browser: the page offers the
+    real-language examples of its decode_config, and a chat with one streams the answer the
+    library gives for the same prompt under the server's settings."""
+    smol = refusion.load("bundled:refusion-smollm2")
+    names = list(recommended_of(smol[0]).examples)
+    assert names == ["question", "explain", "code", "advice"]
+    with serving(smol) as server:
+        page = Page(browser, server.url + "/").loaded()
+        assert [b.text for b in page.all("#examples button")] == names
+        page.set(max_tokens=24)
+        page.example("examples", "question")
+        page.find("#send").click()
+        assert page.finished("chat") == "done"
+        ref = reference(smol, example(smol, "question"), {"max_tokens": 24}, trace=False)
+        assert "Paris" in ref.text
+        assert page.all("#messages .assistant")[-1].text == ref.text.strip()
