@@ -127,11 +127,8 @@ class ForwardCost:
         points = sorted((k, t) for (r, k, ctx), t in self.fastest.items() if r == 1 and ctx == 16)
         if len(points) < 2:
             return self(n, 1, context)
-        (k0, t0), (k1, t1) = points[0], points[1]
-        for (ka, ta), (kb, tb) in zip(points, points[1:]):
-            (k0, t0), (k1, t1) = (ka, ta), (kb, tb)
-            if n <= kb:
-                break
+        segments = list(zip(points, points[1:]))
+        (k0, t0), (k1, t1) = next((seg for seg in segments if n <= seg[1][0]), segments[-1])
         at_n = t0 + (t1 - t0) * (n - k0) / max(k1 - k0, 1e-12)
         return max(at_n, points[0][1]) + self.coef[3] * n * max(context - 16, 0)
 
