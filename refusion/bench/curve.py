@@ -3,18 +3,23 @@
 A `refusion train` run keeps a checkpoint every --save-every steps. This decodes the
 held-out suite (`refusion.tasks`) with ReFusion (or `--method`'s decoding) at every
 `--every`-th one (and at the run's base model, step 0, and its final model), greedy,
-batch size 1, with the settings `bench suite` uses (decoding flags on top), and reads
+batch size 1, at fixed draft widths, with the settings `bench suite` uses (decoding flags
+on top), and reads
 the held-out AR and MDM parts of the loss from the run's log. Printed as a table,
 written as JSON, and drawn: accuracy per family, tokens per forward and the two losses
 against training steps, with the base model's own AR decoding as the line to reach. Run
 again as training goes on, it decodes only the checkpoints its JSON does not hold yet
-(same settings).
+(same settings). With --prompts-from it decodes a file's prompts instead (a real model's
+held-out prompts), and a point's score is the share of greedy outputs identical to the
+file's answers: for answers `refusion distill` wrote, how close the model stays to the one
+it was trained from.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import re
 import sys
@@ -25,8 +30,9 @@ from typing import Any
 from tqdm import tqdm
 
 from ..cli.flags import add_decode_arguments, decode_config_from_args
-from ..decode import DecodeConfig
+from ..decode import DecodeConfig, RequestOutput
 from ..errors import CheckpointError, ConfigError
+from .decode_report import same_as_answer
 from .results import add_results_argument, writes_results
 from .suite import SUITE_DEFAULTS, select_items
 from .suite_measure import decode_one, summarise
@@ -50,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--limit", type=int, default=None, help="first N held-out items (default: all 600)")
     parser.add_argument("--families", default=None, help="comma-separated task families (default: all)")
+    parser.add_argument(
+        "--prompts-from",
+        metavar="FILE",
+        help="decode the prompts of a training-format JSON or JSONL file instead of the suite (held-out "
+        "prompts of a real model, such as a split of what `refusion distill` wrote); a point's score is "
+        "then the share of greedy outputs identical to the file's answers",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--out", default=None, help="JSON path (default: RUN/curve.json)")
@@ -141,14 +154,42 @@ def _fingerprint(path: Path | str) -> int | None:
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class FileItem:
+    """A prompt of a --prompts-from file, scored by whether the output is the file's answer."""
+
+    prompt: str
+    answer: str | None
+    family: str = "same"
+
+
+def file_items(path: str, limit: int | None) -> list[FileItem]:
+    from ..train.distill import file_prompts
+
+    items = [FileItem(p.text, p.answer) for p in file_prompts(path)][:limit]
+    if not items:
+        raise ConfigError(f"{path} holds no prompts: give a file of {{query, response}} or chat records")
+    return items
+
+
+def same_as_file(item: FileItem, index: int, out: RequestOutput, gen_length: int) -> bool:
+    cut = len(out.token_ids) >= gen_length
+    return item.answer is not None and same_as_answer(out.text, item.answer, cut)
+
+
 def decode_all(path: str | Path, items, cfg, device: str, dtype: str | None, desc: str) -> dict[str, Any]:
     from ..decode import EngineConfig
     from ..io import load
 
     model, tokenizer = load(path, device=device, dtype=dtype)
-    engine = EngineConfig(max_batch_size=1)
+    # Fixed widths: the curve follows what the drafts are worth, which adaptive widths would
+    # hide behind AR blocks while they lose (docs/algorithm.md#adaptive-widths).
+    engine = EngineConfig(max_batch_size=1, adaptive_drafts=False)
+    score = None
+    if items and isinstance(items[0], FileItem):
+        score = functools.partial(same_as_file, gen_length=cfg.gen_length)
     records = [
-        decode_one(model, tokenizer, it, i, cfg, engine)
+        decode_one(model, tokenizer, it, i, cfg, engine, score)
         for i, it in enumerate(
             tqdm(items, desc=desc, unit="item", file=sys.stderr, mininterval=1.0, leave=False)
         )
@@ -165,7 +206,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--limit must be a positive integer, got {args.limit}")
     # bench suite's settings; --method: another decoding's curve
     cfg = decode_config_from_args(args, base=SUITE_DEFAULTS)
-    items = select_items(args.limit, args.families)
+    if args.prompts_from and args.families:
+        raise ConfigError("--families picks suite items; with --prompts-from the file's prompts are decoded")
+    if args.prompts_from:
+        items: Sequence = file_items(args.prompts_from, args.limit)
+    else:
+        items = select_items(args.limit, args.families)
     points: Sequence[tuple[int, Path | str]] = checkpoints(run_dir, args.every)
     base = base_model(run_dir, args.base)
     if base is not None:
@@ -177,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
         "run": str(run_dir),
         "items": len(items),
         "families": args.families,
+        "prompts_from": args.prompts_from,
+        "widths": "fixed",
         "config": dataclasses.asdict(cfg),
         "device": args.device,
         "dtype": args.dtype,
@@ -256,13 +304,18 @@ def _earlier(out: Path, settings: dict[str, Any]) -> dict[Any, dict[str, Any]]:
 
 def print_curve(curve: dict[str, Any]) -> None:
     rows = curve["points"]
-    families = list(rows[0]["per_family"])
+    source = curve.get("prompts_from")
+    families = [] if source else list(rows[0]["per_family"])
     print(
-        f"held-out suite, {curve['items']} items, {curve['config']['method']} decoding "
+        f"{_items_name(curve)}, {curve['items']} items, {curve['config']['method']} decoding "
         "(greedy, batch size 1) at each checkpoint"
     )
+    if source:
+        print(f"same%: greedy outputs identical to the answers in {source} (the start of them, where cut)")
     print(
-        f"{'step':>6} {'acc%':>6}" + "".join(f" {f[:6]:>6}" for f in families) + f" {'TPF':>5} {'tok/s':>7}"
+        f"{'step':>6} {'same%' if source else 'acc%':>6}"
+        + "".join(f" {f[:6]:>6}" for f in families)
+        + f" {'TPF':>5} {'tok/s':>7}"
     )
     ref = curve["ar_reference"]
     if ref:
@@ -284,6 +337,11 @@ def print_curve(curve: dict[str, Any]) -> None:
         )
 
 
+def _items_name(curve: dict[str, Any]) -> str:
+    source = curve.get("prompts_from")
+    return f"held-out prompts of {Path(source).name}" if source else "held-out suite"
+
+
 def plot_curve(curve: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     rows, ref = curve["points"], curve["ar_reference"]
@@ -291,7 +349,7 @@ def plot_curve(curve: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     ax = axes[0]
     ax.plot(steps, [100 * r["accuracy"] for r in rows], color="black", marker="o", label="all")
-    for f in rows[0]["per_family"]:
+    for f in [] if curve.get("prompts_from") else rows[0]["per_family"]:
         ax.plot(steps, [100 * r["per_family"][f] for r in rows], marker=".", alpha=0.7, label=f)
     if ref:
         ax.axhline(
@@ -300,7 +358,8 @@ def plot_curve(curve: dict[str, Any], path: Path) -> None:
             linestyle="--",
             label=f"AR decoding of step 0 ({100 * ref['accuracy']:.1f}%)",
         )
-    ax.set_ylabel("held-out accuracy (%)")
+    score = "identical to the file's answers" if curve.get("prompts_from") else "held-out accuracy"
+    ax.set_ylabel(f"{score} (%)")
     ax.legend(fontsize=8)
     axes[1].plot(steps, [r["tpf"] for r in rows], color="tab:red", marker="o")
     axes[1].set_ylabel(f"tokens per forward ({curve['config']['method']})")
@@ -314,7 +373,7 @@ def plot_curve(curve: dict[str, Any], path: Path) -> None:
     for a in axes:
         a.set_xlabel("ReFusion training steps")
         a.grid(alpha=0.3)
-    fig.suptitle(f"{curve['run']}: held-out suite, {curve['items']} items, greedy, batch size 1")
+    fig.suptitle(f"{curve['run']}: {_items_name(curve)}, {curve['items']} items, greedy, batch size 1")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -250,6 +250,13 @@ def agreement(ids: list[list[int]], ref: list[list[int]]) -> tuple[float, float]
     return same / max(total, 1), sum(x == y for x, y in zip(ids, ref)) / max(len(ref), 1)
 
 
+def same_as_answer(text: str, answer: str, cut: bool) -> bool:
+    """Whether a decoded text is a file's answer: the whole of it, or, for an output `cut`
+    at gen_length, its start. Texts are compared, not tokens: the file holds text."""
+    text, answer = text.strip(), answer.strip()
+    return answer.startswith(text) if cut else text == answer
+
+
 def print_file_agreement(
     rows: dict[str, list[dict[str, Any]]], tokenizer, answers: list[str | None], gen_length: int, source: str
 ) -> dict[str, float]:
@@ -263,10 +270,10 @@ def print_file_agreement(
         pairs = [(ids, a) for ids, a in zip(rs[-1]["_ids"], answers) if a is not None]
         if "~" in m or not pairs:
             continue
-        same = 0
-        for ids, answer in pairs:
-            text = tokenizer.decode(ids, skip_special_tokens=True).strip()
-            same += answer.strip().startswith(text) if len(ids) >= gen_length else text == answer.strip()
+        same = sum(
+            same_as_answer(tokenizer.decode(ids, skip_special_tokens=True), answer, len(ids) >= gen_length)
+            for ids, answer in pairs
+        )
         out[m] = same / len(pairs)
     if out:
         print(

@@ -10,13 +10,13 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tqdm import tqdm
 
-from ..decode import DecodeConfig, EngineConfig, generate
+from ..decode import DecodeConfig, EngineConfig, RequestOutput, generate
 from ..timing import sync
 from .aup import aup
 
@@ -44,17 +44,25 @@ class Record:
     seconds: float
 
 
-def decode_one(model, tokenizer, item, index: int, cfg: DecodeConfig, engine: EngineConfig) -> Record:
+def decode_one(
+    model,
+    tokenizer,
+    item,
+    index: int,
+    cfg: DecodeConfig,
+    engine: EngineConfig,
+    score: Callable[[Any, int, RequestOutput], bool] | None = None,
+) -> Record:
     """Decode one item alone (batch size 1); the clock covers `generate`, not the check,
-    which is the evaluator's scorer of the suite (`refusion eval --task suite` scores alike)."""
+    which is `score` (default: the evaluator's scorer of the suite, as `refusion eval --task
+    suite` scores)."""
     sync(model.device)
     t0 = time.perf_counter()
     out = generate(model, tokenizer, [item.prompt], cfg, engine_config=engine)[0]
     sync(model.device)
     seconds = time.perf_counter() - t0
-    return Record(
-        index, item.family, score_item(item, index, out.text), out.stats.tokens, out.stats.nfe, seconds
-    )
+    correct = score(item, index, out) if score is not None else score_item(item, index, out.text)
+    return Record(index, item.family, correct, out.stats.tokens, out.stats.nfe, seconds)
 
 
 def score_item(item, index: int, text: str) -> bool:

@@ -284,8 +284,9 @@ class EngineConfig:
         True,
         "ReFusion: draft widths (plan MASKs, infill window) follow the batch, measured per forward; "
         "only for rows whose output they cannot change (greedy, ar_correction, first_token_check, one "
-        "slot per block, token_threshold >= 0.5), other rows, and a row alone in the batch, draft at "
-        "their settings' widths (default: on; the server's startup line says which is in force)",
+        "slot per block, token_threshold >= 0.5); other rows draft at their settings' widths, and a "
+        "row alone at them while its own drafting blocks beat AR blocks (default: on; the server's "
+        "startup line says which is in force)",
         http=False,
     )
     # the model split over this many processes, one per device (refusion.parallel)

@@ -40,6 +40,7 @@ class TrainConfig:
     ar_reduction: str = "token"  # AR CE averaged over all labels ("token") or per example ("example")
     boundary_labels: bool = False  # beyond the paper: AR labels on clean slots' and the prompt's last tokens
     ar_mix: float = 0.0  # beyond the paper: share of examples trained as plain AR (keeps the AR head's skill)
+    frontier_mix: float = 0.0  # beyond the paper: share of examples masking one slot after a clean prefix
     max_length: int = 2048  # longer examples (prompt + response + EOS) are skipped and counted
     # ---- optimisation
     batch_size: int = 8  # examples per micro-batch per process
@@ -136,7 +137,12 @@ class TrainConfig:
     def objective_config(self) -> ObjectiveConfig:
         """The objective's settings (validated)."""
         return ObjectiveConfig(
-            self.slot_sizes, self.mask_eps, self.ar_reduction, self.boundary_labels, self.ar_mix
+            self.slot_sizes,
+            self.mask_eps,
+            self.ar_reduction,
+            self.boundary_labels,
+            self.ar_mix,
+            self.frontier_mix,
         )
 
 
@@ -177,6 +183,11 @@ class ObjectiveConfig:
     # (every slot clean, in order, labelled across slot boundaries), which keeps the AR
     # head's left-to-right skill that ReFusion's verification and AR correction rely on.
     ar_mix: float = 0.0
+    # Beyond the paper: this share of the examples (none of them ar_mix's) keeps the response
+    # clean and in order up to one slot drawn uniformly, masks that slot and cuts the response
+    # after it. That is what every draft of lossless decoding sees (the whole text to its left,
+    # nothing to its right), while the paper's random masks mostly show later text as well.
+    frontier_mix: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.slot_sizes or any(int(s) < 1 for s in self.slot_sizes):
@@ -185,6 +196,11 @@ class ObjectiveConfig:
             raise ConfigError(f"eps must lie in (0, 1], got {self.eps}")
         if not 0.0 <= self.ar_mix <= 1.0:
             raise ConfigError(f"ar_mix must lie in [0, 1], got {self.ar_mix}")
+        if not 0.0 <= self.frontier_mix <= 1.0 - self.ar_mix:
+            raise ConfigError(
+                f"frontier_mix must lie in [0, 1 - ar_mix] = [0, {1.0 - self.ar_mix:g}], got "
+                f"{self.frontier_mix} (the two shares are of the same examples)"
+            )
         if self.ar_reduction not in AR_REDUCTIONS:
             raise ConfigError(f"ar_reduction must be one of {AR_REDUCTIONS}, got {self.ar_reduction!r}")
 

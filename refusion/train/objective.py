@@ -37,6 +37,8 @@ class SlotDraws:
     masked: torch.Tensor  # (B, S) bool, slot k of example b is masked
     order_key: torch.Tensor  # (B, S) float32, clean slots are fed by increasing key
     plain: torch.Tensor  # (B,) bool, the example is a plain next-token one (ar_mix)
+    frontier: torch.Tensor  # (B,) bool, the example masks one slot after a clean prefix (frontier_mix)
+    cut: torch.Tensor  # (B,) float32 in [0, 1): which slot a frontier example masks, as a share of its slots
 
     def __getitem__(self, rows) -> SlotDraws:
         return SlotDraws(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
@@ -62,7 +64,15 @@ def draw_slots(
         masked &= ~plain[:, None]
         in_order = torch.arange(max_slots, dtype=order_key.dtype) / max_slots  # (S,) increasing, < 1
         order_key = torch.where(plain[:, None], in_order, order_key)
-    return SlotDraws(slot_size, p, masked, order_key, plain)
+    frontier = torch.zeros(batch_size, dtype=torch.bool)
+    cut = torch.zeros(batch_size)
+    if cfg.frontier_mix > 0:  # drawn only then, as ar_mix: a seed's earlier draws stay as they were
+        share = cfg.frontier_mix / (1.0 - cfg.ar_mix)  # of the examples ar_mix left: frontier_mix of all
+        frontier = ~plain & (torch.rand(batch_size, generator=generator) < share)
+        cut = torch.rand(batch_size, generator=generator)
+        in_order = torch.arange(max_slots, dtype=order_key.dtype) / max_slots
+        order_key = torch.where(frontier[:, None], in_order, order_key)
+    return SlotDraws(slot_size, p, masked, order_key, plain, frontier, cut)
 
 
 @dataclass
@@ -121,6 +131,11 @@ def refusion_batch(
     s = draws.slot_size[:, None]  # (B, 1)
     if bool((n > S * s).any()):
         raise ValueError(f"draws hold {S} slots per row, too few for a response of {int(n.max())} tokens")
+    slot_idx = torch.arange(S, device=dev)[None]  # (1, S)
+    masked, p_times_n = draws.masked, draws.p[:, None].float() * n.float()  # (B, S), (B, 1)
+    if bool(draws.frontier.any()):
+        masked, length, p_times_n = _frontier(draws, slot_idx, m, n, s, length, p_times_n)
+        n = length - m
     is_resp = (col >= m) & (col < length)  # (B, T)
     j = (col - m).clamp(min=0)  # offset in the response
     slot = torch.where(is_resp, j // s, 0)  # (B, T) slot index of each response token
@@ -128,25 +143,24 @@ def refusion_batch(
 
     # Slot ranks: clean slots by their random key (< 1), then masked slots in slot order
     # (1 + index), then slots past the response.
-    slot_idx = torch.arange(S, device=dev)[None]  # (1, S)
     n_slots = (n + s - 1) // s  # (B, 1)
-    key = torch.where(draws.masked, 1.0 + slot_idx, draws.order_key.double())
+    key = torch.where(masked, 1.0 + slot_idx, draws.order_key.double())
     key = torch.where(slot_idx < n_slots, key, float("inf"))
     rank = key.argsort(dim=1, stable=True).argsort(dim=1)  # (B, S)
 
-    tok_masked = draws.masked.gather(1, slot) & is_resp  # (B, T)
+    tok_masked = masked.gather(1, slot) & is_resp  # (B, T)
     resp_key = T + rank.gather(1, slot) * s + off  # all in [T, T + S * s)
     far = T + S * int(draws.slot_size.max()) + T  # past every response key
     sort_key = torch.where(is_resp, resp_key, torch.where(col < m, col, far + col))
     perm = sort_key.argsort(dim=1)  # (B, T) physical index -> text column
 
     next_tok = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)  # tokens[c + 1]
-    across = draws.plain[:, None] | cfg.boundary_labels  # (B, 1): labels across slot boundaries
+    across = (draws.plain | draws.frontier)[:, None] | cfg.boundary_labels  # (B, 1): labels across slots
     next_allowed = (off + 1 < s) | across  # the next token is of the same slot, or may be of the next
     labelled = (is_resp & ~tok_masked & next_allowed & (j + 1 < n)) | (across & (col == m - 1))
     ar_labels = torch.where(labelled, next_tok, IGNORE)
     mdm_labels = torch.where(tok_masked, tokens, IGNORE)
-    weight = 1.0 / (draws.p[:, None].float() * n.float())  # (B, 1)
+    weight = 1.0 / p_times_n  # (B, 1)
     mdm_weights = torch.where(tok_masked, weight, 0.0)
     inputs = torch.where(tok_masked, mask_id, tokens)
 
@@ -154,6 +168,28 @@ def refusion_batch(
         return x.gather(1, perm)
 
     return TrainBatch(phys(inputs), perm, phys(ar_labels), phys(mdm_labels), phys(mdm_weights))
+
+
+def _frontier(
+    draws: SlotDraws,
+    slot_idx: torch.Tensor,  # (1, S)
+    m: torch.Tensor,  # (B, 1) prompt lengths
+    n: torch.Tensor,  # (B, 1) response lengths
+    s: torch.Tensor,  # (B, 1) slot sizes
+    length: torch.Tensor,  # (B, 1)
+    p_times_n: torch.Tensor,  # (B, 1)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A frontier example's masked slots, length and MDM normaliser (docs/algorithm.md#training-options):
+    the one slot its draw picks is masked, the response is cut after it (nothing to its
+    right exists when lossless decoding drafts it), and its MDM part is the mean CE of that
+    slot's tokens. Other examples keep theirs."""
+    fr = draws.frontier[:, None]  # (B, 1)
+    n_slots = (n + s - 1) // s
+    cut = (draws.cut[:, None] * n_slots).long().clamp(max=n_slots - 1)  # (B, 1) the masked slot
+    masked = torch.where(fr, slot_idx == cut, draws.masked)  # (B, S)
+    cut_length = torch.minimum(length, m + (cut + 1) * s)
+    hidden = (cut_length - m - cut * s).float()  # tokens of the masked slot
+    return masked, torch.where(fr, cut_length, length), torch.where(fr, hidden, p_times_n)
 
 
 def ar_batch(tokens: torch.Tensor, prompt_lens: torch.Tensor, lengths: torch.Tensor) -> TrainBatch:

@@ -87,3 +87,25 @@ def test_curve_decodes_each_checkpoint_and_reads_the_losses(tmp_path, capsys):
     again = json.loads((run / "curve.json").read_text())["points"]
     assert [p["step"] for p in again] == [0, 2, 4] and again[:2] == curve["points"][:2]
     assert (again[2]["tokens"], again[2]["nfe"]) == (curve["points"][2]["tokens"], curve["points"][2]["nfe"])
+
+    # --prompts-from: a file's prompts; a point scores the outputs identical to the file's answers
+    from refusion import generate, load
+    from refusion.bench.suite import SUITE_DEFAULTS
+
+    model, tokenizer = load(BUNDLED_DIR)
+    prompts = ["Reverse the list [3, 1, 2].", "What is 7 plus 8?", "Sort: pear, fig."]
+    greedy = generate(model, tokenizer, prompts[:2], SUITE_DEFAULTS.replace(method="ar"))
+    records = [{"query": q, "response": o.text} for q, o in zip(prompts, greedy)]
+    records.append({"query": prompts[2], "response": "not what the model writes"})
+    held_out = tmp_path / "held-out.jsonl"
+    held_out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    file_curve = run / "file.json"
+    args = ["bench", "curve", str(run), "--every", "4", "--prompts-from", str(held_out)]
+    args += ["--out", str(file_curve)]
+    assert main([*args, "--method", "ar"]) == 0
+    printed = capsys.readouterr().out
+    assert "held-out prompts of held-out.jsonl, 3 items" in printed and "same%" in printed
+    points = json.loads(file_curve.read_text())["points"]
+    assert points[0]["step"] == 0 and points[0]["accuracy"] == pytest.approx(2 / 3)
+    assert main([*args, "--families", "arithmetic"]) == 2
+    assert "with --prompts-from the file's prompts are decoded" in capsys.readouterr().err

@@ -54,11 +54,18 @@ def naive_example(
     the first response token."""
     s = int(draws.slot_size[b])
     p = float(draws.p[b])
-    boundary = boundary or bool(draws.plain[b])  # a plain next-token example: every slot clean, in order
+    frontier = bool(draws.frontier[b])
+    boundary = boundary or bool(draws.plain[b]) or frontier  # plain and frontier: clean slots in order
     slots = [
         list(range(i, min(i + s, len(response)))) for i in range(0, len(response), s)
     ]  # response offsets
     masked = [bool(draws.masked[b, k]) for k in range(len(slots))]
+    if frontier:  # one slot masked, the response cut after it, its MDM part the slot's mean CE
+        cut = min(int(float(draws.cut[b]) * len(slots)), len(slots) - 1)
+        slots = slots[: cut + 1]
+        response = response[: slots[-1][-1] + 1]
+        masked = [k == cut for k in range(len(slots))]
+        p = len(slots[-1]) / len(response)
     clean = sorted(
         (k for k in range(len(slots)) if not masked[k]), key=lambda k: (float(draws.order_key[b, k]), k)
     )
@@ -122,10 +129,13 @@ slot_sets = st.lists(st.sampled_from([1, 2, 3, 4, 5, 8, 16, 32]), min_size=1, ma
     sizes=slot_sets,
     seed=st.integers(0, 2**31 - 1),
     boundary=st.booleans(),
-    ar_mix=st.sampled_from([0.0, 0.5, 1.0]),
+    mixes=st.sampled_from([(0.0, 0.0), (0.5, 0.0), (1.0, 0.0), (0.0, 1.0), (0.25, 0.5)]),
 )
-def test_transform_equals_the_naive_reading_of_the_spec(examples, sizes, seed, boundary, ar_mix):
-    cfg = ObjectiveConfig(slot_sizes=tuple(sizes), boundary_labels=boundary, ar_mix=ar_mix)
+def test_transform_equals_the_naive_reading_of_the_spec(examples, sizes, seed, boundary, mixes):
+    ar_mix, frontier_mix = mixes
+    cfg = ObjectiveConfig(
+        slot_sizes=tuple(sizes), boundary_labels=boundary, ar_mix=ar_mix, frontier_mix=frontier_mix
+    )
     tokens, prompt_lens, lengths = padded(examples)
     draws = draw_slots(
         len(examples), cfg.max_slots(tokens.shape[1]), cfg, torch.Generator().manual_seed(seed)
@@ -271,6 +281,44 @@ def test_ar_mix_examples_are_the_plain_next_token_ones(seed):
     draws = draw_slots(4000, 8, ObjectiveConfig(ar_mix=0.5), torch.Generator().manual_seed(seed))
     assert 0.45 < draws.plain.float().mean() < 0.55
     assert not draws.masked[draws.plain].any() and draws.masked[~draws.plain].any()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_frontier_examples_mask_one_slot_after_a_clean_prefix(seed):
+    """A frontier example is what lossless decoding drafts from: the prompt and the response
+    up to the masked slot clean and in text order, that slot masked, nothing after it; the
+    slot is drawn over the whole response, and the share is frontier_mix of all examples."""
+    response = list(range(100, 140))  # 40 tokens: 10 slots of 4
+    examples = [([11, 12], response)] * 64
+    tokens, prompt_lens, lengths = padded(examples)
+    cfg = ObjectiveConfig(slot_sizes=(4,), frontier_mix=1.0)
+    batch = refusion_batch(tokens, prompt_lens, lengths, MASK, cfg, torch.Generator().manual_seed(seed))
+    cuts = set()
+    for b in range(len(examples)):
+        inp, pos = batch.input_ids[b].tolist(), batch.position_ids[b].tolist()
+        mdm = batch.mdm_labels[b].tolist()
+        first = inp.index(MASK)
+        cut = (first - 2) // 4
+        cuts.add(cut)
+        assert first == 2 + 4 * cut and pos[: first + 4] == list(range(first + 4)), "in text order"
+        assert inp[:first] == [11, 12] + response[: 4 * cut] and inp[first : first + 4] == [MASK] * 4
+        assert mdm[first : first + 4] == response[4 * cut : 4 * cut + 4]
+        assert batch.mdm_weights[b, first : first + 4].tolist() == [0.25] * 4  # the slot's mean CE
+        past = slice(first + 4, None)
+        assert batch.mdm_labels[b, past].eq(IGNORE).all() and batch.ar_labels[b, past].eq(IGNORE).all()
+        # the AR labels run across slots, up to the masked slot's first token
+        assert batch.ar_labels[b, :first].tolist() == [IGNORE] + response[: 4 * cut + 1]
+    assert len(cuts) >= 8, "the masked slot is drawn over the whole response"
+    mixed = ObjectiveConfig(ar_mix=0.25, frontier_mix=0.5)
+    draws = draw_slots(4000, 8, mixed, torch.Generator().manual_seed(seed))
+    assert 0.45 < draws.frontier.float().mean() < 0.55 and 0.2 < draws.plain.float().mean() < 0.3
+    assert not (draws.frontier & draws.plain).any()
+
+
+def test_frontier_and_ar_shares_must_fit_in_one():
+    with pytest.raises(ConfigError, match=r"frontier_mix must lie in \[0, 1 - ar_mix\] = \[0, 0.25\]"):
+        ObjectiveConfig(ar_mix=0.75, frontier_mix=0.5)
+    assert ObjectiveConfig(ar_mix=0.25, frontier_mix=0.75).frontier_mix == 0.75
 
 
 # ------------------------------------------------------------------ the loss
