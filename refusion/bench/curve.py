@@ -33,9 +33,10 @@ from ..cli.flags import add_decode_arguments, decode_config_from_args
 from ..decode import DecodeConfig, RequestOutput
 from ..errors import CheckpointError, ConfigError
 from .decode_report import same_as_answer
+from .reach import EVERY, OFFSETS, draft_reach, summarise_reach
 from .results import add_results_argument, writes_results
 from .suite import SUITE_DEFAULTS, select_items
-from .suite_measure import decode_one, summarise
+from .suite_measure import decode_item, summarise
 from .suite_report import pyplot
 
 
@@ -178,7 +179,11 @@ def same_as_file(item: FileItem, index: int, out: RequestOutput, gen_length: int
 
 
 def decode_all(path: str | Path, items, cfg, device: str, dtype: str | None, desc: str) -> dict[str, Any]:
-    from ..decode import EngineConfig
+    """A point's figures: each item decoded alone and scored, and how far the model's MASK
+    drafts reach along its own greedy AR answer (`reach.draft_reach`): the decoded text
+    where the settings are lossless, else an AR decoding of the item."""
+    from ..decode import EngineConfig, generate
+    from ..decode.api import prepare
     from ..io import load
 
     model, tokenizer = load(path, device=device, dtype=dtype)
@@ -188,13 +193,18 @@ def decode_all(path: str | Path, items, cfg, device: str, dtype: str | None, des
     score = None
     if items and isinstance(items[0], FileItem):
         score = functools.partial(same_as_file, gen_length=cfg.gen_length)
-    records = [
-        decode_one(model, tokenizer, it, i, cfg, engine, score)
-        for i, it in enumerate(
-            tqdm(items, desc=desc, unit="item", file=sys.stderr, mininterval=1.0, leave=False)
-        )
-    ]
-    return summarise(records)
+    records, reaches = [], []
+    bar = tqdm(items, desc=desc, unit="item", file=sys.stderr, mininterval=1.0, leave=False)
+    for i, it in enumerate(bar):
+        record, out = decode_item(model, tokenizer, it, i, cfg, engine, score)
+        records.append(record)
+        if model.config.mask_token_id is None:
+            continue
+        if not cfg.lossless_now:
+            out = generate(model, tokenizer, [it.prompt], cfg.replace(method="ar"), engine_config=engine)[0]
+        prompt = prepare(model, tokenizer, [it.prompt], cfg)[0].ids
+        reaches.append(draft_reach(model, prompt, out.token_ids))
+    return summarise(records) | {"reach": summarise_reach(reaches)}
 
 
 @writes_results
@@ -313,28 +323,44 @@ def print_curve(curve: dict[str, Any]) -> None:
     if source:
         print(f"same%: greedy outputs identical to the answers in {source} (the start of them, where cut)")
     print(
+        "draft@k: the share of MASK drafts equal to the model's own greedy AR token k tokens past the "
+        f"known text (every {EVERY}th token of each answer); run: equal drafts in a row from the first"
+    )
+    print(
         f"{'step':>6} {'same%' if source else 'acc%':>6}"
         + "".join(f" {f[:6]:>6}" for f in families)
         + f" {'TPF':>5} {'tok/s':>7}"
+        + "".join(f" {f'draft@{k}':>7}" for k in range(1, OFFSETS + 1))
+        + f" {'run':>5}"
     )
     ref = curve["ar_reference"]
     if ref:
         print(
             f"{'AR':>6} {100 * ref['accuracy']:6.1f}"
             + "".join(f" {100 * ref['per_family'][f]:6.1f}" for f in families)
-            + f" {ref['tpf']:5.2f} {ref['tokens_per_s']:7.1f}   (the base model, AR decoding)"
+            + f" {ref['tpf']:5.2f} {ref['tokens_per_s']:7.1f}"
+            + _reach_columns(ref)
+            + "   (the base model, AR decoding)"
         )
     for r in rows:
         print(
             f"{r['step']:6d} {100 * r['accuracy']:6.1f}"
             + "".join(f" {100 * r['per_family'][f]:6.1f}" for f in families)
             + f" {r['tpf']:5.2f} {r['tokens_per_s']:7.1f}"
+            + _reach_columns(r)
         )
     if curve["losses"]:
         print(
             "held-out loss (the trainer's): "
             + ", ".join(f"{x['step']}: AR {x['ar']:.4f} MDM {x['mdm']:.4f}" for x in curve["losses"])
         )
+
+
+def _reach_columns(point: dict[str, Any]) -> str:
+    reach = point.get("reach") or {}
+    if not reach.get("points"):
+        return ""
+    return "".join(f" {100 * m:6.1f}%" for m in reach["match"]) + f" {reach['run']:5.2f}"
 
 
 def _items_name(curve: dict[str, Any]) -> str:
@@ -346,7 +372,7 @@ def plot_curve(curve: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     rows, ref = curve["points"], curve["ar_reference"]
     steps = [r["step"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     ax = axes[0]
     ax.plot(steps, [100 * r["accuracy"] for r in rows], color="black", marker="o", label="all")
     for f in [] if curve.get("prompts_from") else rows[0]["per_family"]:
@@ -370,6 +396,17 @@ def plot_curve(curve: dict[str, Any], path: Path) -> None:
         axes[2].set_yscale("log")
         axes[2].legend(fontsize=8)
     axes[2].set_ylabel("held-out loss")
+    reached = [r for r in rows if (r.get("reach") or {}).get("points")]
+    for k in range(OFFSETS):
+        axes[3].plot(
+            [r["step"] for r in reached],
+            [100 * r["reach"]["match"][k] for r in reached],
+            marker="o",
+            label=f"{k + 1} past the known text",
+        )
+    axes[3].set_ylabel("MASK drafts equal to greedy AR's token (%)")
+    axes[3].set_ylim(0, 100)
+    axes[3].legend(fontsize=8)
     for a in axes:
         a.set_xlabel("ReFusion training steps")
         a.grid(alpha=0.3)

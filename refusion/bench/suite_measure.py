@@ -56,13 +56,26 @@ def decode_one(
     """Decode one item alone (batch size 1); the clock covers `generate`, not the check,
     which is `score` (default: the evaluator's scorer of the suite, as `refusion eval --task
     suite` scores)."""
+    return decode_item(model, tokenizer, item, index, cfg, engine, score)[0]
+
+
+def decode_item(
+    model,
+    tokenizer,
+    item,
+    index: int,
+    cfg: DecodeConfig,
+    engine: EngineConfig,
+    score: Callable[[Any, int, RequestOutput], bool] | None = None,
+) -> tuple[Record, RequestOutput]:
+    """`decode_one`'s record, and the output it scored."""
     sync(model.device)
     t0 = time.perf_counter()
     out = generate(model, tokenizer, [item.prompt], cfg, engine_config=engine)[0]
     sync(model.device)
     seconds = time.perf_counter() - t0
     correct = score(item, index, out) if score is not None else score_item(item, index, out.text)
-    return Record(index, item.family, correct, out.stats.tokens, out.stats.nfe, seconds)
+    return Record(index, item.family, correct, out.stats.tokens, out.stats.nfe, seconds), out
 
 
 def score_item(item, index: int, text: str) -> bool:

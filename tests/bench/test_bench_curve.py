@@ -54,6 +54,10 @@ def test_curve_decodes_each_checkpoint_and_reads_the_losses(tmp_path, capsys):
     assert curve["points"][0]["model"] == str(BUNDLED_DIR) and curve["ar_reference"]["tpf"] == 1.0
     assert [x["step"] for x in curve["losses"]] == [2, 4] and all(x["mdm"] > 0 for x in curve["losses"])
     assert (run / "curve.png").stat().st_size > 10_000
+    # how far each point's MASK drafts reach along its greedy AR answers: the trained bundled
+    # model's drafts pass at the next token more often than not
+    reach = curve["points"][0]["reach"]
+    assert reach["points"] > 4 * 10 and len(reach["match"]) == 4 and reach["match"][0] > 0.5
     # step 0 is the base model as `bench suite` decodes it: same tokens and forwards per item
     assert main(["bench", "suite", "--limit", "4", "--no-sweep", "--out", str(tmp_path / "suite")]) == 0
     suite = json.loads((tmp_path / "suite" / "suite.json").read_text())
