@@ -5,6 +5,7 @@ returns the figures it printed, for the JSON."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
@@ -161,6 +162,12 @@ def print_demand(full: Sweep, methods: list[str], sizes: list[int]) -> float:
     return peak
 
 
+def _between(seconds: dict[int, float], f: float) -> float:
+    """A forward's cost at a mean of f tokens fed: linear between the whole sizes around it."""
+    lo, hi = math.floor(f), math.ceil(f)
+    return seconds[lo] + (f - lo) * (seconds[hi] - seconds[lo])
+
+
 def print_forward_lead(model, table: dict[str, dict[str, float]]) -> dict[str, Any]:
     """Why a method leads AR by what it does at batch size 1: a forward's seconds grow with
     the tokens it feeds (timed here at one row, on the loaded model, eagerly), and a method
@@ -169,15 +176,20 @@ def print_forward_lead(model, table: dict[str, dict[str, float]]) -> dict[str, A
     AR is not run); the decoder's own overhead comes on top. Printed, with the
     forward-cost curve it is read from, for the methods in `table`: those that run this
     forward (`runs_eagerly`)."""
-    fed = {m: r["fed_per_token"] * r["tpf"] for m, r in table.items()}
-    sizes = sorted({1, 8, 32, 64, *(max(1, round(f)) for f in fed.values())})
+    fed = {m: max(1.0, r["fed_per_token"] * r["tpf"]) for m, r in table.items()}
+    # each mean is read between the whole sizes around it: a method whose forwards feed one
+    # token but for a prompt's prefill feeds 1.5 on average, which rounding would price as
+    # two tokens a forward (a forward's cost is close to affine in the tokens it feeds, and
+    # for affine costs the mean's cost is the mean cost)
+    sizes = sorted({1, 8, 32, 64, *(n for f in fed.values() for n in (math.floor(f), math.ceil(f)))})
     fwd = Forward(model=model, pad_id=0)
     seconds = dict(zip(sizes, fwd.time_shapes([(1, n, 64) for n in sizes], repeats=10)))
     print(
         "\nforward cost at one row (64 cached entries): "
         + ", ".join(f"{n} token{'s' * (n > 1)} {seconds[n] * 1e3:.2f} ms" for n in (1, 8, 32, 64))
     )
-    per_token = {m: seconds[max(1, round(fed[m]))] / r["tpf"] for m, r in table.items()}  # s a token
+    cost = {m: _between(seconds, f) for m, f in fed.items()}
+    per_token = {m: cost[m] / r["tpf"] for m, r in table.items()}  # s a token
     unit = per_token.get("ar", seconds[1])
     out: dict[str, Any] = {"ms_by_tokens_fed": {n: seconds[n] * 1e3 for n in sizes}, "methods": {}}
     for m, r in table.items():

@@ -1,6 +1,7 @@
 """`refusion generate` / `chat` / `bench decode` end to end on a tiny converted model."""
 
 import json
+import math
 import re
 
 import pytest
@@ -354,13 +355,16 @@ def test_bench_decode_compares_fixed_and_adaptive_widths(capsys, tmp_path):
     lead = fig["forward_lead"]
     assert lead["methods"]["ar"]["predicted_lead"] == 1.0
     ms = {int(n): v for n, v in lead["ms_by_tokens_fed"].items()}
+
+    def at(fed: float) -> float:  # a mean of tokens fed: linear between the whole sizes around it
+        lo, hi = math.floor(fed), math.ceil(fed)
+        return ms[lo] + (fed - lo) * (ms[hi] - ms[lo])
+
     for m in ("refusion", "refusion+f"):
         r, got = fig["table"][m], lead["methods"][m]
         assert got["fed_per_forward"] == pytest.approx(r["fed_per_token"] * r["tpf"])
         ar = fig["table"]["ar"]
-        want = (ms[round(ar["fed_per_token"] * ar["tpf"])] / ar["tpf"]) / (
-            ms[round(got["fed_per_forward"])] / r["tpf"]
-        )
+        want = (at(ar["fed_per_token"] * ar["tpf"]) / ar["tpf"]) / (at(got["fed_per_forward"]) / r["tpf"])
         assert got["predicted_lead"] == pytest.approx(want)
     assert re.search(
         r"^refusion\s+feeds\s+[\d.]+ tokens a forward at TPF\s+[\d.]+: predicted [\d.]+x AR$", out, re.M
