@@ -44,21 +44,6 @@ class Record:
     seconds: float
 
 
-def decode_one(
-    model,
-    tokenizer,
-    item,
-    index: int,
-    cfg: DecodeConfig,
-    engine: EngineConfig,
-    score: Callable[[Any, int, RequestOutput], bool] | None = None,
-) -> Record:
-    """Decode one item alone (batch size 1); the clock covers `generate`, not the check,
-    which is `score` (default: the evaluator's scorer of the suite, as `refusion eval --task
-    suite` scores)."""
-    return decode_item(model, tokenizer, item, index, cfg, engine, score)[0]
-
-
 def decode_item(
     model,
     tokenizer,
@@ -68,7 +53,9 @@ def decode_item(
     engine: EngineConfig,
     score: Callable[[Any, int, RequestOutput], bool] | None = None,
 ) -> tuple[Record, RequestOutput]:
-    """`decode_one`'s record, and the output it scored."""
+    """Decode one item alone (batch size 1) and score it: its record, and the output. The
+    clock covers `generate`, not the check, which is `score` (default: the evaluator's
+    scorer of the suite, as `refusion eval --task suite` scores)."""
     sync(model.device)
     t0 = time.perf_counter()
     out = generate(model, tokenizer, [item.prompt], cfg, engine_config=engine)[0]
@@ -114,7 +101,7 @@ def measure(
             for run in [*runs[shift:], *runs[:shift]]:
                 model, tokenizer = models[run.weights]
                 for i in range(c * chunk, min((c + 1) * chunk, len(items))):
-                    records[run.key].append(decode_one(model, tokenizer, items[i], i, run.cfg, engine))
+                    records[run.key].append(decode_item(model, tokenizer, items[i], i, run.cfg, engine)[0])
                     bar.update()
     parts = gather_to_main(records)
     return None if parts is None else _merged(parts, runs)

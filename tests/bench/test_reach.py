@@ -5,27 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import randomise_, tiny_config
 
 from refusion.bench.reach import Reach, draft_reach, summarise_reach
 from refusion.model.transformer import Transformer
-from refusion.settings.model import ModelConfig
 
 MASK = 63
 
 
 @pytest.fixture(scope="module")
 def model() -> Transformer:
-    torch.manual_seed(0)
-    config = ModelConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        mask_token_id=MASK,
-    )
-    return Transformer(config).eval()
+    model = Transformer(tiny_config(mask_token_id=MASK))
+    randomise_(model, seed=0)
+    return model.eval()
 
 
 def test_drafts_equal_masks_fed_after_the_known_text_alone(model):
