@@ -19,6 +19,7 @@ from ..model.transformer import Transformer
 
 OFFSETS = 4  # distances measured: the next token and the three after it
 EVERY = 4  # a point every this many answer tokens
+ROWS = 16  # points per forward
 
 
 @dataclass
@@ -55,12 +56,16 @@ def draft_reach(
     text = torch.tensor([*prompt, *answer], device=model.device)[None]  # (1, P + n)
     cache = model.new_cache(1, P + len(answer) + offsets)
     model(text, torch.arange(text.shape[1], device=model.device)[None], cache)
-    forks = cache.select([0] * len(cuts))
-    forks.lengths = [P + t for t in cuts]  # each point sees the prompt and answer[:t] only
-    tokens = torch.full((len(cuts), offsets), mask, device=model.device)  # (R, K)
-    positions = torch.tensor([[P + t + k for k in range(offsets)] for t in cuts], device=model.device)
-    drafts = model(tokens, positions, forks).argmax(-1).tolist()  # (R, K)
-    return Reach([[d[k] == answer[t + k] for k in range(offsets)] for d, t in zip(drafts, cuts)])
+    matches, forks = [], None
+    for at in range(0, len(cuts), ROWS):  # a few forks at a time: each copies the whole text's cache
+        part = cuts[at : at + ROWS]
+        forks = cache.select([0] * len(part), out=forks)
+        forks.lengths = [P + t for t in part]  # each point sees the prompt and answer[:t] only
+        tokens = torch.full((len(part), offsets), mask, device=model.device)  # (R, K)
+        positions = torch.tensor([[P + t + k for k in range(offsets)] for t in part], device=model.device)
+        drafts = model(tokens, positions, forks).argmax(-1).tolist()  # (R, K)
+        matches += [[d[k] == answer[t + k] for k in range(offsets)] for d, t in zip(drafts, part)]
+    return Reach(matches)
 
 
 def summarise_reach(reaches: Sequence[Reach]) -> dict[str, object]:
